@@ -1,0 +1,52 @@
+// CPU implementations of revkernels::coupling_sub / coupling_add: the torch-free kernel in
+// kernels/coupling.h, split across threads with at::parallel_for.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "coupling_layout.h"
+
+namespace revkernels {
+namespace {
+
+constexpr int64_t kGrainSize = 32768;
+
+at::Tensor coupling_axpy_cpu_impl(const at::Tensor& a, const char* a_name, const at::Tensor& b,
+                                  const char* b_name, double alpha) {
+  check_coupling_args(a, a_name, b, b_name);
+  TORCH_CHECK_VALUE(a.device().is_cpu(), "revkernels: ", a_name, " must be a CPU tensor here");
+  at::Tensor out = at::empty_like(a);
+  if (out.numel() == 0) return out;
+  CouplingLayout layout;
+  if (!make_coupling_layout(out, a, b, &layout)) {  // too many strided dims: densify first
+    return coupling_axpy_cpu_impl(a.contiguous(), a_name, b.contiguous(), b_name, alpha);
+  }
+  dispatch_coupling_types(scalar_kind(a, a_name), scalar_kind(b, b_name), [&](auto acc_tag, auto out_tag, auto b_tag) {
+    using acc_t = typename decltype(acc_tag)::type;
+    using out_t = typename decltype(out_tag)::type;
+    using b_t = typename decltype(b_tag)::type;
+    auto* o = static_cast<out_t*>(out.data_ptr());
+    const auto* pa = static_cast<const out_t*>(a.const_data_ptr());
+    const auto* pb = static_cast<const b_t*>(b.const_data_ptr());
+    at::parallel_for(0, out.numel(), kGrainSize, [&](int64_t begin, int64_t end) {
+      coupling_axpy_cpu<acc_t>(o, pa, pb, static_cast<acc_t>(alpha), layout, begin, end);
+    });
+  });
+  return out;
+}
+
+at::Tensor coupling_sub_cpu(const at::Tensor& y, const at::Tensor& f) {
+  return coupling_axpy_cpu_impl(y, "y", f, "f", -1.0);
+}
+
+at::Tensor coupling_add_cpu(const at::Tensor& a, const at::Tensor& b) {
+  return coupling_axpy_cpu_impl(a, "a", b, "b", 1.0);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(revkernels, CPU, m) {
+  m.impl("coupling_sub", &coupling_sub_cpu);
+  m.impl("coupling_add", &coupling_add_cpu);
+}
+
+}  // namespace revkernels

@@ -1,0 +1,45 @@
+// CUDA implementations of revkernels::coupling_sub / coupling_add: ATen glue around the
+// torch-free launcher in kernels/coupling.cu, on the current stream.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "../kernels/coupling_cuda.h"
+#include "coupling_layout.h"
+
+namespace revkernels {
+namespace {
+
+at::Tensor coupling_axpy_cuda_impl(const at::Tensor& a, const char* a_name, const at::Tensor& b,
+                                   const char* b_name, double alpha) {
+  check_coupling_args(a, a_name, b, b_name);
+  const c10::cuda::CUDAGuard guard(a.device());
+  at::Tensor out = at::empty_like(a);
+  if (out.numel() == 0) return out;
+  CouplingLayout layout;
+  if (!make_coupling_layout(out, a, b, &layout)) {
+    return coupling_axpy_cuda_impl(a.contiguous(), a_name, b.contiguous(), b_name, alpha);
+  }
+  const cudaError_t status =
+      coupling_axpy_cuda(scalar_kind(a, a_name), scalar_kind(b, b_name), out.data_ptr(), a.const_data_ptr(),
+                         b.const_data_ptr(), alpha, layout, out.numel(), at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(status == cudaSuccess, "revkernels: coupling kernel launch failed: ", cudaGetErrorString(status));
+  return out;
+}
+
+at::Tensor coupling_sub_cuda(const at::Tensor& y, const at::Tensor& f) {
+  return coupling_axpy_cuda_impl(y, "y", f, "f", -1.0);
+}
+
+at::Tensor coupling_add_cuda(const at::Tensor& a, const at::Tensor& b) {
+  return coupling_axpy_cuda_impl(a, "a", b, "b", 1.0);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(revkernels, CUDA, m) {
+  m.impl("coupling_sub", &coupling_sub_cuda);
+  m.impl("coupling_add", &coupling_add_cuda);
+}
+
+}  // namespace revkernels

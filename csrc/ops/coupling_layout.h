@@ -1,0 +1,21 @@
+// ATen glue shared by the CPU and CUDA bindings of the coupling ops: argument checks and the
+// iteration layout handed to the torch-free kernels.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "../kernels/coupling.h"
+
+namespace revkernels {
+
+ScalarKind scalar_kind(const at::Tensor& t, const char* name);
+
+// Checks the arguments of out = a + alpha * b: same shape and device, float dtypes.
+void check_coupling_args(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name);
+
+// The layout of `a` and `b` in the memory order of the dense `out`, with size-1 dims dropped
+// and mergeable dims coalesced. Returns false when more than kMaxDims dims remain.
+bool make_coupling_layout(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                          CouplingLayout* layout);
+
+}  // namespace revkernels

@@ -1,0 +1,15 @@
+"""revkernels: reversible training whose backward rebuilds activations instead of storing them.
+
+    import revkernels as rk
+    seq = rk.nn.ReversibleSequential(*[rk.nn.ReversibleBlock(f, g) for f, g in pairs])
+    y1, y2 = seq(x1, x2)          # saves only (y1, y2) for backward
+
+See README.md and DESIGN.md for the API contract and the math.
+"""
+from revkernels import _extension, engine, nn, ops
+from revkernels._extension import HAS_C_EXTENSION
+from revkernels.check import ReversibilityReport, check_reversibility
+
+__version__ = "0.1.0"
+
+__all__ = ["nn", "ops", "engine", "check_reversibility", "ReversibilityReport", "HAS_C_EXTENSION", "__version__"]

@@ -1,0 +1,22 @@
+"""Loads the compiled op library `revkernels._C`, or says clearly that it is missing.
+
+Without it every `torch.ops.revkernels.*` op still exists: `revkernels.ops` registers its
+pure-PyTorch reference for the devices the library does not cover.
+"""
+import warnings
+
+try:
+    from revkernels import _C  # noqa: F401  (importing registers the C++ ops with torch)
+except ImportError as error:  # not built, or built against another torch
+    HAS_C_EXTENSION = False
+    C_EXTENSION_ERROR = error
+    warnings.warn(
+        "revkernels: the compiled op library revkernels._C could not be loaded "
+        f"({error}); falling back to the pure-PyTorch ops, which are correct but slower. "
+        "Rebuild with `pip install --no-build-isolation -e .` against the installed torch.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+else:
+    HAS_C_EXTENSION = True
+    C_EXTENSION_ERROR = None

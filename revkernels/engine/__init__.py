@@ -1,0 +1,22 @@
+"""Engines: how a `ReversibleSequential` runs its blocks under autograd.
+
+    autograd    reference: ordinary autograd through every block (stores all activations)
+    sequential  one autograd Function over the run: saves only the outputs; the backward rebuilds
+                each block's input from its output and computes its grads, last block first
+
+An engine is a function ``engine(seq, x1, x2) -> (y1, y2)``.
+"""
+from revkernels.engine.autograd import run_autograd
+from revkernels.engine.sequential import reverse_blocks, run_sequential
+
+ENGINES = {"autograd": run_autograd, "sequential": run_sequential}
+
+
+def get_engine(name):
+    """The engine function called `name`; ValueError naming the choices otherwise."""
+    if not isinstance(name, str) or name not in ENGINES:
+        raise ValueError(f"revkernels: engine must be one of {sorted(ENGINES)}, got {name!r}")
+    return ENGINES[name]
+
+
+__all__ = ["ENGINES", "get_engine", "run_autograd", "run_sequential", "reverse_blocks"]

@@ -1,0 +1,77 @@
+"""The sequential engine: one autograd Function over a run of reversible blocks.
+
+Forward: the blocks run without autograd; only the run's outputs (y1, y2) are saved, with each
+block's generator states (a few KB of host memory) so the recompute replays its randomness.
+Backward, last block first: ``recompute`` rebuilds the block's input from its output under the
+forward's autocast mode, ``grads`` turns the output grads into input and parameter grads. The
+parameters are inputs of the Function, so their grads reach ``.grad`` through autograd's normal
+accumulation (tensor hooks, DDP's reducer and gradient accumulation see them as usual).
+"""
+import contextlib
+
+import torch
+
+from revkernels.engine.state import AutocastState
+
+
+def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None):
+    """Walks `blocks` backwards from their output (y1, y2) and its grads (dy1, dy2).
+
+    Returns ``(x1, x2, dx1, dx2, param_grads)`` with `param_grads` aligned to `params` (None for a
+    parameter no block used). `states` holds each block's `BlockState` (None: no RNG replay).
+    """
+    index = {id(p): i for i, p in enumerate(params)}
+    param_grads = [None] * len(params)
+    autocast = autocast_state.enter if autocast_state is not None else contextlib.nullcontext
+    for i in reversed(range(len(blocks))):
+        block = blocks[i]
+        with autocast():
+            rec = block.recompute(y1, y2, None if states is None else states[i])
+        grads = block.grads(rec, dy1, dy2)
+        for p, grad in zip(grads.params, grads.param_grads):
+            if grad is None:
+                continue
+            k = index[id(p)]
+            param_grads[k] = grad if param_grads[k] is None else param_grads[k] + grad
+        y1, y2 = rec.x1, rec.x2.detach()
+        dy1, dy2 = grads.dx1, grads.dx2
+        del rec, grads  # free this block's local graph before the next one is built
+    return y1, y2, dy1, dy2, param_grads
+
+
+class _SequentialRun(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, seq, params, x1, x2, *param_tensors):
+        states = []
+        with torch.no_grad():
+            for block in seq.blocks:
+                x1, x2, state = block.forward_with_state(x1, x2, seq.preserve_rng_state)
+                states.append(state)
+        ctx.blocks = list(seq.blocks)
+        ctx.states = states
+        ctx.params = params
+        ctx.autocast_state = AutocastState.capture(x1.device.type)
+        ctx.save_for_backward(x1, x2)
+        return x1, x2
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy1, dy2):
+        y1, y2 = ctx.saved_tensors
+        _, _, dx1, dx2, param_grads = reverse_blocks(
+            ctx.blocks, ctx.states, y1, y2, dy1, dy2, ctx.params, ctx.autocast_state
+        )
+        ctx.states = None
+        return (None, None, dx1, dx2, *param_grads)
+
+
+def run_sequential(seq, x1, x2):
+    from revkernels.nn.reversible import unique_grad_params
+
+    params = unique_grad_params(seq.blocks)
+    if not torch.is_grad_enabled() or not (x1.requires_grad or x2.requires_grad or params):
+        # Nothing to differentiate: a plain forward that keeps nothing.
+        for block in seq.blocks:
+            x1, x2 = block(x1, x2)
+        return x1, x2
+    return _SequentialRun.apply(seq, params, x1, x2, *params)

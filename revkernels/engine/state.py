@@ -1,0 +1,86 @@
+"""What a recompute must reproduce from the forward: randomness, autocast, BatchNorm behaviour.
+
+- `RngState` snapshots the CPU generator and the CUDA generators in use, and replays them around
+  a recompute so dropout draws the same masks; the caller's RNG stream is restored afterwards.
+- `AutocastState` records the autocast mode of the forward so the recompute runs in the same
+  dtypes.
+- `frozen_batchnorm_stats` makes BatchNorm layers in training mode normalise with batch
+  statistics without updating their running statistics, so a recompute does not count a batch
+  twice.
+"""
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+class RngState:
+    """Generator states of the CPU and of the given CUDA devices, taken at construction."""
+
+    __slots__ = ("cpu", "cuda")
+
+    def __init__(self, cuda_devices=()):
+        self.cpu = torch.get_rng_state()
+        self.cuda = {d: torch.cuda.get_rng_state(d) for d in cuda_devices}
+
+    @contextlib.contextmanager
+    def replay(self):
+        """Runs the body from this state; restores the generators as they were before."""
+        saved = RngState(tuple(self.cuda))
+        torch.set_rng_state(self.cpu)
+        for device, state in self.cuda.items():
+            torch.cuda.set_rng_state(state, device)
+        try:
+            yield
+        finally:
+            torch.set_rng_state(saved.cpu)
+            for device, state in saved.cuda.items():
+                torch.cuda.set_rng_state(state, device)
+
+
+def cuda_devices_of(*tensors):
+    """The CUDA device indices of `tensors` (whose generators a forward may draw from)."""
+    return tuple(sorted({t.device.index for t in tensors if t.is_cuda}))
+
+
+def maybe_replay(rng_state):
+    """`rng_state.replay()`, or nothing when no state was recorded."""
+    return rng_state.replay() if rng_state is not None else contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class AutocastState:
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+    cache_enabled: bool
+
+    @staticmethod
+    def capture(device_type):
+        return AutocastState(
+            device_type=device_type,
+            enabled=torch.is_autocast_enabled(device_type),
+            dtype=torch.get_autocast_dtype(device_type),
+            cache_enabled=torch.is_autocast_cache_enabled(),
+        )
+
+    def enter(self):
+        """A context that runs its body under the recorded autocast mode."""
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled, cache_enabled=self.cache_enabled)
+
+
+@contextlib.contextmanager
+def frozen_batchnorm_stats(*modules):
+    """BatchNorm layers in training mode under `modules` use batch statistics without updating
+    running_mean/running_var/num_batches_tracked (they were updated by the forward)."""
+    flipped = []
+    for module in modules:
+        for layer in module.modules():
+            if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) and layer.training and layer.track_running_stats:
+                layer.track_running_stats = False
+                flipped.append(layer)
+    try:
+        yield
+    finally:
+        for layer in flipped:
+            layer.track_running_stats = True

@@ -1,0 +1,254 @@
+r"""Reversible blocks and sequences (two-stream additive coupling).
+
+    forward   y1 = x1 + F(x2)          inverse   x2 = y2 - G(y1)
+              y2 = x2 + G(y1)                    x1 = y1 - F(x2)
+
+A `ReversibleSequential` hands its blocks to an engine (`revkernels.engine`); the engines drive
+each block through two steps that fused blocks may override:
+
+    recompute(y1, y2, state) -> BlockRecompute   rebuild (x1, x2), keeping the local graphs of
+                                                 G(y1) and F(x2) built under autograd
+    grads(rec, dy1, dy2) -> BlockGrads           dy1' = dy1 + (dG/dy1)^T dy2
+                                                 dx2  = dy2 + (dF/dx2)^T dy1',  dx1 = dy1'
+                                                 and the parameter grads of F and G
+"""
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from revkernels.engine.state import RngState, cuda_devices_of, frozen_batchnorm_stats, maybe_replay
+from revkernels.ops.coupling import coupling_add, coupling_sub
+
+
+def check_streams(x1, x2, names=("x1", "x2")):
+    """Raises TypeError/ValueError, naming the argument, unless x1 and x2 are matching float tensors."""
+    for t, name in zip((x1, x2), names):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"revkernels: {name} must be a floating-point tensor, got {t.dtype}")
+    a, b = names
+    if x1.shape != x2.shape:
+        raise ValueError(f"revkernels: {a} and {b} must have the same shape, got {tuple(x1.shape)} and {tuple(x2.shape)}")
+    if x1.dtype != x2.dtype:
+        raise ValueError(f"revkernels: {a} and {b} must have the same dtype, got {x1.dtype} and {x2.dtype}")
+    if x1.device != x2.device:
+        raise ValueError(f"revkernels: {a} and {b} must be on the same device, got {x1.device} and {x2.device}")
+
+
+def _check_residual(out, stream, name, stream_name):
+    # The coupling inverts only if F/G keep the stream's shape; a promoted stream dtype would change
+    # the output's dtype from block to block.
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"revkernels: {name} must return a single tensor, got {type(out).__name__}")
+    if out.shape != stream.shape:
+        raise ValueError(
+            f"revkernels: {name} must preserve the shape of its input {tuple(stream.shape)} "
+            f"(a reversible coupling needs shape-preserving F and G), got {tuple(out.shape)}"
+        )
+    if torch.promote_types(out.dtype, stream.dtype) != stream.dtype:
+        raise ValueError(
+            f"revkernels: {name} returned {out.dtype}, which would promote the {stream_name} stream "
+            f"({stream.dtype}); keep the streams in the wider dtype"
+        )
+
+
+@dataclass
+class BlockState:
+    """Generator states right before F and right before G ran in the forward (None: no replay)."""
+
+    rng_f: RngState | None
+    rng_g: RngState | None
+
+
+@dataclass
+class BlockRecompute:
+    """A rebuilt block input with the local graphs the gradient step differentiates."""
+
+    x1: torch.Tensor
+    x2: torch.Tensor  # leaf of F's local graph (requires grad)
+    y1: torch.Tensor  # leaf of G's local graph (requires grad)
+    f_out: torch.Tensor
+    g_out: torch.Tensor
+
+
+@dataclass
+class BlockGrads:
+    dx1: torch.Tensor
+    dx2: torch.Tensor
+    params: list  # parameters of F then G that require grad
+    param_grads: list  # their grads (None where a parameter was unused)
+
+
+class ReversibleBlock(nn.Module):
+    """Additive coupling ``y1 = x1 + f(x2); y2 = x2 + g(y1)`` of two shape-preserving modules.
+
+    Called directly it is an ordinary module (autograd stores its activations); inside a
+    `ReversibleSequential` with a memory-saving engine its input is rebuilt in the backward.
+    """
+
+    def __init__(self, f, g):
+        super().__init__()
+        for module, name in ((f, "f"), (g, "g")):
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"revkernels: {name} must be a torch.nn.Module, got {type(module).__name__}")
+        self.f = f
+        self.g = g
+
+    def forward(self, x1, x2):
+        check_streams(x1, x2)
+        y1, y2, _ = self.forward_with_state(x1, x2, preserve_rng_state=False)
+        return y1, y2
+
+    def forward_with_state(self, x1, x2, preserve_rng_state=True):
+        """Forward that also returns the `BlockState` a later `recompute` replays."""
+        devices = cuda_devices_of(x1, x2)
+        rng_f = RngState(devices) if preserve_rng_state else None
+        fx2 = self.f(x2)
+        _check_residual(fx2, x1, "f", "x1")
+        y1 = x1 + fx2
+        rng_g = RngState(devices) if preserve_rng_state else None
+        gy1 = self.g(y1)
+        _check_residual(gy1, x2, "g", "x2")
+        return y1, x2 + gy1, BlockState(rng_f, rng_g)
+
+    def inverse(self, y1, y2, state=None):
+        """Rebuilds (x1, x2) from (y1, y2) without autograd. BatchNorm running statistics are left
+        alone; stochastic layers replay `state` when given, else draw fresh randomness."""
+        check_streams(y1, y2, ("y1", "y2"))
+        with torch.no_grad(), frozen_batchnorm_stats(self):
+            with maybe_replay(None if state is None else state.rng_g):
+                x2 = coupling_sub(y2, self.g(y1))
+            with maybe_replay(None if state is None else state.rng_f):
+                x1 = coupling_sub(y1, self.f(x2))
+        return x1, x2
+
+    def recompute(self, y1, y2, state=None):
+        """Rebuilds the input from the output, keeping the local graphs of G(y1) and F(x2)."""
+        y1, y2 = y1.detach(), y2.detach()  # the local graphs must not reach back into the caller's
+        with torch.enable_grad(), frozen_batchnorm_stats(self):
+            y1_leaf = y1.detach().requires_grad_()
+            with maybe_replay(None if state is None else state.rng_g):
+                g_out = self.g(y1_leaf)
+            x2 = coupling_sub(y2, g_out.detach()).requires_grad_()
+            with maybe_replay(None if state is None else state.rng_f):
+                f_out = self.f(x2)
+            x1 = coupling_sub(y1, f_out.detach())
+        return BlockRecompute(x1=x1, x2=x2, y1=y1_leaf, f_out=f_out, g_out=g_out)
+
+    def grads(self, rec, dy1, dy2):
+        """Input and parameter grads of the block from its output grads, via the local graphs."""
+        g_params = [p for p in self.g.parameters() if p.requires_grad]
+        f_params = [p for p in self.f.parameters() if p.requires_grad]
+        dy1_from_g, g_grads = _vjp(rec.g_out, rec.y1, g_params, dy2)
+        dy1_total = dy1 if dy1_from_g is None else coupling_add(dy1, dy1_from_g)
+        dx2_from_f, f_grads = _vjp(rec.f_out, rec.x2, f_params, dy1_total)
+        dx2 = dy2 if dx2_from_f is None else coupling_add(dy2, dx2_from_f)
+        return BlockGrads(dx1=dy1_total, dx2=dx2, params=f_params + g_params, param_grads=f_grads + g_grads)
+
+
+def _vjp(out, leaf, params, grad_out):
+    """(d out/d leaf)^T grad_out and the param grads; None for what `out` does not depend on."""
+    if not out.requires_grad:
+        return None, [None] * len(params)
+    grads = torch.autograd.grad(out, [leaf, *params], grad_out.to(out.dtype), allow_unused=True)
+    return grads[0], list(grads[1:])
+
+
+class ReversibleSequential(nn.Module):
+    """A run of `ReversibleBlock`s trained by a memory-saving engine.
+
+    Args:
+        *blocks: `ReversibleBlock` instances (or subclasses such as fused blocks), at least one.
+        engine: "sequential" (default: saves only the run's outputs and rebuilds each block's input
+            in the backward) or "autograd" (reference: ordinary autograd, stores activations).
+        preserve_rng_state: replay each block's randomness (dropout, drop-path) in the recompute.
+            Costs a few KB of host memory per block; turn off only for deterministic blocks.
+    """
+
+    def __init__(self, *blocks, engine="sequential", preserve_rng_state=True):
+        super().__init__()
+        if len(blocks) == 1 and isinstance(blocks[0], (list, tuple, nn.ModuleList)):
+            blocks = tuple(blocks[0])
+        if not blocks:
+            raise ValueError("revkernels: ReversibleSequential needs at least one block")
+        for i, block in enumerate(blocks):
+            if not isinstance(block, ReversibleBlock):
+                raise TypeError(f"revkernels: blocks[{i}] must be a revkernels.nn.ReversibleBlock, got {type(block).__name__}")
+        self.blocks = nn.ModuleList(blocks)
+        self.engine = engine
+        self.preserve_rng_state = bool(preserve_rng_state)
+
+    @property
+    def engine(self):
+        return self._engine_name
+
+    @engine.setter
+    def engine(self, name):
+        from revkernels.engine import get_engine
+
+        self._engine_fn = get_engine(name)
+        self._engine_name = name
+
+    def __len__(self):
+        return len(self.blocks)
+
+    def __getitem__(self, index):
+        return self.blocks[index]
+
+    def __iter__(self):
+        return iter(self.blocks)
+
+    def forward(self, x1, x2):
+        check_streams(x1, x2)
+        return self._engine_fn(self, x1, x2)
+
+    def inverse(self, y1, y2):
+        """Rebuilds the run's input from its output without autograd (no RNG replay)."""
+        check_streams(y1, y2, ("y1", "y2"))
+        for block in reversed(self.blocks):
+            y1, y2 = block.inverse(y1, y2)
+        return y1, y2
+
+    def reverse(self, y1, y2, dy1, dy2):
+        """Rebuilds the input and its grads from the output and output grads alone.
+
+        What a pipeline stage calls: no graph or activation of the forward is needed. Parameter
+        grads are added into ``.grad``. Runs under the caller's autocast mode; stochastic layers
+        draw fresh randomness. Returns ``(x1, x2, dx1, dx2)``, none of them requiring grad.
+        """
+        from revkernels.engine.sequential import reverse_blocks
+
+        check_streams(y1, y2, ("y1", "y2"))
+        for grad, out, name in ((dy1, y1, "dy1"), (dy2, y2, "dy2")):
+            if not isinstance(grad, torch.Tensor):
+                raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(grad).__name__}")
+            if grad.shape != out.shape:
+                raise ValueError(f"revkernels: {name} must have the shape of the output {tuple(out.shape)}, got {tuple(grad.shape)}")
+            if grad.device != out.device:
+                raise ValueError(f"revkernels: {name} must be on {out.device}, got {grad.device}")
+            if not grad.is_floating_point():
+                raise TypeError(f"revkernels: {name} must be a floating-point tensor, got {grad.dtype}")
+        params = unique_grad_params(self.blocks)
+        with torch.no_grad():
+            x1, x2, dx1, dx2, grads = reverse_blocks(self.blocks, None, y1, y2, dy1, dy2, params)
+            for p, grad in zip(params, grads):
+                if grad is None:
+                    continue
+                if p.grad is None:
+                    p.grad = grad
+                else:
+                    p.grad.add_(grad)
+        return x1.detach(), x2.detach(), dx1.detach(), dx2.detach()
+
+
+def unique_grad_params(blocks):
+    """The parameters of `blocks` that require grad, each once, in module order."""
+    seen, params = set(), []
+    for block in blocks:
+        for p in block.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    return params

@@ -1,0 +1,116 @@
+r"""Coupling ops: the elementwise steps of an additive coupling, one pass each.
+
+Two-stream additive coupling (DESIGN.md section 1)::
+
+    forward   y1 = x1 + F(x2)          inverse (rebuild)   x2 = y2 - G(y1)
+              y2 = x2 + G(y1)                              x1 = y1 - F(x2)
+
+    backward  dy1' = dy1 + (dG/dy1)^T dy2     (gradient add)
+              dx2  = dy2 + (dF/dx2)^T dy1'
+              dx1  = dy1'
+
+Ops (``torch.ops.revkernels.*``)::
+
+    coupling_sub(y, f) -> y - f     the rebuild x = y - F(.)
+    coupling_add(a, b) -> a + b     the gradient add dx = dy + vjp
+
+Both return a new tensor with the dtype and memory layout of the first argument. The second may
+have another float dtype (a bf16 F output against an fp32 residual stream); the result is formed in
+fp32 (fp64 when either input is fp64) and rounded once, so ``coupling_sub(y, f)`` inverts
+``y = x + f`` to within one rounding of the stream dtype. Inputs may be non-contiguous or expanded.
+Kernels: C++ on CPU, CUDA C++ on GPU (``csrc/kernels/coupling*.{h,cu}``); without a compiled
+kernel, the reference below.
+
+VJP (linear, so the backward needs nothing saved)::
+
+    coupling_sub:  d y = g,   d f = -g         coupling_add:  d a = g,   d b = g
+"""
+import torch
+
+from revkernels.ops._library import define_op, fill_missing_kernels
+
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _accumulate_dtype(a, b):
+    return torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
+
+
+def coupling_sub_reference(y, f):
+    """Pure-PyTorch ``y - f`` in y's dtype, formed in fp32 (fp64 if either is fp64)."""
+    acc = _accumulate_dtype(y, f)
+    return (y.to(acc) - f.to(acc)).to(y.dtype)
+
+
+def coupling_add_reference(a, b):
+    """Pure-PyTorch ``a + b`` in a's dtype, formed in fp32 (fp64 if either is fp64)."""
+    acc = _accumulate_dtype(a, b)
+    return (a.to(acc) + b.to(acc)).to(a.dtype)
+
+
+def _preserve_layout(reference):
+    # The kernels return the layout of torch.empty_like(first argument); so does the fallback.
+    def op(a, b):
+        out = torch.empty_like(a)
+        out.copy_(reference(a, b))
+        return out
+
+    return op
+
+
+_coupling_sub = define_op("coupling_sub", "(Tensor y, Tensor f) -> Tensor")
+_coupling_add = define_op("coupling_add", "(Tensor a, Tensor b) -> Tensor")
+fill_missing_kernels("coupling_sub", _preserve_layout(coupling_sub_reference))
+fill_missing_kernels("coupling_add", _preserve_layout(coupling_add_reference))
+
+
+@torch.library.register_fake("revkernels::coupling_sub")
+def _coupling_sub_fake(y, f):
+    torch._check(y.shape == f.shape, lambda: f"f must have the shape of y {tuple(y.shape)}, got {tuple(f.shape)}")
+    return torch.empty_like(y)
+
+
+@torch.library.register_fake("revkernels::coupling_add")
+def _coupling_add_fake(a, b):
+    torch._check(a.shape == b.shape, lambda: f"b must have the shape of a {tuple(a.shape)}, got {tuple(b.shape)}")
+    return torch.empty_like(a)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.second_dtype = inputs[1].dtype
+
+
+def _coupling_sub_backward(ctx, grad):
+    return grad, (-grad).to(ctx.second_dtype)
+
+
+def _coupling_add_backward(ctx, grad):
+    return grad, grad.to(ctx.second_dtype)
+
+
+torch.library.register_autograd("revkernels::coupling_sub", _coupling_sub_backward, setup_context=_setup_context)
+torch.library.register_autograd("revkernels::coupling_add", _coupling_add_backward, setup_context=_setup_context)
+
+
+def _check_pair(a, a_name, b, b_name):
+    for t, name in ((a, a_name), (b, b_name)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"revkernels: {name} must be float32, float64, float16 or bfloat16, got {t.dtype}")
+    if a.shape != b.shape:
+        raise ValueError(f"revkernels: {b_name} must have the shape of {a_name} {tuple(a.shape)}, got {tuple(b.shape)}")
+    if a.device != b.device:
+        raise ValueError(f"revkernels: {b_name} must be on the device of {a_name} ({a.device}), got {b.device}")
+
+
+def coupling_sub(y, f):
+    """``y - f`` in y's dtype, one pass (the coupling rebuild ``x = y - F(.)``)."""
+    _check_pair(y, "y", f, "f")
+    return _coupling_sub(y, f)
+
+
+def coupling_add(a, b):
+    """``a + b`` in a's dtype, one pass (the coupling gradient add ``dx = dy + vjp``)."""
+    _check_pair(a, "a", b, "b")
+    return _coupling_add(a, b)
