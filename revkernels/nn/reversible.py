@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from revkernels.engine.state import RngState, cuda_devices_of, frozen_batchnorm_stats, maybe_replay
 from revkernels.ops.coupling import coupling_add, coupling_sub
@@ -71,6 +72,8 @@ class BlockRecompute:
     y1: torch.Tensor  # leaf of G's local graph (requires grad)
     f_out: torch.Tensor
     g_out: torch.Tensor
+    f_aliases: dict  # name -> detached leaf standing in for F's parameter in the local graph
+    g_aliases: dict
 
 
 @dataclass
@@ -125,27 +128,41 @@ class ReversibleBlock(nn.Module):
         return x1, x2
 
     def recompute(self, y1, y2, state=None):
-        """Rebuilds the input from the output, keeping the local graphs of G(y1) and F(x2)."""
+        """Rebuilds the input from the output, keeping the local graphs of G(y1) and F(x2).
+
+        F and G run on detached aliases of their parameters, so differentiating the local graphs
+        fires no hook of the parameters themselves; their grads reach ``.grad`` once, through
+        the engine's Function."""
         y1, y2 = y1.detach(), y2.detach()  # the local graphs must not reach back into the caller's
+        f_aliases, g_aliases = _param_aliases(self.f), _param_aliases(self.g)
         with torch.enable_grad(), frozen_batchnorm_stats(self):
             y1_leaf = y1.detach().requires_grad_()
             with maybe_replay(None if state is None else state.rng_g):
-                g_out = self.g(y1_leaf)
+                g_out = functional_call(self.g, g_aliases, (y1_leaf,))
             x2 = coupling_sub(y2, g_out.detach()).requires_grad_()
             with maybe_replay(None if state is None else state.rng_f):
-                f_out = self.f(x2)
+                f_out = functional_call(self.f, f_aliases, (x2,))
             x1 = coupling_sub(y1, f_out.detach())
-        return BlockRecompute(x1=x1, x2=x2, y1=y1_leaf, f_out=f_out, g_out=g_out)
+        return BlockRecompute(x1=x1, x2=x2, y1=y1_leaf, f_out=f_out, g_out=g_out,
+                              f_aliases=f_aliases, g_aliases=g_aliases)
 
     def grads(self, rec, dy1, dy2):
         """Input and parameter grads of the block from its output grads, via the local graphs."""
-        g_params = [p for p in self.g.parameters() if p.requires_grad]
-        f_params = [p for p in self.f.parameters() if p.requires_grad]
-        dy1_from_g, g_grads = _vjp(rec.g_out, rec.y1, g_params, dy2)
+        dy1_from_g, g_grads = _vjp(rec.g_out, rec.y1, list(rec.g_aliases.values()), dy2)
         dy1_total = dy1 if dy1_from_g is None else coupling_add(dy1, dy1_from_g)
-        dx2_from_f, f_grads = _vjp(rec.f_out, rec.x2, f_params, dy1_total)
+        dx2_from_f, f_grads = _vjp(rec.f_out, rec.x2, list(rec.f_aliases.values()), dy1_total)
         dx2 = dy2 if dx2_from_f is None else coupling_add(dy2, dx2_from_f)
-        return BlockGrads(dx1=dy1_total, dx2=dx2, params=f_params + g_params, param_grads=f_grads + g_grads)
+        params = _grad_params(self.f) + _grad_params(self.g)
+        return BlockGrads(dx1=dy1_total, dx2=dx2, params=params, param_grads=f_grads + g_grads)
+
+
+def _grad_params(module):
+    return [p for _, p in module.named_parameters() if p.requires_grad]
+
+
+def _param_aliases(module):
+    """{name: detached leaf sharing the parameter's storage} for the parameters that require grad."""
+    return {name: p.detach().requires_grad_() for name, p in module.named_parameters() if p.requires_grad}
 
 
 def _vjp(out, leaf, params, grad_out):

@@ -1,0 +1,241 @@
+"""The sequential engine against plain autograd: gradients, memory, and the DESIGN.md invariants."""
+import pytest
+import torch
+from torch import nn
+
+import revkernels as rk
+from tests.helpers import assert_close_rel, grads_of, loss_of, make_seq, plain_forward, rel_err
+
+WIDTH = 16
+ENGINES = ["autograd", "sequential"]
+
+
+def _inputs(batch=4, width=WIDTH, dtype=torch.float32):
+    x1 = torch.randn(batch, width, dtype=dtype, requires_grad=True)
+    x2 = torch.randn(batch, width, dtype=dtype, requires_grad=True)
+    w1, w2 = torch.randn(batch, width, dtype=dtype), torch.randn(batch, width, dtype=dtype)
+    return x1, x2, w1, w2
+
+
+def _reference_grads(seq, x1, x2, w1, w2, seed=None):
+    """Grads of the same function through ordinary autograd (revkernels engines not involved)."""
+    params = list(seq.parameters())
+    for p in params:
+        p.grad = None
+    a1, a2 = x1.detach().clone().requires_grad_(), x2.detach().clone().requires_grad_()
+    if seed is not None:
+        torch.manual_seed(seed)
+    y1, y2 = plain_forward(seq, a1, a2)
+    loss_of(y1, y2, w1, w2).backward()
+    out = (y1.detach(), y2.detach(), a1.grad, a2.grad, grads_of(params))
+    for p in params:
+        p.grad = None
+    return out
+
+
+def _engine_grads(seq, x1, x2, w1, w2, seed=None):
+    params = list(seq.parameters())
+    for p in params:
+        p.grad = None
+    a1, a2 = x1.detach().clone().requires_grad_(), x2.detach().clone().requires_grad_()
+    if seed is not None:
+        torch.manual_seed(seed)
+    y1, y2 = seq(a1, a2)
+    loss_of(y1, y2, w1, w2).backward()
+    return y1.detach(), y2.detach(), a1.grad, a2.grad, grads_of(params)
+
+
+def _assert_same_grads(actual, expected, tol=1e-5):
+    names = ["y1", "y2", "dx1", "dx2"]
+    for name, a, e in zip(names, actual[:4], expected[:4]):
+        assert_close_rel(a, e, tol, name)
+    for i, (a, e) in enumerate(zip(actual[4], expected[4])):
+        assert (a is None) == (e is None), f"param {i}: grad presence differs"
+        if e is not None:
+            assert_close_rel(a, e, tol, f"param {i} grad")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("depth", [1, 2, 3, 7, 64])
+def test_grads_equal_plain_autograd(engine, depth):
+    seq = make_seq(depth, WIDTH, engine=engine)
+    x1, x2, w1, w2 = _inputs()
+    _assert_same_grads(_engine_grads(seq, x1, x2, w1, w2), _reference_grads(seq, x1, x2, w1, w2))
+
+
+@pytest.mark.parametrize("depth", [2, 5])
+def test_grads_with_dropout_and_drop_path_replay_exactly(depth):
+    seq = make_seq(depth, WIDTH, dropout=0.3, drop_path=0.25)
+    x1, x2, w1, w2 = _inputs(batch=8)
+    seed = torch.randint(0, 2**31, ()).item()
+    expected = _reference_grads(seq, x1, x2, w1, w2, seed=seed)
+    rng_after_reference = torch.rand(4)
+    actual = _engine_grads(seq, x1, x2, w1, w2, seed=seed)
+    rng_after_engine = torch.rand(4)
+    _assert_same_grads(actual, expected)
+    # The backward's replay leaves the global RNG stream where plain autograd leaves it.
+    assert torch.equal(rng_after_engine, rng_after_reference)
+
+
+def test_without_rng_replay_dropout_grads_differ():
+    # The replay is what makes dropout exact: with it off the rebuilt masks differ.
+    seq = make_seq(3, WIDTH, dropout=0.5)
+    seq.preserve_rng_state = False
+    x1, x2, w1, w2 = _inputs(batch=8)
+    expected = _reference_grads(seq, x1, x2, w1, w2, seed=7)
+    actual = _engine_grads(seq, x1, x2, w1, w2, seed=7)
+    assert rel_err(actual[2], expected[2]) > 1e-3
+
+
+def test_batchnorm_running_stats_updated_once():
+    seq = make_seq(3, WIDTH, norm="batch")
+    reference = make_seq(3, WIDTH, norm="batch")
+    reference.load_state_dict(seq.state_dict())
+    x1, x2, w1, w2 = _inputs(batch=8)
+    expected = _reference_grads(reference, x1, x2, w1, w2)
+    actual = _engine_grads(seq, x1, x2, w1, w2)
+    _assert_same_grads(actual, expected)
+    for (name, a), (_, e) in zip(seq.named_buffers(), reference.named_buffers()):
+        assert torch.equal(a, e), f"{name} differs from plain autograd after one step"
+    assert all(int(b) == 1 for n, b in seq.named_buffers() if n.endswith("num_batches_tracked"))
+
+
+def test_saved_memory_is_flat_in_depth():
+    def saved_bytes(engine, depth):
+        seq = make_seq(depth, WIDTH, engine=engine)
+        x1, x2, _, _ = _inputs(batch=32)
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y1, y2 = seq(x1, x2)
+        # Parameters are saved by reference, not as activations: count only the rest.
+        param_ptrs = {p.untyped_storage().data_ptr() for p in seq.parameters()}
+        return sum(n for ptr, n in storages.items() if ptr not in param_ptrs)
+
+    sequential = [saved_bytes("sequential", d) for d in (1, 4, 16)]
+    autograd = [saved_bytes("autograd", d) for d in (1, 4, 16)]
+    activation = 32 * WIDTH * 4
+    assert sequential == [2 * activation] * 3  # y1 and y2, whatever the depth
+    assert autograd[2] >= 16 * autograd[0] * 0.9 and autograd[0] > sequential[0]
+
+
+def test_parameters_are_inputs_of_the_engine_function():
+    seq = make_seq(3, WIDTH)
+    x1, x2, _, _ = _inputs()
+    y1, _ = seq(x1, x2)
+    leaves = {id(fn.variable) for fn, _ in y1.grad_fn.next_functions if fn is not None and hasattr(fn, "variable")}
+    assert all(id(p) in leaves for p in seq.parameters())
+
+
+def test_tensor_hooks_fire_once_with_the_right_grad():
+    seq = make_seq(3, WIDTH)
+    x1, x2, w1, w2 = _inputs()
+    expected = _reference_grads(seq, x1, x2, w1, w2)[4]
+    seen = {}
+    params = list(seq.parameters())
+    for i, p in enumerate(params):
+        p.register_hook(lambda grad, i=i: seen.setdefault(i, []).append(grad.clone()))
+    _engine_grads(seq, x1, x2, w1, w2)
+    assert sorted(seen) == list(range(len(params)))
+    for i, grads in seen.items():
+        assert len(grads) == 1
+        assert_close_rel(grads[0], expected[i], 1e-5, f"hooked grad of param {i}")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_two_backward_calls_accumulate(engine):
+    seq = make_seq(3, WIDTH, engine=engine)
+    batch_a, batch_b = _inputs(), _inputs()
+    ref_a, ref_b = _reference_grads(seq, *batch_a)[4], _reference_grads(seq, *batch_b)[4]
+    for p in seq.parameters():
+        p.grad = None
+    for x1, x2, w1, w2 in (batch_a, batch_b):
+        y1, y2 = seq(x1, x2)
+        loss_of(y1, y2, w1, w2).backward()
+    for i, p in enumerate(seq.parameters()):
+        assert_close_rel(p.grad, ref_a[i] + ref_b[i], 1e-5, f"accumulated grad of param {i}")
+
+
+def test_autocast_is_reentered_for_the_recompute():
+    seq = make_seq(3, WIDTH)
+    dtypes = {"forward": [], "backward": []}
+    phase = ["forward"]
+    for m in seq.modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(lambda mod, inp, out: dtypes[phase[0]].append(out.dtype))
+    x1, x2, w1, w2 = _inputs(batch=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y1, y2 = seq(x1, x2)
+        loss = loss_of(y1, y2, w1, w2)
+    phase[0] = "backward"
+    loss.backward()
+    assert dtypes["forward"] == [torch.bfloat16] * (4 * 3)
+    assert dtypes["backward"] == dtypes["forward"]
+    assert y1.dtype == torch.float32  # the residual streams stay in fp32
+
+
+def test_autocast_grads_follow_the_low_precision_rule():
+    seq = make_seq(3, WIDTH)
+    x1, x2, w1, w2 = _inputs(batch=8)
+    exact = _reference_grads(seq, x1, x2, w1, w2)
+    seq.engine = "autograd"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        same_dtype = _engine_grads(seq, x1, x2, w1, w2)
+    seq.engine = "sequential"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = _engine_grads(seq, x1, x2, w1, w2)
+    for k in (2, 3):
+        assert rel_err(ours[k], exact[k]) <= 2 * rel_err(same_dtype[k], exact[k]) + 1e-6
+    for a, b, e in zip(ours[4], same_dtype[4], exact[4]):
+        assert rel_err(a, e) <= 2 * rel_err(b, e) + 1e-6
+
+
+def test_callers_tensors_are_not_mutated_or_freed():
+    seq = make_seq(3, WIDTH)
+    x1, x2, w1, w2 = _inputs()
+    before = [(t.detach().clone(), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), t._version)
+              for t in (x1, x2)]
+    y1, y2 = seq(x1, x2)
+    loss_of(y1, y2, w1, w2).backward()
+    for t, (value, ptr, nbytes, version) in zip((x1, x2), before):
+        assert torch.equal(t.detach(), value)
+        assert t.untyped_storage().data_ptr() == ptr and t.untyped_storage().nbytes() == nbytes
+        assert t._version == version
+    assert y1.untyped_storage().nbytes() == y1.numel() * 4  # outputs stay alive for the caller too
+    assert torch.isfinite(y1).all()
+
+
+def test_same_leaf_feeding_both_streams():
+    seq = make_seq(3, WIDTH)
+    x = torch.randn(4, WIDTH, requires_grad=True)
+    w1, w2 = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
+    y1, y2 = seq(x, x)
+    loss_of(y1, y2, w1, w2).backward()
+    ours = x.grad.clone()
+    x.grad = None
+    r1, r2 = plain_forward(seq, x, x)
+    loss_of(r1, r2, w1, w2).backward()
+    assert_close_rel(ours, x.grad, 1e-5, "grad of the shared leaf")
+
+
+def test_frozen_parameters_and_inputs_without_grad():
+    seq = make_seq(2, WIDTH)
+    frozen = seq.blocks[0].f[1].weight
+    frozen.requires_grad_(False)
+    x1, x2 = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
+    y1, y2 = seq(x1, x2)
+    y1.sum().backward()
+    assert frozen.grad is None
+    assert seq.blocks[1].g[1].weight.grad is not None
+
+
+def test_no_grad_forward_keeps_nothing():
+    seq = make_seq(2, WIDTH)
+    x1, x2, _, _ = _inputs()
+    with torch.no_grad():
+        y1, y2 = seq(x1, x2)
+    assert y1.grad_fn is None and not y1.requires_grad

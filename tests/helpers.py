@@ -1,0 +1,64 @@
+"""Shared test utilities: error measures, small reversible stacks and their plain-autograd twin."""
+import torch
+from torch import nn
+
+import revkernels as rk
+
+
+def rel_err(actual, expected):
+    """max |actual - expected| / max |expected|, in float64."""
+    expected = expected.double()
+    scale = expected.abs().max().clamp_min(1e-30)
+    return ((actual.double() - expected).abs().max() / scale).item()
+
+
+def assert_close_rel(actual, expected, tol=1e-5, what="tensor"):
+    err = rel_err(actual, expected)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+
+
+class DropPath(nn.Module):
+    """Stochastic depth on the batch dim (drops whole samples), drawn from the global RNG."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        keep = (torch.rand(x.shape[0], *([1] * (x.dim() - 1)), device=x.device) >= self.p).to(x.dtype)
+        return x * keep / (1.0 - self.p)
+
+
+def residual_fn(width, dropout=0.0, drop_path=0.0, norm="layer"):
+    """A shape-preserving residual function: norm -> linear -> GELU -> linear (-> dropout, drop-path)."""
+    layers = [nn.LayerNorm(width) if norm == "layer" else nn.BatchNorm1d(width),
+              nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)]
+    if dropout:
+        layers.append(nn.Dropout(dropout))
+    if drop_path:
+        layers.append(DropPath(drop_path))
+    return nn.Sequential(*layers)
+
+
+def make_seq(depth, width, engine="sequential", **fn_kwargs):
+    blocks = [rk.nn.ReversibleBlock(residual_fn(width, **fn_kwargs), residual_fn(width, **fn_kwargs)) for _ in range(depth)]
+    return rk.nn.ReversibleSequential(*blocks, engine=engine)
+
+
+def plain_forward(seq, x1, x2):
+    """The run's function written out with ordinary autograd, independent of revkernels' engines."""
+    for block in seq.blocks:
+        x1 = x1 + block.f(x2)
+        x2 = x2 + block.g(x1)
+    return x1, x2
+
+
+def loss_of(y1, y2, w1, w2):
+    """A loss that gives both outputs non-trivial, different gradients."""
+    return (y1 * w1).sum() + (y2.square() * w2).sum()
+
+
+def grads_of(params):
+    return [None if p.grad is None else p.grad.detach().clone() for p in params]

@@ -1,0 +1,182 @@
+"""ReversibleBlock / ReversibleSequential: the coupling itself, inverse, reverse, checks, bad input."""
+import pytest
+import torch
+from torch import nn
+
+import revkernels as rk
+from tests.helpers import assert_close_rel, grads_of, loss_of, make_seq, plain_forward, residual_fn
+
+WIDTH = 12
+
+
+def _streams(batch=5, width=WIDTH, requires_grad=False):
+    return (torch.randn(batch, width, requires_grad=requires_grad),
+            torch.randn(batch, width, requires_grad=requires_grad))
+
+
+def test_block_forward_is_the_coupling():
+    f, g = residual_fn(WIDTH), residual_fn(WIDTH)
+    block = rk.nn.ReversibleBlock(f, g)
+    x1, x2 = _streams()
+    y1, y2 = block(x1, x2)
+    e1 = x1 + f(x2)
+    torch.testing.assert_close(y1, e1, rtol=0, atol=0)
+    torch.testing.assert_close(y2, x2 + g(e1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("depth", [1, 4])
+def test_inverse_rebuilds_the_input(depth):
+    seq = make_seq(depth, WIDTH)
+    x1, x2 = _streams()
+    with torch.no_grad():
+        y1, y2 = seq(x1, x2)
+    r1, r2 = seq.inverse(y1, y2)
+    assert_close_rel(r1, x1, 1e-5, "x1")
+    assert_close_rel(r2, x2, 1e-5, "x2")
+
+
+def test_reverse_gives_inputs_input_grads_and_accumulates_param_grads():
+    seq = make_seq(3, WIDTH)
+    x1, x2 = _streams(requires_grad=True)
+    w1, w2 = torch.randn(5, WIDTH), torch.randn(5, WIDTH)
+    y1, y2 = plain_forward(seq, x1, x2)
+    loss_of(y1, y2, w1, w2).backward()
+    expected = grads_of(seq.parameters())
+    dy1, dy2 = w1, 2 * y2.detach() * w2  # d loss / d (y1, y2)
+
+    existing = [torch.randn_like(p) for p in seq.parameters()]
+    for p, e in zip(seq.parameters(), existing):
+        p.grad = e.clone()
+    r1, r2, dx1, dx2 = seq.reverse(y1.detach(), y2.detach(), dy1, dy2)
+    assert_close_rel(r1, x1.detach(), 1e-5, "x1")
+    assert_close_rel(r2, x2.detach(), 1e-5, "x2")
+    assert_close_rel(dx1, x1.grad, 1e-5, "dx1")
+    assert_close_rel(dx2, x2.grad, 1e-5, "dx2")
+    assert not any(t.requires_grad for t in (r1, r2, dx1, dx2))
+    for i, (p, e, before) in enumerate(zip(seq.parameters(), expected, existing)):
+        assert_close_rel(p.grad - before, e, 1e-5, f"param {i} grad added by reverse")
+
+
+def test_check_reversibility_reports_per_block_errors_and_changes_no_state():
+    seq = make_seq(4, WIDTH, norm="batch", dropout=0.2)
+    x1, x2 = _streams(batch=8)
+    buffers = {k: v.clone() for k, v in seq.state_dict().items()}
+    rng = torch.get_rng_state()
+    report = rk.check_reversibility(seq, x1, x2)
+    assert len(report.block_errors) == len(report.chained_errors) == 4
+    assert 0 <= report.max_error < 1e-5
+    assert "block" in str(report) and "chained" in str(report)
+    assert all(torch.equal(v, seq.state_dict()[k]) for k, v in buffers.items())
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_check_reversibility_detects_a_non_invertible_setup():
+    class Drifting(nn.Module):
+        """Returns something different on every call: the inverse cannot rebuild the input."""
+
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x * self.calls
+
+    seq = rk.nn.ReversibleSequential(rk.nn.ReversibleBlock(Drifting(), residual_fn(WIDTH)))
+    assert rk.check_reversibility(seq, *_streams()).max_error > 0.1
+
+
+def test_state_dict_round_trip():
+    a, b = make_seq(2, WIDTH), make_seq(2, WIDTH)
+    b.load_state_dict(a.state_dict())
+    x1, x2 = _streams()
+    with torch.no_grad():
+        torch.testing.assert_close(a(x1, x2), b(x1, x2), rtol=0, atol=0)
+
+
+def test_engine_can_be_switched():
+    seq = make_seq(2, WIDTH, engine="autograd")
+    assert seq.engine == "autograd"
+    seq.engine = "sequential"
+    assert seq.engine == "sequential"
+
+
+# --- bad input: a clear exception naming the argument -------------------------------------------
+
+def test_streams_of_different_shapes():
+    seq = make_seq(1, WIDTH)
+    with pytest.raises(ValueError, match="x1 and x2 must have the same shape"):
+        seq(torch.randn(5, WIDTH), torch.randn(4, WIDTH))
+
+
+def test_streams_of_different_dtypes():
+    seq = make_seq(1, WIDTH)
+    with pytest.raises(ValueError, match="x1 and x2 must have the same dtype"):
+        seq(torch.randn(5, WIDTH), torch.randn(5, WIDTH, dtype=torch.float64))
+
+
+def test_streams_on_different_devices():
+    block = rk.nn.ReversibleBlock(nn.Identity(), nn.Identity())
+    with pytest.raises(ValueError, match="x1 and x2 must be on the same device"):
+        block(torch.randn(5, WIDTH), torch.randn(5, WIDTH, device="meta"))
+
+
+def test_stream_that_is_not_a_tensor_or_not_float():
+    seq = make_seq(1, WIDTH)
+    with pytest.raises(TypeError, match="x2 must be a torch.Tensor"):
+        seq(torch.randn(5, WIDTH), [1.0])
+    with pytest.raises(TypeError, match="x1 must be a floating-point tensor"):
+        seq(torch.ones(5, WIDTH, dtype=torch.int64), torch.randn(5, WIDTH))
+
+
+@pytest.mark.parametrize("bad", ["f", "g"])
+def test_f_or_g_that_changes_the_shape(bad):
+    good, wrong = residual_fn(WIDTH), nn.Linear(WIDTH, WIDTH + 1)
+    block = rk.nn.ReversibleBlock(wrong if bad == "f" else good, wrong if bad == "g" else good)
+    for engine in ("autograd", "sequential"):
+        seq = rk.nn.ReversibleSequential(block, engine=engine)
+        with pytest.raises(ValueError, match=f"{bad} must preserve the shape"):
+            seq(*_streams(requires_grad=True))
+
+
+def test_f_that_promotes_the_stream_dtype():
+    class ToDouble(nn.Module):
+        def forward(self, x):
+            return x.double()
+
+    block = rk.nn.ReversibleBlock(ToDouble(), residual_fn(WIDTH))
+    with pytest.raises(ValueError, match="f returned torch.float64, which would promote the x1 stream"):
+        block(*_streams())
+
+
+@pytest.mark.parametrize("bad", ["f", "g"])
+def test_f_or_g_that_is_not_a_module(bad):
+    with pytest.raises(TypeError, match=f"{bad} must be a torch.nn.Module"):
+        rk.nn.ReversibleBlock(torch.tanh if bad == "f" else nn.Identity(), torch.tanh if bad == "g" else nn.Identity())
+
+
+def test_blocks_that_are_not_reversible_blocks():
+    with pytest.raises(TypeError, match=r"blocks\[1\] must be a revkernels.nn.ReversibleBlock"):
+        rk.nn.ReversibleSequential(rk.nn.ReversibleBlock(nn.Identity(), nn.Identity()), nn.Linear(3, 3))
+    with pytest.raises(ValueError, match="at least one block"):
+        rk.nn.ReversibleSequential()
+
+
+def test_unknown_engine():
+    with pytest.raises(ValueError, match="engine must be one of"):
+        make_seq(1, WIDTH, engine="magic")
+    seq = make_seq(1, WIDTH)
+    with pytest.raises(ValueError, match="engine must be one of"):
+        seq.engine = "nope"
+    assert seq.engine == "sequential"
+
+
+@pytest.mark.parametrize("which", ["dy1", "dy2"])
+def test_reverse_with_gradients_of_the_wrong_shape(which):
+    seq = make_seq(2, WIDTH)
+    y1, y2 = _streams()
+    good, bad = torch.randn(5, WIDTH), torch.randn(5, WIDTH + 1)
+    with pytest.raises(ValueError, match=f"{which} must have the shape of the output"):
+        seq.reverse(y1, y2, bad if which == "dy1" else good, bad if which == "dy2" else good)
+    with pytest.raises(TypeError, match=f"{which} must be a torch.Tensor"):
+        seq.reverse(y1, y2, None if which == "dy1" else good, None if which == "dy2" else good)
