@@ -37,7 +37,9 @@ def _extensions():
     use_cuda = can_cuda if want_cuda is None else want_cuda
 
     cxx_flags = ["-O3"]
-    common = dict(name="revkernels._C", include_dirs=[os.path.join(ROOT, "csrc")])
+    # Unless a backend was forced, a failed compile still installs the pure-PyTorch package
+    # (`import revkernels` then warns that revkernels._C is missing).
+    common = dict(name="revkernels._C", include_dirs=[os.path.join(ROOT, "csrc")], optional=want_cuda is None)
     if use_cuda:
         ext = CUDAExtension(sources=cpu_sources + cuda_sources,
                             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--use_fast_math"]},

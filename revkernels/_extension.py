@@ -5,6 +5,8 @@ pure-PyTorch reference for the devices the library does not cover.
 """
 import warnings
 
+import torch  # noqa: F401  (loads libtorch/libc10, which _C links against)
+
 try:
     from revkernels import _C  # noqa: F401  (importing registers the C++ ops with torch)
 except ImportError as error:  # not built, or built against another torch

@@ -239,3 +239,22 @@ def test_no_grad_forward_keeps_nothing():
     with torch.no_grad():
         y1, y2 = seq(x1, x2)
     assert y1.grad_fn is None and not y1.requires_grad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16, torch.float16])
+def test_cuda_grads_match_autograd(autocast_dtype):
+    seq = make_seq(5, 64, dropout=0.1).cuda()
+    x1, x2, w1, w2 = (t.cuda() for t in _inputs(batch=32, width=64))
+    seed = torch.randint(0, 2**31, ()).item()
+    exact = _reference_grads(seq, x1, x2, w1, w2, seed=seed)
+    with torch.autocast("cuda", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        same_dtype = _reference_grads(seq, x1, x2, w1, w2, seed=seed)
+        ours = _engine_grads(seq, x1, x2, w1, w2, seed=seed)
+    if autocast_dtype is None:
+        _assert_same_grads(ours, exact)
+        return
+    for k in (2, 3):
+        assert rel_err(ours[k], exact[k]) <= 2 * rel_err(same_dtype[k], exact[k]) + 1e-6
+    for a, b, e in zip(ours[4], same_dtype[4], exact[4]):
+        assert rel_err(a, e) <= 2 * rel_err(b, e) + 1e-6

@@ -1,0 +1,79 @@
+"""Writing benchmark results: CSV with the run's provenance beside every figure, and PNG plots."""
+import csv
+import datetime
+import os
+import platform
+import subprocess
+
+import torch
+
+
+def provenance(device):
+    """Commit, device, versions: written next to every figure."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    if torch.device(device).type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    import revkernels
+
+    return {
+        "commit": commit,
+        "device": device_name,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "revkernels": revkernels.__version__,
+        "c_extension": revkernels.HAS_C_EXTENSION,
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def write_csv(path, rows, meta):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fields = list(rows[0]) + list(meta)
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**row, **meta})
+    return path
+
+
+def plot_train_step(path, rows, meta):
+    """Step time and memory against depth, one line per engine. Returns the path, or None without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    engines = sorted({r["engine"] for r in rows})
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for engine in engines:
+        mine = sorted((r for r in rows if r["engine"] == engine), key=lambda r: r["depth"])
+        depths = [r["depth"] for r in mine]
+        axes[0].plot(depths, [r["step_ms"] for r in mine], marker="o", label=engine)
+        axes[1].plot(depths, [r["saved_mib"] for r in mine], marker="o", label=engine)
+        axes[2].plot(depths, [r["peak_mib"] for r in mine], marker="o", label=engine)
+    for ax, title in zip(axes, ["median train step (ms)", "activations saved for backward (MiB)", "peak memory of a step (MiB)"]):
+        ax.set_xlabel("depth (reversible blocks)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{meta['device']} | torch {meta['torch']} | commit {meta['commit']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Creates ./.venv (if missing) with CPU torch 2.13.0, the test and benchmark tools, and revkernels
+# built in place (C++ CPU kernels; CUDA kernels too when torch has CUDA and nvcc exists).
+# Idempotent: a second run only rebuilds what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+. .venv/bin/activate
+pip_quiet() { pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+
+# Pinned: an unpinned torch pulls a multi-GB CUDA build; 2.13.0 is the CPU wheel this project tests on.
+python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
+  || pip_quiet torch==2.13.0
+python -c "import torch; assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__"
+pip_quiet setuptools wheel ninja cmake numpy tqdm pytest hypothesis matplotlib
+# No build isolation: compile against the torch installed above.
+MAX_JOBS=${MAX_JOBS:-2} pip_quiet --no-build-isolation --no-deps -e .
+python -c "import revkernels as rk; assert rk.HAS_C_EXTENSION, 'revkernels._C was not built'; print('revkernels', rk.__version__, 'ready in .venv (C++ kernels built)')"
