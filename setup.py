@@ -42,7 +42,7 @@ def _extensions():
     common = dict(name="revkernels._C", include_dirs=[os.path.join(ROOT, "csrc")], optional=want_cuda is None)
     if use_cuda:
         ext = CUDAExtension(sources=cpu_sources + cuda_sources,
-                            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--use_fast_math"]},
+                            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
                             **common)
     else:
         ext = CppExtension(sources=cpu_sources, extra_compile_args={"cxx": cxx_flags}, **common)

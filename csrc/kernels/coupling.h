@@ -4,7 +4,8 @@
 // `out` is dense in the iteration order; `a` and `b` are strided views of the same shape (any
 // strides, including 0 for broadcast dims). `a` and `out` share one dtype; `b` may have another,
 // and the sum is formed in the accumulation type (float, or double when either input is double)
-// and rounded once.
+// and rounded once to out's dtype (a double sum stored to fp16/bf16 goes through float, as torch's
+// conversion does).
 #pragma once
 
 #include <cstdint>
