@@ -1,8 +1,14 @@
 import os
 import random
 
-import pytest
 import torch
+
+# Without a GPU the Triton kernels run under the Triton interpreter, which must be chosen before
+# any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 # Tests compare against references within tight tolerances; keep the CPU thread count fixed so a
 # 2-core CI machine and a workstation take the same reduction orders.

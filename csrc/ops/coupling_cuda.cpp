@@ -1,5 +1,6 @@
-// CUDA implementations of revkernels::coupling_sub / coupling_add: ATen glue around the
-// torch-free launcher in kernels/coupling.cu, on the current stream.
+// CUDA C++ implementations of the coupling ops, registered as the internal ops
+// revkernels::cuda_coupling_sub / cuda_coupling_add: the public ops' CUDA kernel (registered in
+// Python) calls them when the CUDA backend is "cuda" instead of the default "triton".
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -37,9 +38,14 @@ at::Tensor coupling_add_cuda(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
+TORCH_LIBRARY_FRAGMENT(revkernels, m) {
+  m.def("cuda_coupling_sub(Tensor y, Tensor f) -> Tensor");
+  m.def("cuda_coupling_add(Tensor a, Tensor b) -> Tensor");
+}
+
 TORCH_LIBRARY_IMPL(revkernels, CUDA, m) {
-  m.impl("coupling_sub", &coupling_sub_cuda);
-  m.impl("coupling_add", &coupling_add_cuda);
+  m.impl("cuda_coupling_sub", &coupling_sub_cuda);
+  m.impl("cuda_coupling_add", &coupling_add_cuda);
 }
 
 }  // namespace revkernels

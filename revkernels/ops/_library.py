@@ -1,9 +1,15 @@
-"""The `revkernels` op namespace, with or without the compiled library.
+"""The `revkernels` op namespace and how each op reaches a kernel.
 
-`define_op` gives an op its schema when `_C` did not define it, and `fill_missing_kernels` registers
-a pure-PyTorch implementation for each device that has no compiled kernel, so
-`torch.ops.revkernels.<op>` works everywhere and dispatches to the fastest kernel available.
+- Schemas come from the compiled library (`csrc/ops/<family>.cpp`); without it, `define_op`
+  defines them here so `torch.ops.revkernels.<op>` exists everywhere.
+- CPU: the C++ kernel, or the pure-PyTorch reference when the library was not built
+  (`fill_missing_cpu_kernel`).
+- CUDA: `register_cuda_kernel` registers a Python kernel that runs the Triton implementation
+  (default) or the CUDA C++ one (internal op `revkernels::cuda_<op>`), chosen by
+  `set_cuda_backend` or the environment variable REVKERNELS_CUDA_BACKEND=triton|cuda.
 """
+import os
+
 import torch
 
 import revkernels._extension  # noqa: F401  (loads the compiled schemas first, when built)
@@ -11,31 +17,69 @@ import revkernels._extension  # noqa: F401  (loads the compiled schemas first, w
 # Keeps the Python-side registrations alive for the life of the process.
 _FRAGMENT = torch.library.Library("revkernels", "FRAGMENT")
 
-DEVICES = ("CPU", "CUDA")
+CUDA_BACKENDS = ("triton", "cuda")
 
 
-def define_op(name, schema):
-    """Defines `revkernels::<name>` with `schema` unless the compiled library already did."""
-    if not _has_schema(name):
-        _FRAGMENT.define(f"{name}{schema}")
-    return getattr(torch.ops.revkernels, name)
+def _backend_from_env():
+    name = os.environ.get("REVKERNELS_CUDA_BACKEND", "triton")
+    if name not in CUDA_BACKENDS:
+        raise ValueError(f"revkernels: REVKERNELS_CUDA_BACKEND must be one of {CUDA_BACKENDS}, got {name!r}")
+    return name
 
 
-def _has_schema(name):
+_cuda_backend = _backend_from_env()
+
+
+def set_cuda_backend(name):
+    """Selects the CUDA kernels of every op: "triton" (default) or "cuda" (CUDA C++, where an op
+    has one; the others keep Triton)."""
+    global _cuda_backend
+    if name not in CUDA_BACKENDS:
+        raise ValueError(f"revkernels: backend must be one of {CUDA_BACKENDS}, got {name!r}")
+    _cuda_backend = name
+
+
+def get_cuda_backend():
+    return _cuda_backend
+
+
+def _has_schema(qualified_name):
     try:
-        torch._C._dispatch_find_schema_or_throw(f"revkernels::{name}", "")
+        torch._C._dispatch_find_schema_or_throw(qualified_name, "")
     except RuntimeError:
         return False
     return True
 
 
+def define_op(name, schema):
+    """Defines `revkernels::<name>` with `schema` unless the compiled library already did."""
+    if not _has_schema(f"revkernels::{name}"):
+        _FRAGMENT.define(f"{name}{schema}")
+    return getattr(torch.ops.revkernels, name)
+
+
 def has_compiled_kernel(name, device):
-    """Whether `revkernels::<name>` has a C++/CUDA kernel for `device` ("CPU" or "CUDA")."""
+    """Whether `revkernels::<name>` has a compiled kernel for `device` ("CPU"), or a CUDA C++
+    kernel (internal op `revkernels::cuda_<name>`) for "CUDA"."""
+    if device == "CUDA":
+        return _has_schema(f"revkernels::cuda_{name}")
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"revkernels::{name}", device)
 
 
-def fill_missing_kernels(name, fallback):
-    """Registers `fallback` for every device without a compiled kernel of `revkernels::<name>`."""
-    for device in DEVICES:
-        if not has_compiled_kernel(name, device):
-            _FRAGMENT.impl(name, fallback, device)
+def fill_missing_cpu_kernel(name, reference):
+    """Registers `reference` as the CPU kernel of `revkernels::<name>` when none was compiled."""
+    if not has_compiled_kernel(name, "CPU"):
+        _FRAGMENT.impl(name, reference, "CPU")
+
+
+def register_cuda_kernel(name, triton_impl):
+    """The CUDA kernel of `revkernels::<name>`: `triton_impl` under the "triton" backend, the CUDA
+    C++ op `revkernels::cuda_<name>` under "cuda" (Triton where the op has no CUDA C++ kernel)."""
+    cuda_cpp = getattr(torch.ops.revkernels, f"cuda_{name}") if has_compiled_kernel(name, "CUDA") else None
+
+    def cuda_kernel(*args):
+        if _cuda_backend == "cuda" and cuda_cpp is not None:
+            return cuda_cpp(*args)
+        return triton_impl(*args)
+
+    _FRAGMENT.impl(name, cuda_kernel, "CUDA")

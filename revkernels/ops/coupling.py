@@ -18,8 +18,9 @@ Both return a new tensor with the dtype and memory layout of the first argument.
 have another float dtype (a bf16 F output against an fp32 residual stream); the result is formed in
 fp32 (fp64 when either input is fp64) and rounded once, so ``coupling_sub(y, f)`` inverts
 ``y = x + f`` to within one rounding of the stream dtype. Inputs may be non-contiguous or expanded.
-Kernels: C++ on CPU, CUDA C++ on GPU (``csrc/kernels/coupling*.{h,cu}``); without a compiled
-kernel, the reference below.
+Kernels: C++ on CPU (``csrc/kernels/coupling.h``); on CUDA Triton (``revkernels/triton/coupling.py``,
+default) or CUDA C++ (``csrc/kernels/coupling.cu``, ``set_cuda_backend("cuda")``); without a
+compiled CPU kernel, the reference below.
 
 VJP (linear, so the backward needs nothing saved)::
 
@@ -27,7 +28,7 @@ VJP (linear, so the backward needs nothing saved)::
 """
 import torch
 
-from revkernels.ops._library import define_op, fill_missing_kernels
+from revkernels.ops._library import define_op, fill_missing_cpu_kernel, register_cuda_kernel
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -60,8 +61,24 @@ def _preserve_layout(reference):
 
 _coupling_sub = define_op("coupling_sub", "(Tensor y, Tensor f) -> Tensor")
 _coupling_add = define_op("coupling_add", "(Tensor a, Tensor b) -> Tensor")
-fill_missing_kernels("coupling_sub", _preserve_layout(coupling_sub_reference))
-fill_missing_kernels("coupling_add", _preserve_layout(coupling_add_reference))
+fill_missing_cpu_kernel("coupling_sub", _preserve_layout(coupling_sub_reference))
+fill_missing_cpu_kernel("coupling_add", _preserve_layout(coupling_add_reference))
+
+
+def _coupling_sub_triton(y, f):
+    from revkernels.triton.coupling import coupling_sub as kernel
+
+    return kernel(y, f)
+
+
+def _coupling_add_triton(a, b):
+    from revkernels.triton.coupling import coupling_add as kernel
+
+    return kernel(a, b)
+
+
+register_cuda_kernel("coupling_sub", _coupling_sub_triton)
+register_cuda_kernel("coupling_add", _coupling_add_triton)
 
 
 @torch.library.register_fake("revkernels::coupling_sub")

@@ -1,4 +1,5 @@
 """revkernels::coupling_sub / coupling_add against their pure-PyTorch references."""
+import os
 import subprocess
 import sys
 
@@ -138,7 +139,7 @@ def test_pure_pytorch_fallback_when_library_missing():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "expanded"])
 def test_cuda_matches_reference(name, op, reference, torch_op, dtype, layout):
-    assert has_compiled_kernel(name, "CUDA"), "CUDA kernels were not built"
+    assert has_compiled_kernel(name, "CUDA"), "CUDA C++ kernels were not built"
     a, b = _random((257, 1031), dtype).cuda(), _random((257, 1031), dtype).cuda()
     if layout == "transposed":
         a = _random((1031, 257), dtype).cuda().t()
@@ -155,3 +156,51 @@ def test_cuda_opcheck():
     for name in ("coupling_sub", "coupling_add"):
         torch.library.opcheck(getattr(torch.ops.revkernels, name).default,
                               (torch.randn(16, 33, device="cuda"), torch.randn(16, 33, device="cuda").half()))
+
+
+# --- Triton kernels (under TRITON_INTERPRET=1 on CPU; no bf16 arithmetic there) ------------------
+
+TRITON_CASES = [
+    ("contiguous", lambda: (_random((33, 1000), torch.float32), _random((33, 1000), torch.float32))),
+    ("one row", lambda: (_random((1, 4097), torch.float32), _random((1, 4097), torch.float32))),
+    ("mixed fp64", lambda: (_random((7, 33), torch.float32), _random((7, 33), torch.float64))),
+    ("transposed a", lambda: (_random((40, 33), torch.float32).t(), _random((33, 40), torch.float32))),
+    ("expanded b", lambda: (_random((9, 33), torch.float32), _random((1, 33), torch.float32).expand(9, 33))),
+    ("sliced a", lambda: (_random((30, 70), torch.float32)[::2, 3:], _random((15, 67), torch.float32))),
+]
+
+
+@pytest.mark.parametrize("case", [c[0] for c in TRITON_CASES])
+@pytest.mark.parametrize("alpha,reference", [(-1.0, coupling_sub_reference), (1.0, coupling_add_reference)])
+def test_triton_kernel_matches_reference(case, alpha, reference):
+    from revkernels.triton.coupling import coupling_axpy
+
+    a, b = dict(TRITON_CASES)[case]()
+    if not torch.cuda.is_available():
+        assert os.environ.get("TRITON_INTERPRET") == "1"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a, b = a.to(device), b.to(device)
+    out = coupling_axpy(a, b, alpha)
+    assert out.dtype == a.dtype and out.shape == a.shape
+    torch.testing.assert_close(out, reference(a, b), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_cuda_backends_are_selectable(backend):
+    from revkernels.ops import get_cuda_backend, set_cuda_backend
+
+    previous = get_cuda_backend()
+    set_cuda_backend(backend)
+    try:
+        y, f = torch.randn(64, 4097, device="cuda").bfloat16(), torch.randn(64, 4097, device="cuda")
+        torch.testing.assert_close(torch.ops.revkernels.coupling_sub(y, f), coupling_sub_reference(y, f), rtol=0, atol=0)
+    finally:
+        set_cuda_backend(previous)
+
+
+def test_cuda_backend_name_is_checked():
+    from revkernels.ops import set_cuda_backend
+
+    with pytest.raises(ValueError, match="backend must be one of"):
+        set_cuda_backend("opencl")
