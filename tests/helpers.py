@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 import revkernels as rk
+from revkernels.nn import DropPath
 
 
 def rel_err(actual, expected):
@@ -15,20 +16,6 @@ def rel_err(actual, expected):
 def assert_close_rel(actual, expected, tol=1e-5, what="tensor"):
     err = rel_err(actual, expected)
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
-
-
-class DropPath(nn.Module):
-    """Stochastic depth on the batch dim (drops whole samples), drawn from the global RNG."""
-
-    def __init__(self, p):
-        super().__init__()
-        self.p = p
-
-    def forward(self, x):
-        if not self.training or self.p == 0.0:
-            return x
-        keep = (torch.rand(x.shape[0], *([1] * (x.dim() - 1)), device=x.device) >= self.p).to(x.dtype)
-        return x * keep / (1.0 - self.p)
 
 
 def residual_fn(width, dropout=0.0, drop_path=0.0, norm="layer"):

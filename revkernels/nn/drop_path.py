@@ -1,0 +1,31 @@
+"""Stochastic depth: drops a residual branch for whole samples."""
+import torch
+from torch import nn
+
+
+class DropPath(nn.Module):
+    """Multiplies each sample (dim 0) by 0 with probability `p`, else by 1 / (1 - p).
+
+    The keep mask is drawn from the global generator (one uniform per sample), so a reversible
+    engine's RNG replay redraws the same mask in the recompute.
+    """
+
+    def __init__(self, p=0.0):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"revkernels: drop_path must be in [0, 1), got {p}")
+        self.p = float(p)
+
+    def sample_scale(self, x):
+        """The per-sample multiplier (shape (N, 1, ..., 1), x's dtype), or None when inactive."""
+        if not self.training or self.p == 0.0:
+            return None
+        keep = torch.rand((x.shape[0],) + (1,) * (x.dim() - 1), device=x.device) >= self.p
+        return keep.to(x.dtype) / (1.0 - self.p)
+
+    def forward(self, x):
+        scale = self.sample_scale(x)
+        return x if scale is None else x * scale
+
+    def extra_repr(self):
+        return f"p={self.p}"

@@ -1,0 +1,110 @@
+r"""GEMM-side rebuild: ``x = y - (a @ W^T + b)`` as one GEMM call.
+
+In a reversible block whose residual function ends in a linear layer (attention's output
+projection, the MLP's second layer), the rebuild ``x = y - F(.)`` does not need F's output as a
+tensor: the GEMM takes ``y`` as its accumulator (BLAS ``C <- beta*C + alpha*A@B`` with beta = 1,
+alpha = -1), so the output projection and the subtraction are one kernel::
+
+    x = addmm(y - b, a, W^T, beta=1, alpha=-1)        (y - b: the bias folded into the accumulator)
+
+Shapes: y (..., N), a (..., K), W (N, K), b (N,) or None; x has y's shape and dtype. Under autocast
+the GEMM runs in the autocast dtype like ``F.linear`` would while an fp32 stream stays the fp32
+accumulator (on CUDA, ``addmm(..., out_dtype=float32)``; CPU BLAS has no mixed-dtype GEMM, so
+there the product is formed in the autocast dtype and subtracted in fp32).
+
+VJP (linear in every input)::
+
+    dy = g     da = -g @ W     dW = -g^T a     db = -sum_rows(g)
+
+Kernels: one cuBLAS / CPU BLAS ``addmm`` per call (the bias is subtracted from y in the same pass
+that makes the accumulator), so there is no device-specific code: the op is a composite of ATen
+calls, registered for every device.
+"""
+import torch
+
+from revkernels.ops._library import define_op
+
+_linear_sub = define_op("linear_sub", "(Tensor y, Tensor a, Tensor weight, Tensor? bias) -> Tensor")
+
+
+def linear_sub_reference(y, a, weight, bias=None):
+    """Pure-PyTorch ``y - F.linear(a, weight, bias)`` formed in fp32 and rounded to y's dtype."""
+    return (y.float() - torch.nn.functional.linear(a.float(), weight.float(), None if bias is None else bias.float())).to(y.dtype)
+
+
+def _gemm_dtype(y, a, weight):
+    if torch.is_autocast_enabled(a.device.type):
+        return torch.get_autocast_dtype(a.device.type)
+    return torch.promote_types(a.dtype, weight.dtype)
+
+
+def _linear_sub_impl(y, a, weight, bias):
+    gemm_dtype = _gemm_dtype(y, a, weight)
+    n, k = weight.shape
+    a2d, w = a.reshape(-1, k).to(gemm_dtype), weight.to(gemm_dtype)
+    acc = y.reshape(-1, n)  # addmm reads its accumulator and writes a new tensor: y is not modified
+    if bias is not None:
+        acc = (acc - bias).to(torch.promote_types(y.dtype, gemm_dtype))
+    with torch.autocast(a.device.type, enabled=False):
+        if acc.dtype == gemm_dtype:
+            out = torch.addmm(acc, a2d, w.t(), beta=1, alpha=-1)
+        elif acc.is_cuda and acc.dtype == torch.float32:
+            # bf16/fp16 GEMM accumulating into the fp32 stream: cuBLAS with an fp32 C matrix.
+            out = torch.addmm(acc, a2d, w.t(), out_dtype=torch.float32, beta=1, alpha=-1)
+        else:  # CPU BLAS has no mixed-dtype GEMM: subtract the product in the wider dtype
+            out = acc - torch.mm(a2d, w.t()).to(acc.dtype)
+    return out.reshape(y.shape).to(y.dtype)
+
+
+torch.library.impl("revkernels::linear_sub", "CompositeExplicitAutograd")(_linear_sub_impl)
+
+
+@torch.library.register_fake("revkernels::linear_sub")
+def _linear_sub_fake(y, a, weight, bias):
+    return torch.empty_like(y)
+
+
+def _setup_context(ctx, inputs, output):
+    y, a, weight, bias = inputs
+    ctx.save_for_backward(a, weight)
+    ctx.y_dtype = y.dtype
+    ctx.has_bias = bias is not None
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _backward(ctx, grad):
+    a, weight = ctx.saved_tensors
+    g = grad.reshape(-1, weight.shape[0])
+    da = dweight = dbias = None
+    if ctx.needs_input_grad[1]:
+        da = (-g.to(weight.dtype) @ weight).reshape(a.shape).to(a.dtype)
+    if ctx.needs_input_grad[2]:
+        dweight = (-g.to(a.dtype).t() @ a.reshape(-1, a.shape[-1])).to(weight.dtype)
+    if ctx.has_bias and ctx.needs_input_grad[3]:
+        dbias = (-g.float().sum(0)).to(ctx.bias_dtype)
+    return grad.to(ctx.y_dtype), da, dweight, dbias
+
+
+torch.library.register_autograd("revkernels::linear_sub", _backward, setup_context=_setup_context)
+
+
+def linear_sub(y, a, weight, bias=None):
+    """``y - (a @ weight^T + bias)`` in y's dtype, as one GEMM with y as the accumulator."""
+    for t, name in ((y, "y"), (a, "a"), (weight, "weight")) + (((bias, "bias"),) if bias is not None else ()):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"revkernels: {name} must be a floating-point tensor, got {t.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"revkernels: weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if a.dim() < 1 or a.shape[-1] != k:
+        raise ValueError(f"revkernels: a must have last dim {k} (weight's in_features), got shape {tuple(a.shape)}")
+    if y.shape != (*a.shape[:-1], n):
+        raise ValueError(f"revkernels: y must have shape {(*a.shape[:-1], n)} (a's leading dims, weight's out_features), got {tuple(y.shape)}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"revkernels: bias must have shape ({n},), got {tuple(bias.shape)}")
+    devices = {t.device for t in (y, a, weight) + ((bias,) if bias is not None else ())}
+    if len(devices) != 1:
+        raise ValueError(f"revkernels: y, a, weight and bias must be on one device, got {sorted(map(str, devices))}")
+    return _linear_sub(y, a, weight, bias)
