@@ -30,6 +30,7 @@ def _worker(rank, world, init_file, data_file, out_file):
             _mean_loss(ddp, x1, x2, w1, w2).backward()  # DDP averages the ranks' grads
         if rank == 0:
             torch.save([p.grad for p in seq.parameters()], out_file)
+        dist.barrier()  # neither rank tears gloo down while the other may still be talking to it
     finally:
         dist.destroy_process_group()
 
