@@ -69,9 +69,9 @@ class BlockRecompute:
 
     x1: torch.Tensor
     x2: torch.Tensor  # leaf of F's local graph (requires grad)
-    y1: torch.Tensor  # leaf of G's local graph (requires grad)
+    y1: torch.Tensor | None  # leaf of G's local graph (requires grad); None without G
     f_out: torch.Tensor
-    g_out: torch.Tensor
+    g_out: torch.Tensor | None
     f_aliases: dict  # name -> detached leaf standing in for F's parameter in the local graph
     g_aliases: dict
 
@@ -171,6 +171,47 @@ def _vjp(out, leaf, params, grad_out):
         return None, [None] * len(params)
     grads = torch.autograd.grad(out, [leaf, *params], grad_out.to(out.dtype), allow_unused=True)
     return grads[0], list(grads[1:])
+
+
+class HalfCouplingBlock(ReversibleBlock):
+    """One additive coupling followed by a swap (PETRA's reversible stage, RevNet's half block)::
+
+        forward   (y1, y2) = (x2, x1 + f(x2))        inverse   (x1, x2) = (y2 - f(y1), y1)
+
+    Consecutive half blocks alternate which stream is updated; two of them compose to one
+    `ReversibleBlock(f, g)` up to the order of the output streams.
+    """
+
+    def __init__(self, f):
+        nn.Module.__init__(self)
+        if not isinstance(f, nn.Module):
+            raise TypeError(f"revkernels: f must be a torch.nn.Module, got {type(f).__name__}")
+        self.f = f
+
+    def forward_with_state(self, x1, x2, preserve_rng_state=True):
+        rng_f = RngState(cuda_devices_of(x1, x2)) if preserve_rng_state else None
+        fx2 = self.f(x2)
+        _check_residual(fx2, x1, "f", "x1")
+        return x2, x1 + fx2, BlockState(rng_f, None)
+
+    def inverse(self, y1, y2, state=None):
+        check_streams(y1, y2, ("y1", "y2"))
+        with torch.no_grad(), frozen_batchnorm_stats(self), maybe_replay(None if state is None else state.rng_f):
+            return coupling_sub(y2, self.f(y1)), y1
+
+    def recompute(self, y1, y2, state=None):
+        x2 = y1.detach().requires_grad_()
+        f_aliases = _param_aliases(self.f)
+        with torch.enable_grad(), frozen_batchnorm_stats(self), maybe_replay(None if state is None else state.rng_f):
+            f_out = functional_call(self.f, f_aliases, (x2,))
+        x1 = coupling_sub(y2.detach(), f_out.detach())
+        return BlockRecompute(x1=x1, x2=x2, y1=None, f_out=f_out, g_out=None, f_aliases=f_aliases, g_aliases={})
+
+    def grads(self, rec, dy1, dy2):
+        # dx1 = dy2;  dx2 = dy1 + (df/dx2)^T dy2
+        dx2_from_f, f_grads = _vjp(rec.f_out, rec.x2, list(rec.f_aliases.values()), dy2)
+        dx2 = dy1 if dx2_from_f is None else coupling_add(dy1, dx2_from_f)
+        return BlockGrads(dx1=dy2, dx2=dx2, params=_grad_params(self.f), param_grads=f_grads)
 
 
 class ReversibleSequential(nn.Module):

@@ -180,3 +180,39 @@ def test_reverse_with_gradients_of_the_wrong_shape(which):
         seq.reverse(y1, y2, bad if which == "dy1" else good, bad if which == "dy2" else good)
     with pytest.raises(TypeError, match=f"{which} must be a torch.Tensor"):
         seq.reverse(y1, y2, None if which == "dy1" else good, None if which == "dy2" else good)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 5])
+def test_half_coupling_blocks_match_plain_autograd(depth):
+    fs = [residual_fn(WIDTH, dropout=0.2) for _ in range(depth)]
+    seq = rk.nn.ReversibleSequential(*[rk.nn.HalfCouplingBlock(f) for f in fs])
+    x1, x2 = _streams(requires_grad=True)
+    w1, w2 = torch.randn(5, WIDTH), torch.randn(5, WIDTH)
+
+    def plain(a1, a2):
+        for f in fs:
+            a1, a2 = a2, a1 + f(a2)
+        return a1, a2
+
+    results = []
+    for fn in (plain, seq):
+        for p in seq.parameters():
+            p.grad = None
+        a1, a2 = x1.detach().clone().requires_grad_(), x2.detach().clone().requires_grad_()
+        torch.manual_seed(11)
+        y1, y2 = fn(a1, a2)
+        loss_of(y1, y2, w1, w2).backward()
+        results.append([y1.detach(), y2.detach(), a1.grad, a2.grad] + grads_of(seq.parameters()))
+    for i, (a, e) in enumerate(zip(results[1], results[0])):
+        assert_close_rel(a, e, 1e-5, f"output/grad {i}")
+    with torch.no_grad():
+        seq.eval()
+        y1, y2 = seq(x1, x2)
+        r1, r2 = seq.inverse(y1, y2)
+    assert_close_rel(r1, x1.detach(), 1e-5, "x1")
+    assert_close_rel(r2, x2.detach(), 1e-5, "x2")
+
+
+def test_half_coupling_block_needs_a_module():
+    with pytest.raises(TypeError, match="f must be a torch.nn.Module"):
+        rk.nn.HalfCouplingBlock(torch.tanh)
