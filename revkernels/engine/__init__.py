@@ -3,13 +3,16 @@
     autograd    reference: ordinary autograd through every block (stores all activations)
     sequential  one autograd Function over the run: saves only the outputs; the backward rebuilds
                 each block's input from its output and computes its grads, last block first
+    pareprop    the sequential engine with the backward on two CUDA streams: block i-1's rebuild
+                overlaps block i's gradients (sequential schedule on CPU)
 
 An engine is a function ``engine(seq, x1, x2) -> (y1, y2)``.
 """
 from revkernels.engine.autograd import run_autograd
+from revkernels.engine.pareprop import reverse_blocks_two_streams, run_pareprop
 from revkernels.engine.sequential import reverse_blocks, run_sequential
 
-ENGINES = {"autograd": run_autograd, "sequential": run_sequential}
+ENGINES = {"autograd": run_autograd, "sequential": run_sequential, "pareprop": run_pareprop}
 
 
 def get_engine(name):
@@ -19,4 +22,5 @@ def get_engine(name):
     return ENGINES[name]
 
 
-__all__ = ["ENGINES", "get_engine", "run_autograd", "run_sequential", "reverse_blocks"]
+__all__ = ["ENGINES", "get_engine", "run_autograd", "run_sequential", "run_pareprop", "reverse_blocks",
+           "reverse_blocks_two_streams"]

@@ -39,9 +39,12 @@ def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None
     return y1, y2, dy1, dy2, param_grads
 
 
-class _SequentialRun(torch.autograd.Function):
+class ReversibleRun(torch.autograd.Function):
+    """One autograd node for a run of reversible blocks. `walker` is the backward schedule:
+    a function with `reverse_blocks`' signature (sequential here, two streams in pareprop)."""
+
     @staticmethod
-    def forward(ctx, seq, params, x1, x2, *param_tensors):
+    def forward(ctx, seq, params, walker, x1, x2, *param_tensors):
         states = []
         with torch.no_grad():
             for block in seq.blocks:
@@ -50,6 +53,7 @@ class _SequentialRun(torch.autograd.Function):
         ctx.blocks = list(seq.blocks)
         ctx.states = states
         ctx.params = params
+        ctx.walker = walker
         ctx.autocast_state = AutocastState.capture(x1.device.type)
         ctx.save_for_backward(x1, x2)
         return x1, x2
@@ -58,14 +62,15 @@ class _SequentialRun(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy1, dy2):
         y1, y2 = ctx.saved_tensors
-        _, _, dx1, dx2, param_grads = reverse_blocks(
+        _, _, dx1, dx2, param_grads = ctx.walker(
             ctx.blocks, ctx.states, y1, y2, dy1, dy2, ctx.params, ctx.autocast_state
         )
         ctx.states = None
-        return (None, None, dx1, dx2, *param_grads)
+        return (None, None, None, dx1, dx2, *param_grads)
 
 
-def run_sequential(seq, x1, x2):
+def run_reversible(seq, x1, x2, walker):
+    """Runs `seq`'s blocks as one `ReversibleRun` whose backward follows `walker`."""
     from revkernels.nn.reversible import unique_grad_params
 
     params = unique_grad_params(seq.blocks)
@@ -74,4 +79,8 @@ def run_sequential(seq, x1, x2):
         for block in seq.blocks:
             x1, x2 = block(x1, x2)
         return x1, x2
-    return _SequentialRun.apply(seq, params, x1, x2, *params)
+    return ReversibleRun.apply(seq, params, walker, x1, x2, *params)
+
+
+def run_sequential(seq, x1, x2):
+    return run_reversible(seq, x1, x2, reverse_blocks)

@@ -7,7 +7,7 @@ import revkernels as rk
 from tests.helpers import assert_close_rel, grads_of, loss_of, make_seq, plain_forward, rel_err
 
 WIDTH = 16
-ENGINES = ["autograd", "sequential"]
+ENGINES = ["autograd", "sequential", "pareprop"]
 
 
 def _inputs(batch=4, width=WIDTH, dtype=torch.float32):
