@@ -1,0 +1,253 @@
+r"""LayerNorm ops with the coupling fused in: the rebuild subtract feeding F's first LayerNorm, and
+the LayerNorm backward feeding the residual-gradient add (DESIGN.md section 5).
+
+Rows are all leading dims flattened; the last dim (width N) is normalised; weight and bias have
+shape (N,). In a reversible block whose F starts with a LayerNorm, the rebuild ``x2 = y2 - G(y1)``
+is followed at once by ``LN(x2)``, and the backward of ``x1 = ... F(x2)`` ends with the
+LayerNorm's VJP added to the residual gradient of x2; each op does one of these in one pass.
+
+Forward (``torch.ops.revkernels.sub_layer_norm``)::
+
+    sub_layer_norm(y, g, weight, bias, eps) -> (x, ln, mean, rstd)
+        x    = y - g                                     in y's dtype, formed in fp32, rounded once
+        mean = sum_i x_i / N                             per row, of the rounded x
+        rstd = 1 / sqrt(sum_i (x_i - mean)^2 / N + eps)  (biased variance, as torch's LayerNorm)
+        ln   = (x - mean) * rstd * weight + bias         in x's dtype
+
+ln is therefore exactly ``LayerNorm(x)`` of the x the op returns. g may have another float dtype
+(a bf16 G output against an fp32 stream), as in ``coupling_sub``; weight and bias any float dtype.
+Accumulation is fp32, fp64 when y or g is fp64; mean and rstd (shape ``y.shape[:-1]``) are
+returned in that type.
+
+Backward (``torch.ops.revkernels.layer_norm_bwd_add``), the LayerNorm VJP plus the residual add::
+
+    layer_norm_bwd_add(dln, x, weight, mean, rstd, dres) -> (dx, dweight, dbias)
+        xhat    = (x - mean) * rstd
+        dxhat   = dln * weight
+        dx      = dres + rstd * (dxhat - mean_i(dxhat) - xhat * mean_i(dxhat * xhat))
+        dweight = sum_rows(dln * xhat)
+        dbias   = sum_rows(dln)
+
+dx is in dres's dtype (one rounding, after the add); dln must have x's dtype. dweight and dbias
+are accumulated in fp32 (fp64 when x or dres is fp64) as partial sums per block of rows, reduced in
+a fixed order (deterministic), and returned in weight's dtype.
+
+VJP of sub_layer_norm (registered, so the op works inside an autograd graph; mean and rstd are
+not differentiable), with grads (dx_out, dln) of its outputs (x, ln)::
+
+    (dx, dweight, dbias) = layer_norm_bwd_add(dln, x, weight, mean, rstd, dres=dx_out)
+    d y = dx,   d g = -dx,   d weight = dweight,   d bias = dbias
+
+layer_norm_bwd_add itself has no autograd formula (no double backward through sub_layer_norm).
+
+Kernels: C++ on CPU (``csrc/kernels/layer_norm.h``); Triton on CUDA (``revkernels/triton/layer_norm.py``;
+there is no CUDA C++ kernel for these ops); without a compiled CPU kernel, the references below.
+Layouts: inputs may be non-contiguous; the kernels read each as (rows, N) with unit stride along N
+(any row stride, 0 included), copying one that has no such view with ``.contiguous()``. Outputs
+are contiguous.
+"""
+import math
+
+import torch
+
+from revkernels.ops._library import define_op, fill_missing_cpu_kernel, register_cuda_kernel
+
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _accumulate_dtype(a, b):
+    return torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
+
+
+def sub_layer_norm_reference(y, g, weight, bias, eps):
+    """Pure-PyTorch (x, ln, mean, rstd) of ``sub_layer_norm``, in fp32 (fp64 if y or g is fp64)."""
+    acc = _accumulate_dtype(y, g)
+    x = (y.to(acc) - g.to(acc)).to(y.dtype)
+    xa = x.to(acc)
+    mean = xa.mean(-1)
+    rstd = torch.rsqrt(xa.var(-1, correction=0) + eps)
+    ln = torch.nn.functional.layer_norm(xa, xa.shape[-1:], weight.to(acc), bias.to(acc), eps)
+    return x, ln.to(y.dtype), mean, rstd
+
+
+def layer_norm_bwd_add_reference(dln, x, weight, mean, rstd, dres):
+    """Pure-PyTorch (dx, dweight, dbias) of ``layer_norm_bwd_add`` by the explicit formulas, in fp32
+    (fp64 if x or dres is fp64)."""
+    acc = _accumulate_dtype(x, dres)
+    n = x.shape[-1]
+    d = dln.to(acc)
+    xhat = (x.to(acc) - mean.to(acc).unsqueeze(-1)) * rstd.to(acc).unsqueeze(-1)
+    dxhat = d * weight.to(acc)
+    dx = rstd.to(acc).unsqueeze(-1) * (dxhat - dxhat.mean(-1, keepdim=True)
+                                       - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+    dweight = (d * xhat).reshape(-1, n).sum(0)
+    dbias = d.reshape(-1, n).sum(0)
+    return (dres.to(acc) + dx).to(dres.dtype), dweight.to(weight.dtype), dbias.to(weight.dtype)
+
+
+def _contiguous_outputs(reference):
+    # The kernels return contiguous tensors; so does the fallback.
+    def op(*args):
+        return tuple(t.contiguous() for t in reference(*args))
+
+    return op
+
+
+_sub_layer_norm = define_op(
+    "sub_layer_norm",
+    "(Tensor y, Tensor g, Tensor weight, Tensor bias, float eps) -> (Tensor x, Tensor ln, Tensor mean, Tensor rstd)")
+_layer_norm_bwd_add = define_op(
+    "layer_norm_bwd_add",
+    "(Tensor dln, Tensor x, Tensor weight, Tensor mean, Tensor rstd, Tensor dres) "
+    "-> (Tensor dx, Tensor dweight, Tensor dbias)")
+fill_missing_cpu_kernel("sub_layer_norm", _contiguous_outputs(sub_layer_norm_reference))
+fill_missing_cpu_kernel("layer_norm_bwd_add", _contiguous_outputs(layer_norm_bwd_add_reference))
+
+
+# --- argument checks (the C++ kernels repeat them; these also guard the Triton path) -------------
+
+def _check_float_tensor(t, name):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"revkernels: {name} must be float32, float64, float16 or bfloat16, got {t.dtype}")
+
+
+def _check_same_shape(t, name, ref, ref_name):
+    if t.shape != ref.shape:
+        raise ValueError(f"revkernels: {name} must have the shape of {ref_name} {tuple(ref.shape)}, "
+                         f"got {tuple(t.shape)}")
+
+
+def _check_same_device(tensors, ref, ref_name):
+    for t, name in tensors:
+        if t.device != ref.device:
+            raise ValueError(f"revkernels: {name} must be on the device of {ref_name} ({ref.device}), got {t.device}")
+
+
+def _normalised_width(t, name):
+    if t.dim() < 1:
+        raise ValueError(f"revkernels: {name} must have at least one dim (the normalised one)")
+    if t.shape[-1] == 0:
+        raise ValueError(f"revkernels: the last (normalised) dim of {name} must be non-empty")
+    return t.shape[-1]
+
+
+def _check_param(p, name, n, data_name):
+    _check_float_tensor(p, name)
+    if p.shape != (n,):
+        raise ValueError(f"revkernels: {name} must have shape ({n},), the last dim of {data_name}, "
+                         f"got {tuple(p.shape)}")
+
+
+def _check_sub_layer_norm_args(y, g, weight, bias, eps):
+    _check_float_tensor(y, "y")
+    _check_float_tensor(g, "g")
+    _check_same_shape(g, "g", y, "y")
+    n = _normalised_width(y, "y")
+    _check_param(weight, "weight", n, "y")
+    _check_param(bias, "bias", n, "y")
+    if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"revkernels: eps must be finite and non-negative, got {eps!r}")
+    _check_same_device([(g, "g"), (weight, "weight"), (bias, "bias")], y, "y")
+
+
+def _check_layer_norm_bwd_add_args(dln, x, weight, mean, rstd, dres):
+    for t, name in ((dln, "dln"), (x, "x"), (weight, "weight"), (mean, "mean"), (rstd, "rstd"), (dres, "dres")):
+        _check_float_tensor(t, name)
+    if dln.dtype != x.dtype:
+        raise TypeError(f"revkernels: dln must have the dtype of x ({x.dtype}), got {dln.dtype}")
+    n = _normalised_width(x, "x")
+    _check_same_shape(dln, "dln", x, "x")
+    _check_same_shape(dres, "dres", x, "x")
+    _check_param(weight, "weight", n, "x")
+    for t, name in ((mean, "mean"), (rstd, "rstd")):
+        if t.shape != x.shape[:-1]:
+            raise ValueError(f"revkernels: {name} must have shape x.shape[:-1] {tuple(x.shape[:-1])}, "
+                             f"got {tuple(t.shape)}")
+    _check_same_device([(dln, "dln"), (weight, "weight"), (mean, "mean"), (rstd, "rstd"), (dres, "dres")], x, "x")
+
+
+# --- CUDA: Triton ----------------------------------------------------------------------------------
+
+def _sub_layer_norm_triton(y, g, weight, bias, eps):
+    from revkernels.triton.layer_norm import sub_layer_norm as kernel
+
+    _check_sub_layer_norm_args(y, g, weight, bias, eps)
+    return kernel(y, g, weight, bias, eps)
+
+
+def _layer_norm_bwd_add_triton(dln, x, weight, mean, rstd, dres):
+    from revkernels.triton.layer_norm import layer_norm_bwd_add as kernel
+
+    _check_layer_norm_bwd_add_args(dln, x, weight, mean, rstd, dres)
+    return kernel(dln, x, weight, mean, rstd, dres)
+
+
+register_cuda_kernel("sub_layer_norm", _sub_layer_norm_triton)
+register_cuda_kernel("layer_norm_bwd_add", _layer_norm_bwd_add_triton)
+
+
+# --- fake (meta) implementations -------------------------------------------------------------------
+
+@torch.library.register_fake("revkernels::sub_layer_norm")
+def _sub_layer_norm_fake(y, g, weight, bias, eps):
+    torch._check(y.shape == g.shape, lambda: f"g must have the shape of y {tuple(y.shape)}, got {tuple(g.shape)}")
+    torch._check(y.dim() >= 1, lambda: "y must have at least one dim (the normalised one)")
+    n = y.shape[-1]
+    torch._check(weight.shape == (n,), lambda: f"weight must have shape ({n},), got {tuple(weight.shape)}")
+    torch._check(bias.shape == (n,), lambda: f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    x = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    stats_dtype = _accumulate_dtype(y, g)
+    mean = torch.empty(y.shape[:-1], dtype=stats_dtype, device=y.device)
+    return x, torch.empty_like(x), mean, torch.empty_like(mean)
+
+
+@torch.library.register_fake("revkernels::layer_norm_bwd_add")
+def _layer_norm_bwd_add_fake(dln, x, weight, mean, rstd, dres):
+    torch._check(dln.shape == x.shape, lambda: f"dln must have the shape of x {tuple(x.shape)}, got {tuple(dln.shape)}")
+    torch._check(dres.shape == x.shape,
+                 lambda: f"dres must have the shape of x {tuple(x.shape)}, got {tuple(dres.shape)}")
+    torch._check(x.dim() >= 1, lambda: "x must have at least one dim (the normalised one)")
+    n = x.shape[-1]
+    torch._check(weight.shape == (n,), lambda: f"weight must have shape ({n},), got {tuple(weight.shape)}")
+    dx = torch.empty(x.shape, dtype=dres.dtype, device=x.device)
+    return (dx, torch.empty(n, dtype=weight.dtype, device=x.device),
+            torch.empty(n, dtype=weight.dtype, device=x.device))
+
+
+# --- autograd ----------------------------------------------------------------------------------------
+
+def _sub_layer_norm_setup_context(ctx, inputs, output):
+    y, g, weight, bias, eps = inputs
+    x, ln, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.g_dtype, ctx.bias_dtype = g.dtype, bias.dtype
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _sub_layer_norm_backward(ctx, dx_out, dln, dmean, drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dweight, dbias = _layer_norm_bwd_add(dln, x, weight, mean, rstd, dx_out)
+    return dx, (-dx).to(ctx.g_dtype), dweight, dbias.to(ctx.bias_dtype), None
+
+
+torch.library.register_autograd("revkernels::sub_layer_norm", _sub_layer_norm_backward,
+                                setup_context=_sub_layer_norm_setup_context)
+
+
+# --- entry points ----------------------------------------------------------------------------------
+
+def sub_layer_norm(y, g, weight, bias, eps=1e-5):
+    """``(x, ln, mean, rstd)`` with ``x = y - g`` in y's dtype and ``ln = LayerNorm(x)`` over the last
+    dim (weight, bias of shape (N,)), one pass: the coupling rebuild fused with F's first LayerNorm.
+    Differentiable in y, g, weight and bias."""
+    _check_sub_layer_norm_args(y, g, weight, bias, eps)
+    return _sub_layer_norm(y, g, weight, bias, float(eps))
+
+
+def layer_norm_bwd_add(dln, x, weight, mean, rstd, dres):
+    """``(dx, dweight, dbias)``: the LayerNorm backward of ``ln = LayerNorm(x)`` (mean, rstd from the
+    forward) with the residual gradient added, ``dx = dres + LN_bwd(dln)`` in dres's dtype."""
+    _check_layer_norm_bwd_add_args(dln, x, weight, mean, rstd, dres)
+    return _layer_norm_bwd_add(dln, x, weight, mean, rstd, dres)

@@ -1,0 +1,99 @@
+"""RevViTBlock: fused recompute/grads against ordinary autograd through the same modules."""
+import pytest
+import torch
+
+import revkernels as rk
+from revkernels.nn.revvit import RevViTBlock
+from tests.helpers import assert_close_rel, grads_of, plain_forward, rel_err
+
+DIM, HEADS, BATCH, TOKENS = 32, 4, 3, 7
+
+
+def _stack(depth, **kwargs):
+    return rk.nn.ReversibleSequential(*[RevViTBlock(DIM, HEADS, **kwargs) for _ in range(depth)])
+
+
+def _data(device="cpu"):
+    x1 = torch.randn(BATCH, TOKENS, DIM, device=device)
+    x2 = torch.randn(BATCH, TOKENS, DIM, device=device)
+    w1, w2 = torch.randn_like(x1), torch.randn_like(x2)
+    return x1, x2, w1, w2
+
+
+def _run(fn, seq, x1, x2, w1, w2, seed):
+    for p in seq.parameters():
+        p.grad = None
+    a1, a2 = x1.clone().requires_grad_(), x2.clone().requires_grad_()
+    torch.manual_seed(seed)
+    y1, y2 = fn(a1, a2)
+    ((y1 * w1).sum() + (y2 * y2 * w2).sum()).backward()
+    return [y1.detach(), y2.detach(), a1.grad, a2.grad] + grads_of(seq.parameters())
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+@pytest.mark.parametrize("options", [{}, {"drop_path": 0.3}, {"approximate": "tanh", "qkv_bias": False}])
+def test_fused_grads_equal_plain_autograd(depth, options):
+    seq = _stack(depth, **options)
+    data = _data()
+    seed = torch.randint(0, 2**31, ()).item()
+    expected = _run(lambda a, b: plain_forward(seq, a, b), seq, *data, seed)
+    actual = _run(seq, seq, *data, seed)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert_close_rel(a, e, 1e-5, f"output/grad {i}")
+
+
+def test_fused_steps_agree_with_the_generic_block_on_the_same_modules():
+    seq = _stack(2, drop_path=0.2)
+    generic = rk.nn.ReversibleSequential(*[rk.nn.ReversibleBlock(b.f, b.g) for b in seq.blocks])
+    data = _data()
+    fused = _run(seq, seq, *data, seed=3)
+    plain = _run(generic, seq, *data, seed=3)
+    for i, (a, e) in enumerate(zip(fused, plain)):
+        assert_close_rel(a, e, 1e-5, f"output/grad {i}")
+
+
+def test_reverse_with_fused_blocks():
+    seq = _stack(2)
+    x1, x2, w1, w2 = _data()
+    y1, y2 = plain_forward(seq, x1, x2)
+    r1, r2, dx1, dx2 = seq.reverse(y1.detach(), y2.detach(), w1, 2 * y2.detach() * w2)
+    assert_close_rel(r1, x1, 1e-5, "x1")
+    assert_close_rel(r2, x2, 1e-5, "x2")
+    a1, a2 = x1.clone().requires_grad_(), x2.clone().requires_grad_()
+    z1, z2 = plain_forward(seq, a1, a2)
+    ((z1 * w1).sum() + (z2 * z2 * w2).sum()).backward()
+    assert_close_rel(dx1, a1.grad, 1e-5, "dx1")
+    assert_close_rel(dx2, a2.grad, 1e-5, "dx2")
+
+
+def test_autocast_bf16_follows_the_low_precision_rule():
+    seq = _stack(2)
+    data = _data()
+    exact = _run(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        same_dtype = _run(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=0)
+        ours = _run(seq, seq, *data, seed=0)
+    for i, (o, s, e) in enumerate(zip(ours, same_dtype, exact)):
+        assert rel_err(o, e) <= 2 * rel_err(s, e) + 1e-6, f"output/grad {i}"
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="must be divisible by num_heads"):
+        RevViTBlock(30, 4)
+    with pytest.raises(ValueError, match=r"\(batch, tokens, dim\)"):
+        RevViTBlock(DIM, HEADS)(torch.randn(4, DIM), torch.randn(4, DIM))
+    with pytest.raises(ValueError, match="drop_path must be in"):
+        RevViTBlock(DIM, HEADS, drop_path=1.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_autocast(dtype):
+    seq = _stack(3, drop_path=0.1).cuda()
+    data = _data("cuda")
+    exact = _run(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=0)
+    with torch.autocast("cuda", dtype=dtype):
+        same_dtype = _run(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=0)
+        ours = _run(seq, seq, *data, seed=0)
+    for i, (o, s, e) in enumerate(zip(ours, same_dtype, exact)):
+        assert rel_err(o, e) <= 2 * rel_err(s, e) + 1e-6, f"output/grad {i}"
