@@ -1,0 +1,203 @@
+"""Kernel benchmark: every fused op against the eager composition it replaces (and that composition
+under torch.compile), Triton and CUDA C++ backends side by side, with the device's copy bandwidth
+measured in the same run.
+
+    python benchmarks/bench_kernels.py                 # CUDA: bf16, the three issue sizes
+    python benchmarks/bench_kernels.py --device cpu --quick     # a smoke run of the same code
+
+Time: median of repeated calls after warm-up (triton.testing.do_bench on CUDA, which clears the L2
+cache between calls; perf_counter medians on CPU). GB/s counts the bytes each op must move at
+least once (inputs read, outputs written); GEMM rows report TFLOP/s instead. Results: CSV with
+device, versions and commit beside every row, and a bar chart, under --out.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from revkernels.bench.report import provenance, write_csv  # noqa: E402
+from revkernels.ops import get_cuda_backend, set_cuda_backend  # noqa: E402
+import revkernels.ops.bias_gelu  # noqa: E402,F401
+import revkernels.ops.layer_norm  # noqa: E402,F401
+
+SIZES_CUDA = [(12608, 768), (25216, 1024), (32768, 4096)]
+SIZES_CPU = [(256, 768), (512, 1024)]
+
+
+def _time_ms(fn, device, reps):
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=reps, return_mode="median")
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(max(3, reps // 20)):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _cases(rows, width, dtype, device):
+    """(op name, {impl: fn}, bytes moved or None, flops or None) for one size."""
+    def rand(*shape, dt=dtype):
+        return torch.randn(*shape, device=device).to(dt)
+
+    ops = torch.ops.revkernels
+    y, f = rand(rows, width), rand(rows, width)
+    w, b = rand(width), rand(width)
+    hidden = rand(rows, width)
+    _, mean, rstd = torch.native_layer_norm(y, [width], w, b, 1e-6)
+    dln, dres = rand(rows, width), rand(rows, width)
+    a, weight = rand(rows, width), rand(width, width) / width**0.5
+    element = torch.tensor([], dtype=dtype).element_size()
+    act = rows * width * element
+    stats = rows * 4 * 2
+
+    def coupling_eager():
+        return y - f
+
+    def sub_ln_eager():
+        x = y - f
+        return x, *torch.native_layer_norm(x, [width], w, b, 1e-6)
+
+    def ln_bwd_add_eager():
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(dln, y, [width], mean, rstd, w, b, [True, True, True])
+        return dx + dres, dw, db
+
+    def bias_gelu_eager():
+        return F.gelu(hidden + b)
+
+    def bias_gelu_bwd_eager():
+        dx = torch.ops.aten.gelu_backward(dln, hidden + b)
+        return dx, dx.float().sum(0).to(b.dtype)
+
+    def linear_sub_eager():
+        return y - F.linear(a, weight, b)
+
+    flat_mean, flat_rstd = mean.reshape(rows), rstd.reshape(rows)
+    cases = [
+        ("coupling_sub", coupling_eager, lambda: ops.coupling_sub(y, f), 3 * act, None),
+        ("sub_layer_norm", sub_ln_eager, lambda: ops.sub_layer_norm(y, f, w, b, 1e-6), 4 * act + stats, None),
+        ("layer_norm_bwd_add", ln_bwd_add_eager,
+         lambda: ops.layer_norm_bwd_add(dln, y, w, flat_mean, flat_rstd, dres), 4 * act + stats, None),
+        ("bias_gelu", bias_gelu_eager, lambda: ops.bias_gelu(hidden, b, "none"), 2 * act, None),
+        ("bias_gelu_bwd", bias_gelu_bwd_eager, lambda: ops.bias_gelu_bwd(dln, hidden, b, "none"), 3 * act, None),
+        ("linear_sub", linear_sub_eager, lambda: ops.linear_sub(y, a, weight, b), None, 2 * rows * width * width),
+    ]
+    return cases
+
+
+def _copy_bandwidth(device, dtype, reps):
+    src = torch.randn(32768, 4096, device=device).to(dtype) if device.type == "cuda" else torch.randn(2048, 4096)
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src), device, reps)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sizes = SIZES_CUDA if cuda else SIZES_CPU[:1] if args.quick else SIZES_CPU
+    reps = 30 if args.quick else 100
+    meta = provenance(args.device)
+    copy_gbs = _copy_bandwidth(device, dtype, reps)
+    print(f"kernel benchmark on {meta['device']} ({dtype}), torch {meta['torch']}, triton {meta['triton']}, "
+          f"commit {meta['commit']}; copy bandwidth {copy_gbs:.0f} GB/s")
+
+    backends = ["triton", "cuda"] if cuda else ["cpp"]
+    use_compile = cuda and not args.no_compile
+    rows_out = []
+    previous = get_cuda_backend()
+    try:
+        for rows, width in sizes:
+            for name, eager, fused, nbytes, flops in _cases(rows, width, dtype, device):
+                impls = {"eager": eager}
+                if use_compile:
+                    impls["compile"] = torch.compile(eager, dynamic=False)
+                for backend in backends:
+                    impls[backend] = fused
+                for impl, fn in impls.items():
+                    if impl in ("triton", "cuda"):
+                        set_cuda_backend(impl)
+                    ms = _time_ms(fn, device, reps)
+                    rows_out.append({
+                        "op": name, "rows": rows, "width": width, "dtype": str(dtype).replace("torch.", ""),
+                        "impl": impl, "ms": round(ms, 5),
+                        "gb_per_s": round(nbytes / (ms * 1e-3) / 1e9, 1) if nbytes else "",
+                        "tflop_per_s": round(flops / (ms * 1e-3) / 1e12, 2) if flops else "",
+                        "copy_gb_per_s": round(copy_gbs, 1),
+                    })
+    finally:
+        set_cuda_backend(previous)
+
+    impl_names = ["eager"] + (["compile"] if use_compile else []) + backends
+    print(f"\n{'op':<20} {'rows x width':>12}  " + "".join(f"{i:>22}" for i in impl_names)
+          + "   best fused vs eager" + (" / compile" if use_compile else ""))
+    for rows, width in sizes:
+        for name in dict.fromkeys(r["op"] for r in rows_out):
+            mine = {r["impl"]: r for r in rows_out if r["op"] == name and r["rows"] == rows}
+            cells = []
+            for impl in impl_names:
+                r = mine[impl]
+                rate = f"{r['gb_per_s']:.0f} GB/s" if r["gb_per_s"] != "" else f"{r['tflop_per_s']:.1f} TF/s"
+                cells.append(f"{r['ms']:.3f} ms ({rate})".rjust(22))
+            best = min(mine[b]["ms"] for b in backends)
+            speed = f"{mine['eager']['ms'] / best:.2f}x" + (f" / {mine['compile']['ms'] / best:.2f}x" if use_compile else "")
+            print(f"{name:<20} {f'{rows}x{width}':>12}  " + "".join(cells) + f"   {speed}")
+
+    os.makedirs(args.out, exist_ok=True)
+    tag = "cuda" if cuda else "cpu"
+    path = write_csv(os.path.join(args.out, f"kernels_{tag}.csv"), rows_out, meta)
+    png = _plot(os.path.join(args.out, f"kernels_{tag}.png"), rows_out, meta, copy_gbs)
+    print(f"\nwrote {path}" + (f" and {png}" if png else ""))
+    return 0
+
+
+def _plot(path, rows, meta, copy_gbs):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    bandwidth_rows = [r for r in rows if r["gb_per_s"] != ""]
+    largest = max(r["rows"] * r["width"] for r in bandwidth_rows)
+    at_largest = [r for r in bandwidth_rows if r["rows"] * r["width"] == largest]
+    ops = list(dict.fromkeys(r["op"] for r in at_largest))
+    impls = list(dict.fromkeys(r["impl"] for r in at_largest))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(impls)
+    for k, impl in enumerate(impls):
+        values = [next((r["gb_per_s"] for r in at_largest if r["op"] == op and r["impl"] == impl), 0) for op in ops]
+        ax.bar([i + k * width for i in range(len(ops))], values, width, label=impl)
+    ax.axhline(copy_gbs, color="black", linestyle="--", linewidth=1, label=f"copy {copy_gbs:.0f} GB/s")
+    ax.set_xticks([i + width * (len(impls) - 1) / 2 for i in range(len(ops))], ops)
+    ax.set_ylabel("GB/s (bytes each op must move)")
+    sample = at_largest[0]
+    ax.set_title(f"{sample['rows']}x{sample['width']} {sample['dtype']} | {meta['device']} | torch {meta['torch']} "
+                 f"| commit {meta['commit']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())
