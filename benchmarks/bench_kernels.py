@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from revkernels.bench.report import provenance, write_csv  # noqa: E402
+from revkernels.bench.report import provenance, pyplot, write_csv  # noqa: E402
 from revkernels.ops import get_cuda_backend, set_cuda_backend  # noqa: E402
 import revkernels.ops.bias_gelu  # noqa: E402,F401
 import revkernels.ops.layer_norm  # noqa: E402,F401
@@ -169,12 +169,8 @@ def main(argv=None):
 
 
 def _plot(path, rows, meta, copy_gbs):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     bandwidth_rows = [r for r in rows if r["gb_per_s"] != ""]
     largest = max(r["rows"] * r["width"] for r in bandwidth_rows)

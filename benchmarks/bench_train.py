@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import revkernels as rk  # noqa: E402
-from revkernels.bench.report import provenance, write_csv  # noqa: E402
+from revkernels.bench.report import provenance, pyplot, write_csv  # noqa: E402
 from revkernels.nn.revvit import AttentionBranch, MlpBranch, RevViTBlock  # noqa: E402
 
 MODELS = {"vit_b": dict(depth=12, dim=768, heads=12), "vit_l": dict(depth=24, dim=1024, heads=16)}
@@ -172,12 +172,8 @@ def main(argv=None):
 
 
 def _plot(path, rows, meta):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     throughput = [r for r in rows if r["kind"] == "throughput"]

@@ -1,4 +1,7 @@
 """Shared test utilities: error measures, small reversible stacks and their plain-autograd twin."""
+import subprocess
+import sys
+
 import torch
 from torch import nn
 
@@ -49,3 +52,11 @@ def loss_of(y1, y2, w1, w2):
 
 def grads_of(params):
     return [None if p.grad is None else p.grad.detach().clone() for p in params]
+
+
+def run_without_c_extension(body):
+    """Runs `body` in a fresh interpreter where `revkernels._C` cannot be imported; it must print
+    'ok'. The preamble hides the library before anything imports revkernels."""
+    code = "import sys, warnings\nsys.modules['revkernels._C'] = None\n" + body
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr

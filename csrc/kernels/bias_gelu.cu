@@ -113,7 +113,7 @@ cudaError_t launch_backward(void* dx, void* dbias, const void* dy, int64_t dy_ro
 cudaError_t bias_gelu_cuda(ScalarKind x_kind, ScalarKind bias_kind, GeluApprox approx, void* out, const void* x,
                            int64_t x_row_stride, const void* bias, int64_t rows, int64_t n, cudaStream_t stream) {
   if (rows == 0 || n == 0) return cudaSuccess;
-  return dispatch_bias_gelu_types(x_kind, bias_kind, [&](auto acc_tag, auto x_tag, auto bias_tag) {
+  return dispatch_float_pair(x_kind, bias_kind, [&](auto acc_tag, auto x_tag, auto bias_tag) {
     using acc_t = typename decltype(acc_tag)::type;
     using x_t = typename decltype(x_tag)::type;
     using bias_t = typename decltype(bias_tag)::type;
@@ -135,7 +135,7 @@ cudaError_t bias_gelu_bwd_cuda(ScalarKind x_kind, ScalarKind bias_kind, GeluAppr
                                const void* dy, int64_t dy_row_stride, const void* x, int64_t x_row_stride,
                                const void* bias, int64_t rows, int64_t n, void* workspace, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  return dispatch_bias_gelu_types(x_kind, bias_kind, [&](auto acc_tag, auto x_tag, auto bias_tag) {
+  return dispatch_float_pair(x_kind, bias_kind, [&](auto acc_tag, auto x_tag, auto bias_tag) {
     using acc_t = typename decltype(acc_tag)::type;
     using x_t = typename decltype(x_tag)::type;
     using bias_t = typename decltype(bias_tag)::type;

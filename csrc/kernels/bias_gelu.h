@@ -156,34 +156,4 @@ inline int64_t bias_gelu_bwd_rows_per_chunk(int64_t rows, int64_t n) {
   return per_chunk > 0 ? per_chunk : 1;
 }
 
-namespace bias_gelu_detail {
-template <typename T> struct Tag { using type = T; };
-}  // namespace bias_gelu_detail
-
-// Calls fn(Tag<acc_t>, Tag<x_t>, Tag<bias_t>) for the runtime dtypes of x (also out, dy, dx) and
-// bias; acc_t is double when either is double, float otherwise. Returns fn's result.
-template <typename Fn>
-auto dispatch_bias_gelu_types(ScalarKind x_kind, ScalarKind bias_kind, Fn&& fn) {
-  using bias_gelu_detail::Tag;
-  auto with_bias = [&](auto x_tag) {
-    using x_t = typename decltype(x_tag)::type;
-    constexpr bool x_double = sizeof(x_t) == sizeof(double);
-    using acc_if_narrow_bias = typename std::conditional<x_double, double, float>::type;
-    switch (bias_kind) {
-      case ScalarKind::Float64: return fn(Tag<double>{}, x_tag, Tag<double>{});
-      case ScalarKind::Float16: return fn(Tag<acc_if_narrow_bias>{}, x_tag, Tag<Half>{});
-      case ScalarKind::BFloat16: return fn(Tag<acc_if_narrow_bias>{}, x_tag, Tag<BFloat16>{});
-      case ScalarKind::Float32: break;
-    }
-    return fn(Tag<acc_if_narrow_bias>{}, x_tag, Tag<float>{});
-  };
-  switch (x_kind) {
-    case ScalarKind::Float64: return with_bias(Tag<double>{});
-    case ScalarKind::Float16: return with_bias(Tag<Half>{});
-    case ScalarKind::BFloat16: return with_bias(Tag<BFloat16>{});
-    case ScalarKind::Float32: break;
-  }
-  return with_bias(Tag<float>{});
-}
-
 }  // namespace revkernels

@@ -69,7 +69,7 @@ cudaError_t coupling_axpy_cuda(ScalarKind out_kind, ScalarKind b_kind, void* out
                                const void* b, double alpha, const CouplingLayout& layout,
                                int64_t numel, cudaStream_t stream) {
   if (numel == 0) return cudaSuccess;
-  return dispatch_coupling_types(out_kind, b_kind, [&](auto acc_tag, auto out_tag, auto b_tag) {
+  return dispatch_float_pair(out_kind, b_kind, [&](auto acc_tag, auto out_tag, auto b_tag) {
     return launch<typename decltype(acc_tag)::type, typename decltype(out_tag)::type,
                   typename decltype(b_tag)::type>(out, a, b, alpha, layout, numel, stream);
   });

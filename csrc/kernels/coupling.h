@@ -9,7 +9,6 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include "scalar.h"
 
@@ -75,33 +74,6 @@ void coupling_axpy_cpu(out_t* out, const out_t* a, const b_t* b, acc_t alpha,
       ++index[d - 1];
     }
   }
-}
-
-template <typename T> struct TypeTag { using type = T; };
-
-// Calls fn(TypeTag<acc_t>, TypeTag<out_t>, TypeTag<b_t>) for the runtime dtypes of `out`/`a`
-// and `b`; acc_t is double when either is double, float otherwise. Returns fn's result.
-template <typename Fn>
-auto dispatch_coupling_types(ScalarKind out_kind, ScalarKind b_kind, Fn&& fn) {
-  auto with_b = [&](auto out_tag) {
-    using out_t = typename decltype(out_tag)::type;
-    constexpr bool out_double = sizeof(out_t) == sizeof(double);
-    using acc_if_narrow_b = typename std::conditional<out_double, double, float>::type;
-    switch (b_kind) {
-      case ScalarKind::Float64: return fn(TypeTag<double>{}, out_tag, TypeTag<double>{});
-      case ScalarKind::Float16: return fn(TypeTag<acc_if_narrow_b>{}, out_tag, TypeTag<Half>{});
-      case ScalarKind::BFloat16: return fn(TypeTag<acc_if_narrow_b>{}, out_tag, TypeTag<BFloat16>{});
-      case ScalarKind::Float32: break;
-    }
-    return fn(TypeTag<acc_if_narrow_b>{}, out_tag, TypeTag<float>{});
-  };
-  switch (out_kind) {
-    case ScalarKind::Float64: return with_b(TypeTag<double>{});
-    case ScalarKind::Float16: return with_b(TypeTag<Half>{});
-    case ScalarKind::BFloat16: return with_b(TypeTag<BFloat16>{});
-    case ScalarKind::Float32: break;
-  }
-  return with_b(TypeTag<float>{});
 }
 
 }  // namespace revkernels

@@ -15,7 +15,6 @@
 #include <cmath>
 #include <cstdint>
 
-#include "coupling.h"  // TypeTag, dispatch_coupling_types
 #include "scalar.h"
 
 namespace revkernels {
@@ -133,18 +132,6 @@ void reduce_partials_cpu(out_t* out, const acc_t* partials, int64_t num_partials
     }
     for (int64_t i = 0; i < width; ++i) store<acc_t>(out + c0 + i, sums[i]);
   }
-}
-
-// Calls fn(TypeTag<T>) for the runtime dtype `kind`. Returns fn's result.
-template <typename Fn>
-auto dispatch_float_type(ScalarKind kind, Fn&& fn) {
-  switch (kind) {
-    case ScalarKind::Float64: return fn(TypeTag<double>{});
-    case ScalarKind::Float16: return fn(TypeTag<Half>{});
-    case ScalarKind::BFloat16: return fn(TypeTag<BFloat16>{});
-    case ScalarKind::Float32: break;
-  }
-  return fn(TypeTag<float>{});
 }
 
 }  // namespace revkernels

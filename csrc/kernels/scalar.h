@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
@@ -98,5 +99,45 @@ template <typename acc_t> RK_HOST_DEVICE inline void store(float* p, acc_t v) { 
 template <typename acc_t> RK_HOST_DEVICE inline void store(double* p, acc_t v) { *p = static_cast<double>(v); }
 template <typename acc_t> RK_HOST_DEVICE inline void store(Half* p, acc_t v) { p->bits = float_to_half(static_cast<float>(v)); }
 template <typename acc_t> RK_HOST_DEVICE inline void store(BFloat16* p, acc_t v) { p->bits = float_to_bfloat16(static_cast<float>(v)); }
+
+template <typename T> struct TypeTag { using type = T; };
+
+// Calls fn(TypeTag<T>) for the runtime dtype `kind`. Returns fn's result.
+template <typename Fn>
+auto dispatch_float_type(ScalarKind kind, Fn&& fn) {
+  switch (kind) {
+    case ScalarKind::Float64: return fn(TypeTag<double>{});
+    case ScalarKind::Float16: return fn(TypeTag<Half>{});
+    case ScalarKind::BFloat16: return fn(TypeTag<BFloat16>{});
+    case ScalarKind::Float32: break;
+  }
+  return fn(TypeTag<float>{});
+}
+
+// Calls fn(TypeTag<acc_t>, TypeTag<first_t>, TypeTag<second_t>) for two runtime dtypes (an op's
+// output-side operand and its other operand); acc_t is double when either is double, float
+// otherwise. Returns fn's result.
+template <typename Fn>
+auto dispatch_float_pair(ScalarKind out_kind, ScalarKind b_kind, Fn&& fn) {
+  auto with_b = [&](auto out_tag) {
+    using out_t = typename decltype(out_tag)::type;
+    constexpr bool out_double = sizeof(out_t) == sizeof(double);
+    using acc_if_narrow_b = typename std::conditional<out_double, double, float>::type;
+    switch (b_kind) {
+      case ScalarKind::Float64: return fn(TypeTag<double>{}, out_tag, TypeTag<double>{});
+      case ScalarKind::Float16: return fn(TypeTag<acc_if_narrow_b>{}, out_tag, TypeTag<Half>{});
+      case ScalarKind::BFloat16: return fn(TypeTag<acc_if_narrow_b>{}, out_tag, TypeTag<BFloat16>{});
+      case ScalarKind::Float32: break;
+    }
+    return fn(TypeTag<acc_if_narrow_b>{}, out_tag, TypeTag<float>{});
+  };
+  switch (out_kind) {
+    case ScalarKind::Float64: return with_b(TypeTag<double>{});
+    case ScalarKind::Float16: return with_b(TypeTag<Half>{});
+    case ScalarKind::BFloat16: return with_b(TypeTag<BFloat16>{});
+    case ScalarKind::Float32: break;
+  }
+  return with_b(TypeTag<float>{});
+}
 
 }  // namespace revkernels

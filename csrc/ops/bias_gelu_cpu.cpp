@@ -87,7 +87,7 @@ at::Tensor bias_gelu_cpu_impl(const at::Tensor& x, const at::Tensor& bias, c10::
   if (out.numel() == 0) return out;
   const at::Tensor x2 = bias_gelu_rows_view(x, args.n);
   const at::Tensor b = bias.contiguous();
-  dispatch_bias_gelu_types(args.x_kind, args.bias_kind, [&](auto acc_tag, auto x_tag, auto bias_tag) {
+  dispatch_float_pair(args.x_kind, args.bias_kind, [&](auto acc_tag, auto x_tag, auto bias_tag) {
     using acc_t = typename decltype(acc_tag)::type;
     using x_t = typename decltype(x_tag)::type;
     using bias_t = typename decltype(bias_tag)::type;
@@ -117,7 +117,7 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd_cpu_impl(const at::Tensor& dy, 
   const at::Tensor b = bias.contiguous();
   const int64_t rows_per_chunk = bias_gelu_bwd_rows_per_chunk(args.rows, args.n);
   const int64_t chunks = (args.rows + rows_per_chunk - 1) / rows_per_chunk;
-  dispatch_bias_gelu_types(args.x_kind, args.bias_kind, [&](auto acc_tag, auto x_tag, auto bias_tag) {
+  dispatch_float_pair(args.x_kind, args.bias_kind, [&](auto acc_tag, auto x_tag, auto bias_tag) {
     using acc_t = typename decltype(acc_tag)::type;
     using x_t = typename decltype(x_tag)::type;
     using bias_t = typename decltype(bias_tag)::type;

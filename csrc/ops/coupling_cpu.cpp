@@ -20,7 +20,7 @@ at::Tensor coupling_axpy_cpu_impl(const at::Tensor& a, const char* a_name, const
   if (!make_coupling_layout(out, a, b, &layout)) {  // too many strided dims: densify first
     return coupling_axpy_cpu_impl(a.contiguous(), a_name, b.contiguous(), b_name, alpha);
   }
-  dispatch_coupling_types(scalar_kind(a, a_name), scalar_kind(b, b_name), [&](auto acc_tag, auto out_tag, auto b_tag) {
+  dispatch_float_pair(scalar_kind(a, a_name), scalar_kind(b, b_name), [&](auto acc_tag, auto out_tag, auto b_tag) {
     using acc_t = typename decltype(acc_tag)::type;
     using out_t = typename decltype(out_tag)::type;
     using b_t = typename decltype(b_tag)::type;

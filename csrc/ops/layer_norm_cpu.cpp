@@ -100,7 +100,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sub_layer_norm_op(
 
   const at::Tensor y_rows = as_rows(y, rows, n), g_rows = as_rows(g, rows, n);
   const at::Tensor w = weight.to(acc_options.dtype()).contiguous(), b = bias.to(acc_options.dtype()).contiguous();
-  dispatch_coupling_types(y_kind, g_kind, [&](auto acc_tag, auto x_tag, auto g_tag) {
+  dispatch_float_pair(y_kind, g_kind, [&](auto acc_tag, auto x_tag, auto g_tag) {
     using acc_t = typename decltype(acc_tag)::type;
     using x_t = typename decltype(x_tag)::type;
     using g_t = typename decltype(g_tag)::type;
@@ -165,8 +165,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_add_op(
   const int64_t num_blocks = ceil_div(rows, rows_per_block);
   const at::Tensor partials = at::empty({2, num_blocks, n}, x.options().dtype(acc_dtype));
   const int64_t grain = std::max<int64_t>(1, kGrainSize / (rows_per_block * n));
-  // dispatch_coupling_types(first, second): acc_t is double when either dtype is double.
-  dispatch_coupling_types(dres_kind, x_kind, [&](auto acc_tag, auto dres_tag, auto x_tag) {
+  // dispatch_float_pair(first, second): acc_t is double when either dtype is double.
+  dispatch_float_pair(dres_kind, x_kind, [&](auto acc_tag, auto dres_tag, auto x_tag) {
     using acc_t = typename decltype(acc_tag)::type;
     using dres_t = typename decltype(dres_tag)::type;
     using x_t = typename decltype(x_tag)::type;

@@ -97,12 +97,12 @@ void check_helpers() {
   }
 }
 
-// Runs fn(acc_t, x_t, bias_t tags) through dispatch_bias_gelu_types as the op glue does, checking the
+// Runs fn(acc_t, x_t, bias_t tags) through dispatch_float_pair as the op glue does, checking the
 // dispatched types.
 template <typename x_t, typename bias_t, typename Fn> void dispatched(Fn&& fn) {
   constexpr bool acc_double = std::is_same_v<x_t, double> || std::is_same_v<bias_t, double>;
   using want_acc = std::conditional_t<acc_double, double, float>;
-  dispatch_bias_gelu_types(Traits<x_t>::kind, Traits<bias_t>::kind, [&](auto acc_tag, auto x_tag, auto bias_tag) {
+  dispatch_float_pair(Traits<x_t>::kind, Traits<bias_t>::kind, [&](auto acc_tag, auto x_tag, auto bias_tag) {
     using acc_t = typename decltype(acc_tag)::type;
     if constexpr (std::is_same_v<typename decltype(x_tag)::type, x_t> &&
                   std::is_same_v<typename decltype(bias_tag)::type, bias_t>) {

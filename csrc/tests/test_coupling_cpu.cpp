@@ -78,13 +78,13 @@ void offsets(const CouplingLayout& layout, int64_t linear, int64_t* a_off, int64
   }
 }
 
-// Runs the kernel through dispatch_coupling_types, as the op glue does, checking the dispatched types.
+// Runs the kernel through dispatch_float_pair, as the op glue does, checking the dispatched types.
 template <typename out_t, typename b_t>
 void run_kernel(out_t* out, const out_t* a, const b_t* b, double alpha, const CouplingLayout& layout,
                 int64_t begin, int64_t end) {
   constexpr bool acc_double = std::is_same_v<out_t, double> || std::is_same_v<b_t, double>;
   using want_acc = std::conditional_t<acc_double, double, float>;
-  dispatch_coupling_types(Traits<out_t>::kind, Traits<b_t>::kind, [&](auto acc_tag, auto out_tag, auto b_tag) {
+  dispatch_float_pair(Traits<out_t>::kind, Traits<b_t>::kind, [&](auto acc_tag, auto out_tag, auto b_tag) {
     using acc_t = typename decltype(acc_tag)::type;
     if constexpr (std::is_same_v<typename decltype(out_tag)::type, out_t> &&
                   std::is_same_v<typename decltype(b_tag)::type, b_t>) {

@@ -251,7 +251,7 @@ template <typename first_t, typename second_t>
 void check_types(const std::vector<Shape>& shapes, std::mt19937_64& rng) {
   bool dispatched = false;
   const ScalarKind first = Traits<first_t>::kind, second = Traits<second_t>::kind;
-  dispatch_coupling_types(first, second, [&](auto acc_tag, auto first_tag, auto second_tag) {
+  dispatch_float_pair(first, second, [&](auto acc_tag, auto first_tag, auto second_tag) {
     using acc_t = typename decltype(acc_tag)::type;
     if constexpr (std::is_same_v<typename decltype(first_tag)::type, first_t> &&
                   std::is_same_v<typename decltype(second_tag)::type, second_t>) {

@@ -49,15 +49,23 @@ def write_csv(path, rows, meta):
     return path
 
 
-def plot_train_step(path, rows, meta):
-    """Step time and memory against depth, one line per engine. Returns the path, or None without
-    matplotlib."""
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot_train_step(path, rows, meta):
+    """Step time and memory against depth, one line per engine. Returns the path, or None without
+    matplotlib."""
+    plt = pyplot()
+    if plt is None:
         return None
     engines = sorted({r["engine"] for r in rows})
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))

@@ -57,16 +57,19 @@ class AutocastState:
 
     @staticmethod
     def capture(device_type):
-        return AutocastState(
-            device_type=device_type,
-            enabled=torch.is_autocast_enabled(device_type),
-            dtype=torch.get_autocast_dtype(device_type),
-            cache_enabled=torch.is_autocast_cache_enabled(),
-        )
+        try:
+            enabled, dtype = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+        except RuntimeError:  # a device type autocast does not know (e.g. "meta"): never autocast
+            enabled, dtype = False, torch.float32
+        return AutocastState(device_type, enabled, dtype, torch.is_autocast_cache_enabled())
 
     def enter(self):
         """A context that runs its body under the recorded autocast mode."""
-        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled, cache_enabled=self.cache_enabled)
+        if not self.enabled:
+            # Explicitly off, so an autocast region around the backward does not leak into it.
+            return torch.autocast(self.device_type, enabled=False) if self.device_type in ("cpu", "cuda") \
+                else contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=True, cache_enabled=self.cache_enabled)
 
 
 @contextlib.contextmanager
