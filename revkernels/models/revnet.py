@@ -53,6 +53,7 @@ its two outputs, whatever its depth. Stem, D and head store their activations as
 import torch
 from torch import nn
 
+from revkernels.engine.recompute import run_recomputed
 from revkernels.nn.reversible import HalfCouplingBlock, ReversibleSequential, check_streams
 
 STEMS = ("cifar", "imagenet")
@@ -202,6 +203,8 @@ class RevNet(nn.Module):
         stem: "imagenet" (7x7/2 conv + max-pool) or "cifar" (3x3/1 conv, no pool).
         engine: engine of every reversible run ("sequential", "autograd", ...); see `set_engine`.
         conv_bias: give every convolution a bias (the authors' code; inert before BatchNorm).
+        recompute_nonreversible: with a memory-saving engine, the stem and downsampling stages keep
+            only their input and recompute in the backward (`revkernels.engine.recompute`).
 
     Attributes:
         segments: the modules the forward runs, in order: the stem, `ReversibleSequential` runs,
@@ -210,8 +213,9 @@ class RevNet(nn.Module):
     """
 
     def __init__(self, block="basic", layers=(2, 2, 2, 2), num_classes=1000, stem="imagenet",
-                 engine="sequential", conv_bias=False):
+                 engine="sequential", conv_bias=False, recompute_nonreversible=True):
         super().__init__()
+        self.recompute_nonreversible = bool(recompute_nonreversible)
         if block not in ("basic", "bottleneck"):
             raise ValueError(f"revkernels: block must be 'basic' or 'bottleneck', got {block!r}")
         if stem not in STEMS:
@@ -297,9 +301,15 @@ class RevNet(nn.Module):
         return self
 
     def forward(self, x):
-        out = self.segments[0](x)
-        for segment in self.segments[1:]:
-            out = segment(*out)
+        # With a memory-saving engine the stem and downsampling blocks keep only their input and
+        # recompute in the backward, so no high-resolution activation is stored anywhere.
+        recompute = self.recompute_nonreversible and self.engine != "autograd"
+        out = (x,)
+        for segment in self.segments:
+            if isinstance(segment, ReversibleSequential) or not recompute or isinstance(segment, Head):
+                out = segment(*out)
+            else:
+                out = run_recomputed(segment, *out)
         return out
 
 

@@ -1,0 +1,54 @@
+"""Non-reversible pieces between reversible runs (stems, downsampling blocks): keep only their
+input and recompute them in the backward.
+
+Like `torch.utils.checkpoint`, but with the engines' invariants: the parameters are inputs of the
+autograd Function (grads reach `.grad` once, through the normal accumulation, and parameter hooks
+fire once), randomness is replayed from the forward's generator state, the forward's autocast mode
+is re-entered, and BatchNorm running statistics are not updated a second time by the recompute.
+"""
+import torch
+from torch.func import functional_call
+
+from revkernels.engine.state import AutocastState, RngState, cuda_devices_of, frozen_batchnorm_stats, maybe_replay
+
+
+class _Recomputed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, module, names, n_inputs, *tensors):
+        inputs = tensors[:n_inputs]
+        ctx.module, ctx.names, ctx.n_inputs = module, names, n_inputs
+        ctx.rng = RngState(cuda_devices_of(*inputs))
+        ctx.autocast_state = AutocastState.capture(inputs[0].device.type)
+        ctx.save_for_backward(*inputs)
+        with torch.no_grad():
+            out = module(*inputs)
+        ctx.tuple_output = isinstance(out, tuple)
+        return out if ctx.tuple_output else (out,)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        params = dict(ctx.module.named_parameters())
+        aliases = {name: params[name].detach().requires_grad_() for name in ctx.names}
+        with torch.enable_grad(), frozen_batchnorm_stats(ctx.module), maybe_replay(ctx.rng), ctx.autocast_state.enter():
+            out = functional_call(ctx.module, aliases, tuple(inputs))
+        outs = out if isinstance(out, tuple) else (out,)
+        wrt = [t for t in inputs if t.requires_grad] + list(aliases.values())
+        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+        computed = torch.autograd.grad([o for o, _ in pairs], wrt, [g.to(o.dtype) for o, g in pairs], allow_unused=True)
+        computed = iter(computed)
+        input_grads = [next(computed) if t.requires_grad else None for t in inputs]
+        return (None, None, None, *input_grads, *computed)
+
+
+def run_recomputed(module, *inputs):
+    """`module(*inputs)` keeping only `inputs` for the backward, which recomputes the module.
+    Returns what the module returns (a tensor or a tuple of tensors)."""
+    names = [name for name, p in module.named_parameters() if p.requires_grad]
+    params = dict(module.named_parameters())
+    needs_grad = any(t.requires_grad for t in inputs) or names
+    if not torch.is_grad_enabled() or not needs_grad:
+        return module(*inputs)
+    out = _Recomputed.apply(module, names, len(inputs), *inputs, *(params[n] for n in names))
+    return out if len(out) > 1 else out[0]
