@@ -1,0 +1,16 @@
+"""PETRA (Rivaud et al., ICLR 2025): decoupled stage-parallel training of reversible networks.
+
+    from revkernels.petra import Trainer
+    trainer = Trainer(revnet18(num_classes=10, stem="cifar"), method="petra", accum_k=2)
+    for images, labels in loader:
+        out = trainer.train_step(images, labels)   # one tick; out["loss"] is None while filling
+    trainer.flush()                                # drain the pending backwards
+
+`partition` (stages that rebuild or buffer their inputs), `simulate` (the exact one-process,
+tick-by-tick runtime, with the backprop and reversible-backprop baselines). See /PETRA.md.
+"""
+from revkernels.petra import simulate
+from revkernels.petra.partition import Stage, partition
+from revkernels.petra.simulate import METHODS, Trainer, make_optimizer, param_groups
+
+__all__ = ["partition", "Stage", "simulate", "Trainer", "METHODS", "make_optimizer", "param_groups"]

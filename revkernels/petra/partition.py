@@ -1,0 +1,208 @@
+r"""PETRA's stages: a model's stage list turned into units that run forward and backward apart.
+
+`partition(model)` gives one `Stage` per entry of ``model.stages`` (or of a list of modules). A
+stage's forward and its backward for the same batch happen at different ticks, with the stage's
+parameters possibly updated in between; the backward always uses the *current* parameters:
+
+- reversible stage (a `ReversibleBlock`, e.g. RevNet's ``y = (x2, x1 + F(x2))``): stores nothing.
+  Its backward receives (its output y, the output grad dy), rebuilds its input
+  ``x = inverse(y; theta_now)``, recomputes F at x under autograd and returns (x, dx); the
+  parameter grads are *added* into ``.grad`` (a one-block `ReversibleSequential.reverse`).
+- non-reversible stage (stem, downsampling, any other module): keeps a FIFO of its inputs, pushed
+  by the forward, popped by the backward, which recomputes ``F(x; theta_now)`` under autograd and
+  returns (x, dx) with x the *exact* stored input (reconstruction error upstream is reset there).
+  BatchNorm running statistics are updated by the forward only, never by a recompute.
+- last stage (head + loss): forward, cross-entropy with the batch's labels and backward in the
+  same call (`Stage.forward_backward`); keeps nothing.
+
+The first stage receives the image (its input grad is not computed); every other stage receives
+the previous stage's outputs (a tuple of tensors). Outputs are always tuples of tensors except the
+last stage's logits.
+"""
+from collections import deque
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from revkernels.engine.state import frozen_batchnorm_stats
+from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential
+
+KINDS = ("stem", "reversible", "down", "head")
+
+
+def _as_tuple(x, name="x"):
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x):
+        return tuple(x)
+    raise TypeError(f"revkernels: {name} must be a tensor or a non-empty tuple of tensors, got {type(x).__name__}")
+
+
+class Stage:
+    """One pipeline stage: a module plus what its backward needs (see the module docstring).
+
+    Attributes:
+        module: the stage's module (shared with the model: same parameters).
+        index: position in the stage list (0-based; PETRA.md's j is ``index + 1``).
+        kind: "stem" | "reversible" | "down" | "head" (the module's ``kind`` if it has one).
+        reversible: True for a `ReversibleBlock` stage (rebuilds its input, stores nothing).
+        is_first, is_last: position flags; the last stage computes the loss.
+        peak_buffer_bytes: the most bytes the FIFO has held at once.
+    """
+
+    def __init__(self, module, index, num_stages):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"revkernels: stage {index} must be a torch.nn.Module, got {type(module).__name__}")
+        self.module = module
+        self.index = index
+        self.is_first = index == 0
+        self.is_last = index == num_stages - 1
+        reversible = bool(getattr(module, "reversible", isinstance(module, ReversibleBlock)))
+        if reversible and not isinstance(module, ReversibleBlock):
+            raise TypeError(f"revkernels: stage {index} says reversible=True but is not a revkernels.nn.ReversibleBlock "
+                            f"(got {type(module).__name__}): its input could not be rebuilt")
+        if reversible and self.is_last:
+            raise ValueError(f"revkernels: the last stage (stage {index}) computes the loss and must not be reversible")
+        self.reversible = reversible
+        default = "reversible" if reversible else "head" if self.is_last else "stem" if self.is_first else "down"
+        self.kind = getattr(module, "kind", default)
+        # A one-block run whose `reverse` rebuilds the input and adds the parameter grads into .grad.
+        self._run = ReversibleSequential(module, engine="sequential") if reversible else None
+        self._fifo = deque()  # (batch id, input tuple) of the forwards whose backward is pending
+        self.peak_buffer_bytes = 0
+
+    def __repr__(self):
+        return f"Stage({self.index}, kind={self.kind!r}, reversible={self.reversible}, buffered={len(self._fifo)})"
+
+    # --- buffer accounting -----------------------------------------------------------------------
+
+    @property
+    def buffered_inputs(self):
+        """Number of inputs (batches) held in the FIFO; always 0 for reversible stages and the head."""
+        return len(self._fifo)
+
+    @property
+    def buffer_tensors(self):
+        """Number of tensors held in the FIFO."""
+        return sum(len(x) for _, x in self._fifo)
+
+    @property
+    def buffer_bytes(self):
+        """Bytes of the tensors held in the FIFO."""
+        return sum(t.numel() * t.element_size() for _, x in self._fifo for t in x)
+
+    @property
+    def buffered_batches(self):
+        """Batch ids whose inputs the FIFO holds, oldest first."""
+        return [b for b, _ in self._fifo]
+
+    def parameters(self):
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    # --- forward / backward ----------------------------------------------------------------------
+
+    def forward(self, x, batch=None):
+        """Forward of one batch with the current parameters, without autograd.
+
+        `x`: the image (first stage) or the previous stage's output tuple. A non-reversible stage
+        pushes (batch, x) onto its FIFO. Returns the output as a tuple of tensors (detached).
+        """
+        if self.is_last:
+            raise RuntimeError("revkernels: the last stage runs forward and backward together: call forward_backward")
+        x = tuple(t.detach() for t in _as_tuple(x))
+        if not self.reversible:
+            self._fifo.append((batch, x))
+            self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
+        with torch.no_grad():
+            out = self.module(*x)
+        return _as_tuple(out, f"the output of stage {self.index}")
+
+    def backward(self, y, dy, batch=None):
+        """Backward of the oldest pending batch: from (output y, output grad dy) to (input x, input grad dx).
+
+        Parameter grads are added into ``.grad`` (computed with the current parameters). The first
+        stage returns ``dx = None`` (the image needs no grad). `batch`, when given, is checked
+        against the FIFO's oldest entry.
+        """
+        if self.is_last:
+            raise RuntimeError("revkernels: the last stage runs forward and backward together: call forward_backward")
+        y, dy = _as_tuple(y, "y"), _as_tuple(dy, "dy")
+        if len(y) != len(dy):
+            raise ValueError(f"revkernels: y and dy must have as many tensors, got {len(y)} and {len(dy)}")
+        if self.reversible:
+            if len(y) != 2:
+                raise ValueError(f"revkernels: a reversible stage's output has two streams, got {len(y)} tensors")
+            x1, x2, dx1, dx2 = self._run.reverse(y[0].detach(), y[1].detach(), dy[0], dy[1])
+            return (x1, x2), (None if self.is_first else (dx1, dx2))
+        if not self._fifo:
+            raise RuntimeError(f"revkernels: stage {self.index} has no pending input for a backward")
+        stored_batch, x = self._fifo.popleft()
+        if batch is not None and stored_batch is not None and batch != stored_batch:
+            raise RuntimeError(f"revkernels: stage {self.index} backward of batch {batch} but its oldest input "
+                               f"is batch {stored_batch}")
+        dx = self._vjp(x, y, dy)
+        return x, dx
+
+    def _leaves(self, x):
+        if self.is_first:
+            return x
+        return tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in x)
+
+    def _vjp(self, x, y, dy):
+        leaves = self._leaves(x)
+        with torch.enable_grad(), frozen_batchnorm_stats(self.module):
+            out = _as_tuple(self.module(*leaves), f"the output of stage {self.index}")
+        if len(out) != len(dy):
+            raise ValueError(f"revkernels: stage {self.index} has {len(out)} outputs but got {len(dy)} output grads")
+        pairs = [(o, g) for o, g in zip(out, dy) if o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
+        if self.is_first:
+            return None
+        return tuple(None if not t.requires_grad else (t.grad if t.grad is not None else torch.zeros_like(t))
+                     for t in leaves)
+
+    def forward_backward(self, x, labels):
+        """The last stage: logits, mean cross-entropy with `labels`, backward, in one call.
+
+        Adds the parameter grads into ``.grad``. Returns ``(loss, logits, x, dx)`` with x the
+        received input (sent upstream unchanged) and dx its grad (None for a single-stage model).
+        """
+        if not self.is_last:
+            raise RuntimeError(f"revkernels: stage {self.index} is not the last stage")
+        x = tuple(t.detach() for t in _as_tuple(x))
+        leaves = self._leaves(x)
+        with torch.enable_grad():
+            logits = self.module(*leaves)
+            if not isinstance(logits, torch.Tensor):
+                raise TypeError(f"revkernels: the last stage must return logits (a tensor), got {type(logits).__name__}")
+            loss = F.cross_entropy(logits, labels)
+            loss.backward()
+        dx = None if self.is_first else tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves)
+        return loss.detach(), logits.detach(), x, dx
+
+
+def partition(model):
+    """The PETRA stages of `model`: one `Stage` per entry of ``model.stages``, in order.
+
+    `model` may also be a list/tuple/ModuleList of stage modules, or a module without ``stages``
+    (one stage: J = 1, i.e. plain backprop; pass ``[model]`` to run a model that has ``stages`` as
+    one stage). The stages share the model's parameters. Raises ValueError for an empty list, a
+    module used twice or a reversible last stage; TypeError for a non-module or a stage claiming
+    ``reversible = True`` that is not a `ReversibleBlock`.
+    """
+    if isinstance(model, (list, tuple, nn.ModuleList)):
+        modules = list(model)
+    elif isinstance(model, nn.Module):
+        modules = list(model.stages) if hasattr(model, "stages") else [model]
+    else:
+        raise TypeError(f"revkernels: model must be a torch.nn.Module or a list of stage modules, got {type(model).__name__}")
+    if not modules:
+        raise ValueError("revkernels: model must have at least one stage")
+    seen = set()
+    for i, m in enumerate(modules):
+        if id(m) in seen:
+            raise ValueError(f"revkernels: stage {i} repeats a module already used by another stage")
+        seen.add(id(m))
+    return [Stage(m, i, len(modules)) for i, m in enumerate(modules)]
