@@ -81,15 +81,29 @@ register_cuda_kernel("coupling_sub", _coupling_sub_triton)
 register_cuda_kernel("coupling_add", _coupling_add_triton)
 
 
+def _check_pair(a, a_name, b, b_name):
+    for t, name in ((a, a_name), (b, b_name)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"revkernels: {name} must be float32, float64, float16 or bfloat16, got {t.dtype}")
+    if a.shape != b.shape:
+        raise ValueError(f"revkernels: {b_name} must have the shape of {a_name} {tuple(a.shape)}, got {tuple(b.shape)}")
+    if a.device != b.device:
+        raise ValueError(f"revkernels: {b_name} must be on the device of {a_name} ({a.device}), got {b.device}")
+
+
+# The fake (meta) kernels run the entry points' checks: a call mixing a meta tensor with a real one
+# dispatches here and must fail as the device kernels would.
 @torch.library.register_fake("revkernels::coupling_sub")
 def _coupling_sub_fake(y, f):
-    torch._check(y.shape == f.shape, lambda: f"f must have the shape of y {tuple(y.shape)}, got {tuple(f.shape)}")
+    _check_pair(y, "y", f, "f")
     return torch.empty_like(y)
 
 
 @torch.library.register_fake("revkernels::coupling_add")
 def _coupling_add_fake(a, b):
-    torch._check(a.shape == b.shape, lambda: f"b must have the shape of a {tuple(a.shape)}, got {tuple(b.shape)}")
+    _check_pair(a, "a", b, "b")
     return torch.empty_like(a)
 
 
@@ -107,18 +121,6 @@ def _coupling_add_backward(ctx, grad):
 
 torch.library.register_autograd("revkernels::coupling_sub", _coupling_sub_backward, setup_context=_setup_context)
 torch.library.register_autograd("revkernels::coupling_add", _coupling_add_backward, setup_context=_setup_context)
-
-
-def _check_pair(a, a_name, b, b_name):
-    for t, name in ((a, a_name), (b, b_name)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"revkernels: {name} must be float32, float64, float16 or bfloat16, got {t.dtype}")
-    if a.shape != b.shape:
-        raise ValueError(f"revkernels: {b_name} must have the shape of {a_name} {tuple(a.shape)}, got {tuple(b.shape)}")
-    if a.device != b.device:
-        raise ValueError(f"revkernels: {b_name} must be on the device of {a_name} ({a.device}), got {b.device}")
 
 
 def coupling_sub(y, f):

@@ -192,11 +192,7 @@ register_cuda_kernel("layer_norm_bwd_add", _layer_norm_bwd_add_triton)
 
 @torch.library.register_fake("revkernels::sub_layer_norm")
 def _sub_layer_norm_fake(y, g, weight, bias, eps):
-    torch._check(y.shape == g.shape, lambda: f"g must have the shape of y {tuple(y.shape)}, got {tuple(g.shape)}")
-    torch._check(y.dim() >= 1, lambda: "y must have at least one dim (the normalised one)")
-    n = y.shape[-1]
-    torch._check(weight.shape == (n,), lambda: f"weight must have shape ({n},), got {tuple(weight.shape)}")
-    torch._check(bias.shape == (n,), lambda: f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    _check_sub_layer_norm_args(y, g, weight, bias, eps)  # a meta argument must not slip past the checks
     x = torch.empty(y.shape, dtype=y.dtype, device=y.device)
     stats_dtype = _accumulate_dtype(y, g)
     mean = torch.empty(y.shape[:-1], dtype=stats_dtype, device=y.device)
@@ -205,12 +201,8 @@ def _sub_layer_norm_fake(y, g, weight, bias, eps):
 
 @torch.library.register_fake("revkernels::layer_norm_bwd_add")
 def _layer_norm_bwd_add_fake(dln, x, weight, mean, rstd, dres):
-    torch._check(dln.shape == x.shape, lambda: f"dln must have the shape of x {tuple(x.shape)}, got {tuple(dln.shape)}")
-    torch._check(dres.shape == x.shape,
-                 lambda: f"dres must have the shape of x {tuple(x.shape)}, got {tuple(dres.shape)}")
-    torch._check(x.dim() >= 1, lambda: "x must have at least one dim (the normalised one)")
+    _check_layer_norm_bwd_add_args(dln, x, weight, mean, rstd, dres)
     n = x.shape[-1]
-    torch._check(weight.shape == (n,), lambda: f"weight must have shape ({n},), got {tuple(weight.shape)}")
     dx = torch.empty(x.shape, dtype=dres.dtype, device=x.device)
     return (dx, torch.empty(n, dtype=weight.dtype, device=x.device),
             torch.empty(n, dtype=weight.dtype, device=x.device))

@@ -27,9 +27,35 @@ from revkernels.ops._library import define_op
 _linear_sub = define_op("linear_sub", "(Tensor y, Tensor a, Tensor weight, Tensor? bias) -> Tensor")
 
 
+def _accumulate_dtype(*tensors):
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
 def linear_sub_reference(y, a, weight, bias=None):
-    """Pure-PyTorch ``y - F.linear(a, weight, bias)`` formed in fp32 and rounded to y's dtype."""
-    return (y.float() - torch.nn.functional.linear(a.float(), weight.float(), None if bias is None else bias.float())).to(y.dtype)
+    """Pure-PyTorch ``y - F.linear(a, weight, bias)`` formed in fp32 (fp64 if any input is fp64) and
+    rounded to y's dtype."""
+    acc = _accumulate_dtype(y, a, weight, bias)
+    return (y.to(acc) - torch.nn.functional.linear(a.to(acc), weight.to(acc), None if bias is None else bias.to(acc))).to(y.dtype)
+
+
+def _check_linear_sub_args(y, a, weight, bias):
+    for t, name in ((y, "y"), (a, "a"), (weight, "weight")) + (((bias, "bias"),) if bias is not None else ()):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"revkernels: {name} must be a floating-point tensor, got {t.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"revkernels: weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if a.dim() < 1 or a.shape[-1] != k:
+        raise ValueError(f"revkernels: a must have last dim {k} (weight's in_features), got shape {tuple(a.shape)}")
+    if y.shape != (*a.shape[:-1], n):
+        raise ValueError(f"revkernels: y must have shape {(*a.shape[:-1], n)} (a's leading dims, weight's out_features), got {tuple(y.shape)}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"revkernels: bias must have shape ({n},), got {tuple(bias.shape)}")
+    for t, name in ((a, "a"), (weight, "weight"), (bias, "bias")):
+        if t is not None and t.device != y.device:
+            raise ValueError(f"revkernels: {name} must be on the device of y ({y.device}), got {t.device}")
 
 
 def _gemm_dtype(y, a, weight):
@@ -39,6 +65,7 @@ def _gemm_dtype(y, a, weight):
 
 
 def _linear_sub_impl(y, a, weight, bias):
+    _check_linear_sub_args(y, a, weight, bias)
     gemm_dtype = _gemm_dtype(y, a, weight)
     n, k = weight.shape
     a2d, w = a.reshape(-1, k).to(gemm_dtype), weight.to(gemm_dtype)
@@ -61,6 +88,7 @@ torch.library.impl("revkernels::linear_sub", "CompositeExplicitAutograd")(_linea
 
 @torch.library.register_fake("revkernels::linear_sub")
 def _linear_sub_fake(y, a, weight, bias):
+    _check_linear_sub_args(y, a, weight, bias)
     return torch.empty_like(y)
 
 
@@ -81,7 +109,7 @@ def _backward(ctx, grad):
     if ctx.needs_input_grad[2]:
         dweight = (-g.to(a.dtype).t() @ a.reshape(-1, a.shape[-1])).to(weight.dtype)
     if ctx.has_bias and ctx.needs_input_grad[3]:
-        dbias = (-g.float().sum(0)).to(ctx.bias_dtype)
+        dbias = (-g.to(_accumulate_dtype(g)).sum(0)).to(ctx.bias_dtype)
     return grad.to(ctx.y_dtype), da, dweight, dbias
 
 
@@ -90,21 +118,5 @@ torch.library.register_autograd("revkernels::linear_sub", _backward, setup_conte
 
 def linear_sub(y, a, weight, bias=None):
     """``y - (a @ weight^T + bias)`` in y's dtype, as one GEMM with y as the accumulator."""
-    for t, name in ((y, "y"), (a, "a"), (weight, "weight")) + (((bias, "bias"),) if bias is not None else ()):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"revkernels: {name} must be a floating-point tensor, got {t.dtype}")
-    if weight.dim() != 2:
-        raise ValueError(f"revkernels: weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
-    n, k = weight.shape
-    if a.dim() < 1 or a.shape[-1] != k:
-        raise ValueError(f"revkernels: a must have last dim {k} (weight's in_features), got shape {tuple(a.shape)}")
-    if y.shape != (*a.shape[:-1], n):
-        raise ValueError(f"revkernels: y must have shape {(*a.shape[:-1], n)} (a's leading dims, weight's out_features), got {tuple(y.shape)}")
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"revkernels: bias must have shape ({n},), got {tuple(bias.shape)}")
-    devices = {t.device for t in (y, a, weight) + ((bias,) if bias is not None else ())}
-    if len(devices) != 1:
-        raise ValueError(f"revkernels: y, a, weight and bias must be on one device, got {sorted(map(str, devices))}")
+    _check_linear_sub_args(y, a, weight, bias)
     return _linear_sub(y, a, weight, bias)

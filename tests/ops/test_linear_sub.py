@@ -68,7 +68,7 @@ def test_opcheck_and_gradcheck():
     ("y_shape", "y must have shape"),
     ("bias_shape", r"bias must have shape \(6,\)"),
     ("int_y", "y must be a floating-point tensor"),
-    ("device", "must be on one device"),
+    ("device", r"bias must be on the device of y \(cpu\), got meta"),
 ])
 def test_bad_input_names_the_argument(bad, match):
     y, a, w, b = _case(5, 7, 6)
