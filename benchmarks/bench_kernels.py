@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from revkernels.bench.report import provenance, pyplot, write_csv  # noqa: E402
+from revkernels.bench.report import provenance, pyplot, save_figure, write_csv  # noqa: E402
 from revkernels.ops import get_cuda_backend, set_cuda_backend  # noqa: E402
 import revkernels.ops.bias_gelu  # noqa: E402,F401
 import revkernels.ops.layer_norm  # noqa: E402,F401
@@ -189,10 +189,7 @@ def _plot(path, rows, meta, copy_gbs):
     ax.set_title(f"{sample['rows']}x{sample['width']} {sample['dtype']} | {meta['device']} | torch {meta['torch']} "
                  f"| commit {meta['commit']}", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 if __name__ == "__main__":

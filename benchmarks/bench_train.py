@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import revkernels as rk  # noqa: E402
-from revkernels.bench.report import provenance, pyplot, write_csv  # noqa: E402
+from revkernels.bench.report import provenance, pyplot, save_figure, write_csv  # noqa: E402
 from revkernels.nn.revvit import AttentionBranch, MlpBranch, RevViTBlock  # noqa: E402
 
 MODELS = {"vit_b": dict(depth=12, dim=768, heads=12), "vit_l": dict(depth=24, dim=1024, heads=16)}
@@ -192,10 +192,7 @@ def _plot(path, rows, meta):
     axes[1].set_ylabel("peak memory of a step (MiB)")
     axes[1].legend(fontsize=7)
     fig.suptitle(f"{meta['device']} | torch {meta['torch']} | commit {meta['commit']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 if __name__ == "__main__":

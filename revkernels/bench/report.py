@@ -61,6 +61,14 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path):
+    """Writes `fig` to `path` (PNG) and closes it; returns the path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return path
+
+
 def plot_train_step(path, rows, meta):
     """Step time and memory against depth, one line per engine. Returns the path, or None without
     matplotlib."""
@@ -81,7 +89,4 @@ def plot_train_step(path, rows, meta):
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"{meta['device']} | torch {meta['torch']} | commit {meta['commit']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

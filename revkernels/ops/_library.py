@@ -18,6 +18,15 @@ import revkernels._extension  # noqa: F401  (loads the compiled schemas first, w
 _FRAGMENT = torch.library.Library("revkernels", "FRAGMENT")
 
 CUDA_BACKENDS = ("triton", "cuda")
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def check_float_tensor(t, name):
+    """TypeError naming `name` unless `t` is a tensor of one of the float dtypes the kernels take."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"revkernels: {name} must be float32, float64, float16 or bfloat16, got {t.dtype}")
 
 
 def _backend_from_env():

@@ -42,9 +42,9 @@ bias_gelu_bwd itself has no autograd formula (no double backward).
 import torch
 import torch.nn.functional as F
 
-from revkernels.ops._library import define_op, fill_missing_cpu_kernel, register_cuda_kernel
+from revkernels.ops._library import (FLOAT_DTYPES, check_float_tensor, define_op, fill_missing_cpu_kernel,
+                                     register_cuda_kernel)
 
-_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 APPROXIMATIONS = ("none", "tanh")
 
 
@@ -68,17 +68,10 @@ def bias_gelu_bwd_reference(dy, x, bias, approximate="none"):
     return g.to(x.dtype).contiguous(), dbias.to(bias.dtype)
 
 
-def _check_tensor(t, name):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"revkernels: {name} must be float32, float64, float16 or bfloat16, got {t.dtype}")
-
-
 def _check_args(dy, x, bias, approximate):
     """The checks of the C++ glue, in Python: x (..., N), bias (N,), dy like x; one device."""
-    _check_tensor(x, "x")
-    _check_tensor(bias, "bias")
+    check_float_tensor(x, "x")
+    check_float_tensor(bias, "bias")
     if not isinstance(approximate, str):
         raise TypeError(f"revkernels: approximate must be a str, got {type(approximate).__name__}")
     if approximate not in APPROXIMATIONS:
@@ -91,7 +84,7 @@ def _check_args(dy, x, bias, approximate):
     if bias.device != x.device:
         raise ValueError(f"revkernels: bias must be on the device of x ({x.device}), got {bias.device}")
     if dy is not None:
-        _check_tensor(dy, "dy")
+        check_float_tensor(dy, "dy")
         if dy.dtype != x.dtype:
             raise TypeError(f"revkernels: dy must have the dtype of x ({x.dtype}), got {dy.dtype}")
         if dy.shape != x.shape:
@@ -142,7 +135,7 @@ register_cuda_kernel("bias_gelu_bwd", _bias_gelu_bwd_triton)
 def _check_fake(dy, x, bias, approximate):
     # The C++ glue's checks, with the exception types it raises (ValueError / TypeError).
     for t, name in ((x, "x"), (bias, "bias")) + (() if dy is None else ((dy, "dy"),)):
-        torch._check_type(t.dtype in _FLOAT_DTYPES,
+        torch._check_type(t.dtype in FLOAT_DTYPES,
                           lambda: f"revkernels: {name} must be float32, float64, float16 or bfloat16, got {t.dtype}")
     torch._check_value(approximate in APPROXIMATIONS,
                        lambda: f"revkernels: approximate must be 'none' or 'tanh', got {approximate!r}")

@@ -28,9 +28,8 @@ VJP (linear, so the backward needs nothing saved)::
 """
 import torch
 
-from revkernels.ops._library import define_op, fill_missing_cpu_kernel, register_cuda_kernel
+from revkernels.ops._library import check_float_tensor, define_op, fill_missing_cpu_kernel, register_cuda_kernel
 
-_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def _accumulate_dtype(a, b):
@@ -82,11 +81,8 @@ register_cuda_kernel("coupling_add", _coupling_add_triton)
 
 
 def _check_pair(a, a_name, b, b_name):
-    for t, name in ((a, a_name), (b, b_name)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"revkernels: {name} must be float32, float64, float16 or bfloat16, got {t.dtype}")
+    check_float_tensor(a, a_name)
+    check_float_tensor(b, b_name)
     if a.shape != b.shape:
         raise ValueError(f"revkernels: {b_name} must have the shape of {a_name} {tuple(a.shape)}, got {tuple(b.shape)}")
     if a.device != b.device:

@@ -50,9 +50,8 @@ import math
 
 import torch
 
-from revkernels.ops._library import define_op, fill_missing_cpu_kernel, register_cuda_kernel
+from revkernels.ops._library import check_float_tensor, define_op, fill_missing_cpu_kernel, register_cuda_kernel
 
-_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def _accumulate_dtype(a, b):
@@ -106,13 +105,6 @@ fill_missing_cpu_kernel("layer_norm_bwd_add", _contiguous_outputs(layer_norm_bwd
 
 # --- argument checks (the C++ kernels repeat them; these also guard the Triton path) -------------
 
-def _check_float_tensor(t, name):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"revkernels: {name} must be float32, float64, float16 or bfloat16, got {t.dtype}")
-
-
 def _check_same_shape(t, name, ref, ref_name):
     if t.shape != ref.shape:
         raise ValueError(f"revkernels: {name} must have the shape of {ref_name} {tuple(ref.shape)}, "
@@ -134,15 +126,15 @@ def _normalised_width(t, name):
 
 
 def _check_param(p, name, n, data_name):
-    _check_float_tensor(p, name)
+    check_float_tensor(p, name)
     if p.shape != (n,):
         raise ValueError(f"revkernels: {name} must have shape ({n},), the last dim of {data_name}, "
                          f"got {tuple(p.shape)}")
 
 
 def _check_sub_layer_norm_args(y, g, weight, bias, eps):
-    _check_float_tensor(y, "y")
-    _check_float_tensor(g, "g")
+    check_float_tensor(y, "y")
+    check_float_tensor(g, "g")
     _check_same_shape(g, "g", y, "y")
     n = _normalised_width(y, "y")
     _check_param(weight, "weight", n, "y")
@@ -154,7 +146,7 @@ def _check_sub_layer_norm_args(y, g, weight, bias, eps):
 
 def _check_layer_norm_bwd_add_args(dln, x, weight, mean, rstd, dres):
     for t, name in ((dln, "dln"), (x, "x"), (weight, "weight"), (mean, "mean"), (rstd, "rstd"), (dres, "dres")):
-        _check_float_tensor(t, name)
+        check_float_tensor(t, name)
     if dln.dtype != x.dtype:
         raise TypeError(f"revkernels: dln must have the dtype of x ({x.dtype}), got {dln.dtype}")
     n = _normalised_width(x, "x")
