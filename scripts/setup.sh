@@ -15,7 +15,7 @@ pip_quiet() { pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v "^W
 # Pinned: an unpinned torch pulls a multi-GB CUDA build; 2.13.0 is the CPU wheel this project tests on.
 python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
   || pip_quiet torch==2.13.0
-pip_quiet setuptools wheel ninja cmake numpy tqdm pytest hypothesis matplotlib triton
+pip_quiet setuptools wheel ninja cmake numpy tqdm pytest hypothesis matplotlib triton scikit-learn
 python -c "import torch; assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__"
 # No build isolation: compile against the torch installed above.
 MAX_JOBS=${MAX_JOBS:-2} pip_quiet --no-build-isolation --no-deps -e .

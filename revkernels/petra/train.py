@@ -1,0 +1,249 @@
+r"""PETRA trainer CLI: ``python -m revkernels.petra.train``.
+
+    python -m revkernels.petra.train --model revnet18 --dataset digits --method petra --accum 2 \
+        --epochs 10 --batch-size 64 --lr 0.1 --warmup-epochs 1 --milestones 6 8 --out runs/petra
+
+Trains with `revkernels.petra.Trainer` (runtime ``simulate``: the exact one-process, tick-by-tick
+PETRA pipeline, or the backprop / reversible-backprop baselines) and writes to ``--out``:
+
+- ``config.json``: the arguments and derived settings (stages, steps per epoch, peak lr, ...);
+- ``metrics.jsonl``: one JSON object per epoch (epoch, step = training batches fed so far,
+  optimizer_steps and lr of the first stage's optimizer (under PETRA it lags the head's by the
+  pipeline depth), train_loss, test_loss, test_acc, images_per_s (training only), epoch_time_s,
+  buffer_bytes (the input FIFOs at the epoch's end, before any drain) and peak_buffer_bytes per stage);
+- ``metrics.csv``: the same, with one column per stage for the buffer bytes;
+- ``summary.json``: the last epoch's metrics and the final test accuracy.
+
+Schedule: warm-up and milestones are given in epochs and converted to optimizer steps
+(``batches per epoch / accum``); the peak lr is ``lr * batch * accum / 256``. PETRA's pipeline keeps
+running across epoch boundaries (evaluation uses the current parameters and does not drain it);
+it is flushed once at the end of training, before the final evaluation. A train loss is averaged
+over the losses the head computed during the epoch (for PETRA that excludes the fill ticks).
+
+``--max-steps`` caps the number of training batches over the whole run (for smoke tests).
+Only ``--runtime simulate`` exists so far; ``--runtime distributed`` exits with an error.
+"""
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from revkernels.petra.data import DATASETS, batches, load_dataset
+from revkernels.petra.simulate import METHODS, Trainer
+
+MODELS = ("revnet18", "revnet34", "revnet50")
+RUNTIMES = ("simulate", "distributed")
+
+
+def build_model(name, num_classes, stem="cifar"):
+    """revnet18/34/50 by name."""
+    if not isinstance(name, str) or name not in MODELS:
+        raise ValueError(f"revkernels: --model must be one of {list(MODELS)}, got {name!r}")
+    from revkernels import models
+    return getattr(models, name)(num_classes=num_classes, stem=stem)
+
+
+def make_parser():
+    p = argparse.ArgumentParser(prog="python -m revkernels.petra.train",
+                                description="Train a RevNet with PETRA (or a baseline) on a small image dataset.")
+    p.add_argument("--model", default="revnet18", help=f"one of {', '.join(MODELS)}")
+    p.add_argument("--stem", default="cifar", help="RevNet stem: cifar (3x3/1 conv) or imagenet")
+    p.add_argument("--dataset", default="digits", help=f"one of {', '.join(DATASETS)}")
+    p.add_argument("--method", default="petra", help=f"one of {', '.join(METHODS)}")
+    p.add_argument("--runtime", default="simulate", help="simulate (distributed: not available yet)")
+    p.add_argument("--accum", type=int, default=1, help="backward steps per optimizer step (k)")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=0.1, help="base lr for a batch of 256 (peak = lr*batch*accum/256)")
+    p.add_argument("--warmup-epochs", type=float, default=1.0)
+    p.add_argument("--milestones", type=float, nargs="*", default=[], help="epochs at which the lr is x gamma")
+    p.add_argument("--gamma", type=float, default=0.1)
+    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--image-size", type=int, default=None, help="image side S (default 16)")
+    p.add_argument("--seed", type=int, default=0, help="model init and batch order")
+    p.add_argument("--split-seed", type=int, default=0, help="train/test split (digits) or data (synthetic)")
+    p.add_argument("--eval-batch-size", type=int, default=256)
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many training batches (tests)")
+    p.add_argument("--out", default=None, help="log directory (default runs/<model>-<dataset>-<method>)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for this run (default: torch's); 1 avoids oversubscription on busy machines")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    return p
+
+
+def _check_args(args):
+    for name, value in (("--model", args.model), ("--dataset", args.dataset), ("--method", args.method)):
+        choices = {"--model": MODELS, "--dataset": DATASETS, "--method": METHODS}[name]
+        if value not in choices:
+            raise ValueError(f"revkernels: {name} must be one of {list(choices)}, got {value!r}")
+    if args.stem not in ("cifar", "imagenet"):
+        raise ValueError(f"revkernels: --stem must be 'cifar' or 'imagenet', got {args.stem!r}")
+    if args.runtime not in RUNTIMES:
+        raise ValueError(f"revkernels: --runtime must be one of {list(RUNTIMES)}, got {args.runtime!r}")
+    if args.runtime == "distributed":
+        raise NotImplementedError("revkernels: --runtime distributed is not available yet; "
+                                  "use --runtime simulate (the exact one-process PETRA simulator)")
+    for name, value, minimum in (("--accum", args.accum, 1), ("--epochs", args.epochs, 1),
+                                 ("--batch-size", args.batch_size, 1), ("--eval-batch-size", args.eval_batch_size, 1)):
+        if value < minimum:
+            raise ValueError(f"revkernels: {name} must be >= {minimum}, got {value}")
+    if args.image_size is not None and args.image_size < 1:
+        raise ValueError(f"revkernels: --image-size must be >= 1, got {args.image_size}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"revkernels: --threads must be >= 1, got {args.threads}")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise ValueError(f"revkernels: --max-steps must be >= 1, got {args.max_steps}")
+    if not math.isfinite(args.warmup_epochs) or args.warmup_epochs < 0:
+        raise ValueError(f"revkernels: --warmup-epochs must be >= 0, got {args.warmup_epochs}")
+    if any(not math.isfinite(m) or m < 0 for m in args.milestones) or args.milestones != sorted(args.milestones):
+        raise ValueError(f"revkernels: --milestones must be increasing non-negative epochs, got {args.milestones}")
+
+
+@torch.no_grad()
+def evaluate(model, images, labels, batch_size):
+    """(mean cross-entropy, accuracy) of `model` in eval mode; restores the previous mode."""
+    was_training = model.training
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    for x, y in batches(images, labels, batch_size, shuffle=False, drop_last=False):
+        logits = model(x)
+        loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
+        correct += (logits.argmax(dim=1) == y).sum().item()
+    model.train(was_training)
+    n = max(int(labels.shape[0]), 1)
+    return loss_sum / n, correct / n
+
+
+class _Logger:
+    """metrics.jsonl and metrics.csv in `out`."""
+
+    def __init__(self, out, num_stages):
+        self.jsonl = os.path.join(out, "metrics.jsonl")
+        self.csv = os.path.join(out, "metrics.csv")
+        self.fields = (["epoch", "step", "optimizer_steps", "lr", "train_loss", "test_loss", "test_acc",
+                        "images_per_s", "epoch_time_s"]
+                       + [f"buffer_bytes_stage{i}" for i in range(num_stages)]
+                       + [f"peak_buffer_bytes_stage{i}" for i in range(num_stages)])
+        open(self.jsonl, "w").close()
+        with open(self.csv, "w", newline="") as f:
+            csv.writer(f).writerow(self.fields)
+
+    def log(self, record):
+        with open(self.jsonl, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        row = dict(record)
+        for key in ("buffer_bytes", "peak_buffer_bytes"):
+            for i, v in enumerate(row.pop(key)):
+                row[f"{key}_stage{i}"] = v
+        with open(self.csv, "a", newline="") as f:
+            csv.DictWriter(f, self.fields).writerow(row)
+
+
+def main(argv=None):
+    """Runs the CLI with `argv` (default sys.argv[1:]); returns the summary dict. Raises ValueError on
+    bad arguments and NotImplementedError for ``--runtime distributed``."""
+    args = make_parser().parse_args(argv)
+    _check_args(args)
+    threads = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args):
+    from tqdm import tqdm
+
+    data = load_dataset(args.dataset, args.image_size, split_seed=args.split_seed)
+    torch.manual_seed(args.seed)
+    model = build_model(args.model, data.num_classes, args.stem)
+    batches_per_epoch = data.train_images.shape[0] // args.batch_size
+    if batches_per_epoch < 1:
+        raise ValueError(f"revkernels: --batch-size {args.batch_size} is larger than the training set "
+                         f"({data.train_images.shape[0]} images)")
+    opt_steps_per_epoch = batches_per_epoch / args.accum
+    trainer = Trainer(model, method=args.method, accum_k=args.accum, base_lr=args.lr,
+                      warmup_steps=int(round(args.warmup_epochs * opt_steps_per_epoch)),
+                      milestones=[int(round(m * opt_steps_per_epoch)) for m in args.milestones],
+                      weight_decay=args.weight_decay, gamma=args.gamma, batch_size=args.batch_size)
+
+    out = args.out or os.path.join("runs", f"{args.model}-{args.dataset}-{args.method}")
+    os.makedirs(out, exist_ok=True)
+    total_steps = args.epochs * batches_per_epoch
+    if args.max_steps is not None:
+        total_steps = min(total_steps, args.max_steps)
+    config = dict(vars(args), out=out, image_size=data.image_size, num_stages=trainer.num_stages,
+                  stage_kinds=[s.kind for s in trainer.stages], train_images=int(data.train_images.shape[0]),
+                  test_images=int(data.test_images.shape[0]), batches_per_epoch=batches_per_epoch,
+                  total_steps=total_steps, peak_lr=trainer.peak_lr, warmup_steps=trainer.warmup_steps,
+                  milestone_steps=list(trainer.milestones), normalisation={"mean": data.mean, "std": data.std})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    logger = _Logger(out, trainer.num_stages)
+
+    gen = torch.Generator().manual_seed(args.seed)
+    step, record = 0, None
+    bar = tqdm(total=total_steps, desc=f"{args.method} {args.model}", unit="step", disable=args.no_progress,
+               file=sys.stderr)
+    for epoch in range(1, args.epochs + 1):
+        losses, n_images, t0 = [], 0, time.perf_counter()
+        for images, labels in batches(data.train_images, data.train_labels, args.batch_size, gen):
+            if step >= total_steps:
+                break
+            result = trainer.train_step(images, labels)
+            step += 1
+            n_images += images.shape[0]
+            if result["loss"] is not None:
+                losses.append(result["loss"])
+                bar.set_postfix(loss=f"{result['loss']:.3f}", refresh=False)
+            bar.update(1)
+        last = epoch == args.epochs or step >= total_steps
+        stats = trainer.buffer_stats()  # the in-flight buffers, before any drain
+        if last:
+            losses.extend(r["loss"] for r in trainer.flush() if r["loss"] is not None)
+        train_time = time.perf_counter() - t0
+        test_loss, test_acc = evaluate(model, data.test_images, data.test_labels, args.eval_batch_size)
+        opt_steps = trainer.optimizers[0].steps
+        record = {"epoch": epoch, "step": step, "optimizer_steps": opt_steps,
+                  "lr": trainer.lr_at(max(opt_steps - 1, 0)),
+                  "train_loss": sum(losses) / len(losses) if losses else None,
+                  "test_loss": test_loss, "test_acc": test_acc,
+                  "images_per_s": n_images / train_time if train_time > 0 else None,
+                  "epoch_time_s": train_time,
+                  "buffer_bytes": [s["bytes"] for s in stats],
+                  "peak_buffer_bytes": [s["peak_bytes"] for s in trainer.buffer_stats()]}
+        logger.log(record)
+        bar.write(f"epoch {epoch}: step {step} train_loss {record['train_loss']} test_acc {test_acc:.4f} "
+                  f"images/s {record['images_per_s']:.1f}", file=sys.stderr)
+        if last:
+            break
+    bar.close()
+    summary = dict(record, model=args.model, dataset=args.dataset, method=args.method, accum=args.accum,
+                   runtime=args.runtime, seed=args.seed, final_test_acc=record["test_acc"])
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(f"final: model={args.model} dataset={args.dataset} method={args.method} accum={args.accum} "
+          f"epochs={record['epoch']} steps={step} train_loss={record['train_loss']} "
+          f"test_acc={record['test_acc']:.4f} out={out}", flush=True)
+    return summary
+
+
+def cli(argv=None):
+    """`main` with argument errors turned into a one-line message and exit status 2."""
+    try:
+        main(argv)
+    except (ValueError, NotImplementedError) as e:
+        print(f"python -m revkernels.petra.train: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()
