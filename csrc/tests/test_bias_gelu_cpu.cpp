@@ -15,6 +15,11 @@
 
 #include "kernels/bias_gelu.h"
 #include "tests/check.h"
+#include "tests/values.h"
+
+using rktest::from_double;
+using rktest::sentinel;
+using rktest::to_double;
 
 namespace {
 
@@ -35,14 +40,7 @@ RK_TRAITS(Half, Float16, 0x1p-11, 0x1p-25)
 RK_TRAITS(BFloat16, BFloat16, 0x1p-8, 0x1p-134)
 #undef RK_TRAITS
 
-template <typename T> double to_double(const T& v) { return load<double>(&v); }
-template <typename T> T from_double(double d) {
-  T t;
-  store<double>(&t, d);
-  return t;
-}
 template <typename T> bool is_nan(const T& v) { return std::isnan(to_double(v)); }
-template <typename T> T sentinel() { return from_double<T>(std::numeric_limits<double>::quiet_NaN()); }
 
 const char* approx_name(GeluApprox a) { return a == GeluApprox::Tanh ? "tanh" : "none"; }
 

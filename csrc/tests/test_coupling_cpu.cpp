@@ -14,6 +14,12 @@
 
 #include "kernels/coupling.h"
 #include "tests/check.h"
+#include "tests/values.h"
+
+using rktest::bits_of;
+using rktest::from_double;
+using rktest::sentinel;
+using rktest::to_double;
 
 namespace {
 
@@ -31,19 +37,6 @@ RK_TRAITS(Half, Float16)
 RK_TRAITS(BFloat16, BFloat16)
 #undef RK_TRAITS
 
-template <typename T> uint64_t bits_of(const T& v) {
-  uint64_t u = 0;
-  std::memcpy(&u, &v, sizeof(T));
-  return u;
-}
-template <typename T> double to_double(const T& v) { return load<double>(&v); }
-template <typename T> T from_double(double d) {
-  T t;
-  store<double>(&t, d);
-  return t;
-}
-// A nan in every format: marks elements the kernel has not written.
-template <typename T> T sentinel() { return from_double<T>(std::numeric_limits<double>::quiet_NaN()); }
 
 struct Case {
   const char* name;

@@ -14,6 +14,12 @@
 
 #include "kernels/layer_norm.h"
 #include "tests/check.h"
+#include "tests/values.h"
+
+using rktest::bits_of;
+using rktest::from_double;
+using rktest::sentinel;
+using rktest::to_double;
 
 namespace {
 
@@ -32,18 +38,6 @@ RK_TRAITS(Half, Float16, 0x1p-10)
 RK_TRAITS(BFloat16, BFloat16, 0x1p-7)
 #undef RK_TRAITS
 
-template <typename T> uint64_t bits_of(const T& v) {
-  uint64_t u = 0;
-  std::memcpy(&u, &v, sizeof(T));
-  return u;
-}
-template <typename T> double to_double(const T& v) { return load<double>(&v); }
-template <typename T> T from_double(double d) {
-  T t;
-  store<double>(&t, d);
-  return t;
-}
-template <typename T> T sentinel() { return from_double<T>(std::numeric_limits<double>::quiet_NaN()); }
 
 // Relative error of the accumulation type's arithmetic, as a bound on the kernel's error over the
 // scale of an output (the largest |value| of that output).
