@@ -23,8 +23,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from revkernels.bench.report import provenance, pyplot, save_figure, write_csv  # noqa: E402
 from revkernels.ops import get_cuda_backend, set_cuda_backend  # noqa: E402
-import revkernels.ops.bias_gelu  # noqa: E402,F401
-import revkernels.ops.layer_norm  # noqa: E402,F401
 
 SIZES_CUDA = [(12608, 768), (25216, 1024), (32768, 4096)]
 SIZES_CPU = [(256, 768), (512, 1024)]

@@ -50,6 +50,19 @@ def loss_of(y1, y2, w1, w2):
     return (y1 * w1).sum() + (y2.square() * w2).sum()
 
 
+def run_grads(fn, module, x1, x2, w1, w2, seed=None):
+    """Runs ``fn(x1, x2)`` on fresh leaf copies of the streams and backpropagates `loss_of`;
+    returns ``[y1, y2, dx1, dx2, *param grads of module]`` (grads cleared first)."""
+    for p in module.parameters():
+        p.grad = None
+    a1, a2 = x1.detach().clone().requires_grad_(), x2.detach().clone().requires_grad_()
+    if seed is not None:
+        torch.manual_seed(seed)
+    y1, y2 = fn(a1, a2)
+    loss_of(y1, y2, w1, w2).backward()
+    return [y1.detach(), y2.detach(), a1.grad, a2.grad] + grads_of(module.parameters())
+
+
 def grads_of(params):
     return [None if p.grad is None else p.grad.detach().clone() for p in params]
 

@@ -17,28 +17,12 @@
 #include "tests/check.h"
 #include "tests/values.h"
 
-using rktest::from_double;
-using rktest::sentinel;
-using rktest::to_double;
+using namespace rktest;
 
 namespace {
 
 using namespace revkernels;
 
-template <typename T> struct Traits;
-// rounding: half an ulp, relative (normal numbers); subnormal: half the subnormal spacing, absolute.
-#define RK_TRAITS(T, KIND, ROUNDING, SUBNORMAL)              \
-  template <> struct Traits<T> {                             \
-    static constexpr ScalarKind kind = ScalarKind::KIND;     \
-    static constexpr const char* name = #T;                  \
-    static constexpr double rounding = ROUNDING;             \
-    static constexpr double subnormal = SUBNORMAL;           \
-  };
-RK_TRAITS(float, Float32, 0x1p-24, 0x1p-150)
-RK_TRAITS(double, Float64, 0x1p-53, 0x1p-1074)
-RK_TRAITS(Half, Float16, 0x1p-11, 0x1p-25)
-RK_TRAITS(BFloat16, BFloat16, 0x1p-8, 0x1p-134)
-#undef RK_TRAITS
 
 template <typename T> bool is_nan(const T& v) { return std::isnan(to_double(v)); }
 

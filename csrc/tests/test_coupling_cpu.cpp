@@ -16,26 +16,12 @@
 #include "tests/check.h"
 #include "tests/values.h"
 
-using rktest::bits_of;
-using rktest::from_double;
-using rktest::sentinel;
-using rktest::to_double;
+using namespace rktest;
 
 namespace {
 
 using namespace revkernels;
 
-template <typename T> struct Traits;
-#define RK_TRAITS(T, KIND)                                  \
-  template <> struct Traits<T> {                            \
-    static constexpr ScalarKind kind = ScalarKind::KIND;    \
-    static constexpr const char* name = #T;                 \
-  };
-RK_TRAITS(float, Float32)
-RK_TRAITS(double, Float64)
-RK_TRAITS(Half, Float16)
-RK_TRAITS(BFloat16, BFloat16)
-#undef RK_TRAITS
 
 
 struct Case {

@@ -16,27 +16,12 @@
 #include "tests/check.h"
 #include "tests/values.h"
 
-using rktest::bits_of;
-using rktest::from_double;
-using rktest::sentinel;
-using rktest::to_double;
+using namespace rktest;
 
 namespace {
 
 using namespace revkernels;
 
-template <typename T> struct Traits;
-#define RK_TRAITS(T, KIND, ULP)                            \
-  template <> struct Traits<T> {                           \
-    static constexpr ScalarKind kind = ScalarKind::KIND;   \
-    static constexpr const char* name = #T;                \
-    static constexpr double ulp = ULP; /* relative, at 1 */ \
-  };
-RK_TRAITS(float, Float32, 0x1p-23)
-RK_TRAITS(double, Float64, 0x1p-52)
-RK_TRAITS(Half, Float16, 0x1p-10)
-RK_TRAITS(BFloat16, BFloat16, 0x1p-7)
-#undef RK_TRAITS
 
 
 // Relative error of the accumulation type's arithmetic, as a bound on the kernel's error over the

@@ -245,7 +245,7 @@ class Trainer:
         return out
 
     def _tick(self, new_input):
-        J, t = self.num_stages, self.tick
+        t = self.tick
         fwd_msgs, bwd_msgs = {}, {}
         result = {"loss": None, "batch": None, "tick": t, "stepped": []}
         for i, stage in enumerate(self.stages):

@@ -1,5 +1,4 @@
 """DDP over the sequential engine: two gloo processes give the grads of one process."""
-import os
 
 import torch
 import torch.distributed as dist

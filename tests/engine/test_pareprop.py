@@ -6,26 +6,16 @@ import torch
 
 import revkernels as rk
 from revkernels.nn.revvit import RevViTBlock
-from tests.helpers import assert_close_rel, grads_of, loss_of, make_seq, plain_forward, rel_err
-
-
-def _grads(fn, seq, x1, x2, w1, w2, seed):
-    for p in seq.parameters():
-        p.grad = None
-    a1, a2 = x1.clone().requires_grad_(), x2.clone().requires_grad_()
-    torch.manual_seed(seed)
-    y1, y2 = fn(a1, a2)
-    loss_of(y1, y2, w1, w2).backward()
-    return [y1.detach(), y2.detach(), a1.grad, a2.grad] + grads_of(seq.parameters())
+from tests.helpers import assert_close_rel, make_seq, plain_forward, rel_err, run_grads
 
 
 def test_cpu_runs_the_sequential_schedule():
     seq = make_seq(3, 16, dropout=0.2)
     data = [torch.randn(4, 16) for _ in range(4)]
     seq.engine = "sequential"
-    expected = _grads(seq, seq, *data, seed=5)
+    expected = run_grads(seq, seq, *data, seed=5)
     seq.engine = "pareprop"
-    actual = _grads(seq, seq, *data, seed=5)
+    actual = run_grads(seq, seq, *data, seed=5)
     for a, e in zip(actual, expected):
         assert torch.equal(a, e)
 
@@ -40,8 +30,8 @@ def _vit_stack(depth, drop_path=0.1, dim=64, heads=4):
 def test_cuda_grads_equal_autograd_fp32(depth):
     seq = _vit_stack(depth)
     data = [torch.randn(4, 9, 64, device="cuda") for _ in range(4)]
-    expected = _grads(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=1)
-    actual = _grads(seq, seq, *data, seed=1)
+    expected = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=1)
+    actual = run_grads(seq, seq, *data, seed=1)
     for i, (a, e) in enumerate(zip(actual, expected)):
         assert_close_rel(a, e, 1e-5, f"output/grad {i}")
 
@@ -55,10 +45,10 @@ def test_cuda_autocast_bf16_over_three_optimizer_steps(depth):
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (seq, reference))
     for step in range(3):
         data = [torch.randn(4, 9, 64, device="cuda") for _ in range(4)]
-        exact = _grads(lambda a, b: plain_forward(reference, a, b), reference, *data, seed=step)
+        exact = run_grads(lambda a, b: plain_forward(reference, a, b), reference, *data, seed=step)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            same_dtype = _grads(lambda a, b: plain_forward(reference, a, b), reference, *data, seed=step)
-            ours = _grads(seq, seq, *data, seed=step)
+            same_dtype = run_grads(lambda a, b: plain_forward(reference, a, b), reference, *data, seed=step)
+            ours = run_grads(seq, seq, *data, seed=step)
         for i, (o, s, e) in enumerate(zip(ours, same_dtype, exact)):
             assert rel_err(o, e) <= 2 * rel_err(s, e) + 1e-6, f"step {step} output/grad {i}"
         for model, optimizer, grads in ((seq, opt, ours), (reference, ref_opt, exact)):
@@ -76,7 +66,7 @@ def test_cuda_repeated_runs_are_identical_under_stress():
         depth, batch = rng.choice(list(stacks)), rng.choice([1, 2, 4, 8])
         seq = stacks[depth]
         data = [torch.randn(batch, 17, 32, device="cuda") for _ in range(4)]
-        first = _grads(seq, seq, *data, seed=step)
-        second = _grads(seq, seq, *data, seed=step)
+        first = run_grads(seq, seq, *data, seed=step)
+        second = run_grads(seq, seq, *data, seed=step)
         for a, b in zip(first, second):
             assert torch.equal(a, b), f"step {step}: depth {depth}, batch {batch} differs between runs"

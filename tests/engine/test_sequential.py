@@ -3,8 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-import revkernels as rk
-from tests.helpers import assert_close_rel, grads_of, loss_of, make_seq, plain_forward, rel_err
+from tests.helpers import assert_close_rel, loss_of, make_seq, plain_forward, rel_err, run_grads
 
 WIDTH = 16
 ENGINES = ["autograd", "sequential", "pareprop"]
@@ -19,37 +18,18 @@ def _inputs(batch=4, width=WIDTH, dtype=torch.float32):
 
 def _reference_grads(seq, x1, x2, w1, w2, seed=None):
     """Grads of the same function through ordinary autograd (revkernels engines not involved)."""
-    params = list(seq.parameters())
-    for p in params:
-        p.grad = None
-    a1, a2 = x1.detach().clone().requires_grad_(), x2.detach().clone().requires_grad_()
-    if seed is not None:
-        torch.manual_seed(seed)
-    y1, y2 = plain_forward(seq, a1, a2)
-    loss_of(y1, y2, w1, w2).backward()
-    out = (y1.detach(), y2.detach(), a1.grad, a2.grad, grads_of(params))
-    for p in params:
-        p.grad = None
-    return out
+    return run_grads(lambda a, b: plain_forward(seq, a, b), seq, x1, x2, w1, w2, seed)
 
 
 def _engine_grads(seq, x1, x2, w1, w2, seed=None):
-    params = list(seq.parameters())
-    for p in params:
-        p.grad = None
-    a1, a2 = x1.detach().clone().requires_grad_(), x2.detach().clone().requires_grad_()
-    if seed is not None:
-        torch.manual_seed(seed)
-    y1, y2 = seq(a1, a2)
-    loss_of(y1, y2, w1, w2).backward()
-    return y1.detach(), y2.detach(), a1.grad, a2.grad, grads_of(params)
+    return run_grads(seq, seq, x1, x2, w1, w2, seed)
 
 
 def _assert_same_grads(actual, expected, tol=1e-5):
     names = ["y1", "y2", "dx1", "dx2"]
     for name, a, e in zip(names, actual[:4], expected[:4]):
         assert_close_rel(a, e, tol, name)
-    for i, (a, e) in enumerate(zip(actual[4], expected[4])):
+    for i, (a, e) in enumerate(zip(actual[4:], expected[4:])):
         assert (a is None) == (e is None), f"param {i}: grad presence differs"
         if e is not None:
             assert_close_rel(a, e, tol, f"param {i} grad")
@@ -134,7 +114,7 @@ def test_parameters_are_inputs_of_the_engine_function():
 def test_tensor_hooks_fire_once_with_the_right_grad():
     seq = make_seq(3, WIDTH)
     x1, x2, w1, w2 = _inputs()
-    expected = _reference_grads(seq, x1, x2, w1, w2)[4]
+    expected = _reference_grads(seq, x1, x2, w1, w2)[4:]
     seen = {}
     params = list(seq.parameters())
     for i, p in enumerate(params):
@@ -150,7 +130,7 @@ def test_tensor_hooks_fire_once_with_the_right_grad():
 def test_two_backward_calls_accumulate(engine):
     seq = make_seq(3, WIDTH, engine=engine)
     batch_a, batch_b = _inputs(), _inputs()
-    ref_a, ref_b = _reference_grads(seq, *batch_a)[4], _reference_grads(seq, *batch_b)[4]
+    ref_a, ref_b = _reference_grads(seq, *batch_a)[4:], _reference_grads(seq, *batch_b)[4:]
     for p in seq.parameters():
         p.grad = None
     for x1, x2, w1, w2 in (batch_a, batch_b):
@@ -190,7 +170,7 @@ def test_autocast_grads_follow_the_low_precision_rule():
         ours = _engine_grads(seq, x1, x2, w1, w2)
     for k in (2, 3):
         assert rel_err(ours[k], exact[k]) <= 2 * rel_err(same_dtype[k], exact[k]) + 1e-6
-    for a, b, e in zip(ours[4], same_dtype[4], exact[4]):
+    for a, b, e in zip(ours[4:], same_dtype[4:], exact[4:]):
         assert rel_err(a, e) <= 2 * rel_err(b, e) + 1e-6
 
 
@@ -256,5 +236,5 @@ def test_cuda_grads_match_autograd(autocast_dtype):
         return
     for k in (2, 3):
         assert rel_err(ours[k], exact[k]) <= 2 * rel_err(same_dtype[k], exact[k]) + 1e-6
-    for a, b, e in zip(ours[4], same_dtype[4], exact[4]):
+    for a, b, e in zip(ours[4:], same_dtype[4:], exact[4:]):
         assert rel_err(a, e) <= 2 * rel_err(b, e) + 1e-6

@@ -4,7 +4,7 @@ import torch
 
 import revkernels as rk
 from revkernels.nn.revvit import RevViTBlock
-from tests.helpers import assert_close_rel, grads_of, plain_forward, rel_err
+from tests.helpers import assert_close_rel, plain_forward, rel_err, run_grads
 
 DIM, HEADS, BATCH, TOKENS = 32, 4, 3, 7
 
@@ -20,24 +20,14 @@ def _data(device="cpu"):
     return x1, x2, w1, w2
 
 
-def _run(fn, seq, x1, x2, w1, w2, seed):
-    for p in seq.parameters():
-        p.grad = None
-    a1, a2 = x1.clone().requires_grad_(), x2.clone().requires_grad_()
-    torch.manual_seed(seed)
-    y1, y2 = fn(a1, a2)
-    ((y1 * w1).sum() + (y2 * y2 * w2).sum()).backward()
-    return [y1.detach(), y2.detach(), a1.grad, a2.grad] + grads_of(seq.parameters())
-
-
 @pytest.mark.parametrize("depth", [1, 3])
 @pytest.mark.parametrize("options", [{}, {"drop_path": 0.3}, {"approximate": "tanh", "qkv_bias": False}])
 def test_fused_grads_equal_plain_autograd(depth, options):
     seq = _stack(depth, **options)
     data = _data()
     seed = torch.randint(0, 2**31, ()).item()
-    expected = _run(lambda a, b: plain_forward(seq, a, b), seq, *data, seed)
-    actual = _run(seq, seq, *data, seed)
+    expected = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data, seed)
+    actual = run_grads(seq, seq, *data, seed)
     for i, (a, e) in enumerate(zip(actual, expected)):
         assert_close_rel(a, e, 1e-5, f"output/grad {i}")
 
@@ -46,8 +36,8 @@ def test_fused_steps_agree_with_the_generic_block_on_the_same_modules():
     seq = _stack(2, drop_path=0.2)
     generic = rk.nn.ReversibleSequential(*[rk.nn.ReversibleBlock(b.f, b.g) for b in seq.blocks])
     data = _data()
-    fused = _run(seq, seq, *data, seed=3)
-    plain = _run(generic, seq, *data, seed=3)
+    fused = run_grads(seq, seq, *data, seed=3)
+    plain = run_grads(generic, seq, *data, seed=3)
     for i, (a, e) in enumerate(zip(fused, plain)):
         assert_close_rel(a, e, 1e-5, f"output/grad {i}")
 
@@ -69,10 +59,10 @@ def test_reverse_with_fused_blocks():
 def test_autocast_bf16_follows_the_low_precision_rule():
     seq = _stack(2)
     data = _data()
-    exact = _run(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=0)
+    exact = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        same_dtype = _run(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=0)
-        ours = _run(seq, seq, *data, seed=0)
+        same_dtype = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=0)
+        ours = run_grads(seq, seq, *data, seed=0)
     for i, (o, s, e) in enumerate(zip(ours, same_dtype, exact)):
         assert rel_err(o, e) <= 2 * rel_err(s, e) + 1e-6, f"output/grad {i}"
 
@@ -91,9 +81,9 @@ def test_bad_input():
 def test_cuda_autocast(dtype):
     seq = _stack(3, drop_path=0.1).cuda()
     data = _data("cuda")
-    exact = _run(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=0)
+    exact = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=0)
     with torch.autocast("cuda", dtype=dtype):
-        same_dtype = _run(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=0)
-        ours = _run(seq, seq, *data, seed=0)
+        same_dtype = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=0)
+        ours = run_grads(seq, seq, *data, seed=0)
     for i, (o, s, e) in enumerate(zip(ours, same_dtype, exact)):
         assert rel_err(o, e) <= 2 * rel_err(s, e) + 1e-6, f"output/grad {i}"
