@@ -5,7 +5,8 @@
 
 Variants, all measured in one run (forward, backward, AdamW step; medians after warm-up):
     standard            pre-norm transformer blocks x + F(x), x + G(x), eager autograd
-    standard_compile    the same under torch.compile
+    standard_compile    the same with each block under torch.compile (one compiled graph shared by
+                        all blocks of a stack: what large-model trainers do, and cheap to compile)
     checkpoint          standard with per-block torch.utils.checkpoint
     reversible_plain    ReversibleBlock(F, G) of plain nn modules, sequential engine
     revkernels_<engine> RevViTBlock (fused recompute/grads) with each engine
@@ -90,13 +91,15 @@ def measure(variant, depth, dim, heads, batch, tokens, device, dtype, steps, war
     torch.manual_seed(0)
     model = build(variant, depth, dim, heads).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    forward = torch.compile(model) if variant == "standard_compile" else model
+    if variant == "standard_compile":
+        for block in model.blocks:
+            block.compile(dynamic=False)
     x = torch.randn(batch, tokens, dim, device=device)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
     def step():
         with autocast:
-            loss = forward(x).float().square().mean()
+            loss = model(x).float().square().mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -123,6 +126,7 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="tiny shapes and few steps (smoke run)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--batches", type=int, nargs="+", help="batch sizes (default: 8 32 128 for vit_b, 8 32 for vit_l)")
     parser.add_argument("--depth-sweep", type=int, nargs="*", default=[12, 24, 48],
                         help="depths for the memory sweep (ViT-B width, batch 32)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -136,7 +140,8 @@ def main(argv=None):
         sweep = [1, 2] if args.depth_sweep else []
     else:
         models = {m: MODELS[m] for m in args.models}
-        batches, tokens, steps, warmup, sweep = BATCHES, TOKENS, 10, 3, args.depth_sweep
+        batches = {m: args.batches or BATCHES[m] for m in models}
+        tokens, steps, warmup, sweep = TOKENS, 10, 3, args.depth_sweep
     meta = provenance(args.device)
     print(f"train-step benchmark on {meta['device']} ({dtype}), torch {meta['torch']}, commit {meta['commit']}")
     rows = []
@@ -190,7 +195,8 @@ def _plot(path, rows, meta):
         axes[1].plot([r["depth"] for r in mine], [r["peak_mib"] for r in mine], marker="o", label=variant)
     axes[1].set_xlabel("depth (blocks)")
     axes[1].set_ylabel("peak memory of a step (MiB)")
-    axes[1].legend(fontsize=7)
+    if sweep:
+        axes[1].legend(fontsize=7)
     fig.suptitle(f"{meta['device']} | torch {meta['torch']} | commit {meta['commit']}", fontsize=9)
     return save_figure(fig, path)
 

@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
 # The GPU check, on a machine with a CUDA GPU and torch/triton/nvcc installed (no package index
 # needed): build with the CUDA kernels, run the GPU tests, run the benchmarks, copy logs/CSV/PNG to
-# $OUT (at most 8 files) and print a short table last.
+# $OUT (at most 8 files) and print a short table last. Every stage has a time limit, so one that
+# hangs or runs long still leaves the others' results.
 #
-#   OUT=/tmp/out bash benchmarks/gpu_check.sh                    # everything (about 12 min on an H200)
-#   STAGES="build tests kernels" OUT=/tmp/out bash benchmarks/gpu_check.sh   # first call (< 9 min)
-#   STAGES="build train" OUT=/tmp/out bash benchmarks/gpu_check.sh           # second call (< 9 min;
-#                                                                  the build is incremental by then)
+#   OUT=/tmp/out bash benchmarks/gpu_check.sh                      # everything (about 9 min on an H200)
+#   STAGES="build tests kernels train_quick" OUT=/tmp/out bash benchmarks/gpu_check.sh
+#   STAGES="prebuilt train" OUT=/tmp/out bash benchmarks/gpu_check.sh  # reuse a carried revkernels/_C*.so
+#
+# Stages: build (pip install -e ., CUDA kernels forced; if that fails the log is kept and the
+# package is built without them so the Triton paths still run), prebuilt (use the _C*.so already in
+# revkernels/), tests (pytest -m gpu, $TEST_ARGS appended), kernels (bench_kernels.py), train
+# (bench_train.py, $TRAIN_ARGS appended), train_quick (bench_train.py --quick on the GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
 OUT=${OUT:-benchmarks/results/gpu}
 STAGES=${STAGES:-build tests kernels train}
 mkdir -p "$OUT"
@@ -17,42 +24,66 @@ log="$OUT/gpu_check.log"
 status=0
 step() { echo "== $* ($(date +%T))" | tee -a "$log"; }
 wants() { [[ " $STAGES " == *" $1 "* ]]; }
+limit() { local s=$1; shift; timeout -k 10 "$s" "$@"; local rc=$?; [ $rc -eq 124 ] && echo "TIMED OUT after $s s: $*" | tee -a "$log"; return $rc; }
 
 step "environment"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+  $PY -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
   nvcc --version | tail -1; git rev-parse --short HEAD 2>/dev/null; } 2>&1 | tee -a "$log"
 
 if wants build; then
   step "build (CUDA kernels forced)"
   start=$(date +%s)
   if ! REVKERNELS_BUILD_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} \
-       pip install --no-build-isolation --no-deps -e . >> "$log" 2>&1; then
-    tail -40 "$log"; echo "BUILD FAILED"; exit 1
+       limit 400 $PY -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+    status=1
+    grep -E "error|Error" "$OUT/build.log" | head -30 | tee -a "$log"
+    step "CUDA build FAILED (build.log); building without the CUDA C++ kernels"
+    REVKERNELS_BUILD_CUDA=0 MAX_JOBS=${MAX_JOBS:-16} $PY -m pip install --no-build-isolation --no-deps -e . >> "$log" 2>&1 \
+      || { echo "BUILD FAILED"; exit 1; }
+  else
+    rm -f "$OUT/build.log"
   fi
   echo "build took $(( $(date +%s) - start )) s" | tee -a "$log"
+  # The built extension comes back with the results so a later call can skip the build (stage prebuilt).
+  so=$(ls revkernels/_C*.so 2>/dev/null | head -1)
+  [ -n "$so" ] && strip --strip-debug -o "$OUT/$(basename "$so")" "$so" 2>/dev/null
+fi
+if wants prebuilt; then
+  step "prebuilt extension"
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  $PY -c "import revkernels, torch; print('revkernels._C loaded:', hasattr(torch.ops.revkernels, 'cuda_coupling_sub'))" 2>&1 | tee -a "$log"
 fi
 
 if wants tests; then
-  step "GPU tests (-m gpu)"
-  python -m pytest -m gpu -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
-  status=$?
-  tail -25 "$OUT/gpu_tests.log" | tee -a "$log"
+  step "GPU tests (-m gpu ${TEST_ARGS:-})"
+  workers=$($PY -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
+  # shellcheck disable=SC2086
+  limit ${TEST_LIMIT:-240} $PY -m pytest -m gpu -q -rfE -p no:cacheprovider $workers ${TEST_ARGS:-} \
+    > "$OUT/gpu_tests.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -40 | tee -a "$log"
 fi
 
 if wants kernels; then
   step "kernel benchmark"
-  python benchmarks/bench_kernels.py --out "$OUT" > "$OUT/bench_kernels.txt" 2>> "$log" || status=1
+  limit ${KERNELS_LIMIT:-240} $PY benchmarks/bench_kernels.py --out "$OUT" 2>&1 | tee -a "$log" > "$OUT/bench_kernels.txt" || status=1
+fi
+
+if wants train_quick; then
+  step "train-step benchmark, quick shapes on the GPU"
+  limit 120 $PY benchmarks/bench_train.py --quick --out "$OUT/quick" >> "$log" 2>&1 || status=1
+  rm -rf "$OUT/quick"
 fi
 
 if wants train; then
-  step "train-step benchmark"
-  python benchmarks/bench_train.py --out "$OUT" > "$OUT/bench_train.txt" 2>> "$log" || status=1
+  step "train-step benchmark ${TRAIN_ARGS:-}"
+  # shellcheck disable=SC2086
+  limit ${TRAIN_LIMIT:-330} $PY benchmarks/bench_train.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1 | tee -a "$log" > "$OUT/bench_train.txt" || status=1
 fi
 
 step "summary"
 for f in "$OUT/bench_kernels.txt" "$OUT/bench_train.txt"; do
-  [ -f "$f" ] && sed -n '/^op \|^ model\|^model/,$p' "$f"
+  [ -f "$f" ] && sed -n '/^op \|^ model\|^model/,$p' "$f" && rm -f "$f"
 done
 grep -E "passed|failed|error" "$OUT/gpu_tests.log" 2>/dev/null | tail -1
 echo "gpu_check exit status: $status"
