@@ -10,19 +10,35 @@ PyTorch spends several:
 recompute(y1, y2), G first (local autograd graphs start at the LayerNorm outputs)::
 
     ln2, mean2, rstd2 = layer_norm(y1)                              (ATen native_layer_norm)
-    g  = drop_path(fc2(bias_gelu(ln2 @ W1^T, b1)))                  (graph from ln2)
+    g  = drop_path(fc2(gelu(fc1(ln2))))                             (graph from ln2; MlpBranch's ops)
     x2, ln1, mean1, rstd1 = sub_layer_norm(y2, g, w_ln1, b_ln1)     (rebuild + LN1: one pass)
     o  = attention(ln1)                                             (graph from ln1)
-    x1 = linear_sub(y1, o, Wp, bp)                                  (rebuild in the GEMM: one call;
-                                                                     with drop-path active:
-                                                                     coupling_sub(y1, s*proj(o)))
+    x1 = coupling_sub(y1, drop_path(proj(o)))                       (cuBLAS linear, bias in its
+                                                                     epilogue, + the fused subtract)
+
+The rebuild subtracts exactly what the forward added: g and drop_path(proj(o)) are computed with the
+forward's own ops (F.linear with the bias in the GEMM, F.gelu, the same drop-path multiply), so the
+same kernels in the same dtypes give bitwise the same values, and under autocast the rebuilt x1, x2
+carry only the fp32 rounding of the residual streams (~1e-7 relative), not a 16-bit rounding of a
+differently computed branch output. (The fused ``bias_gelu`` after a bias-free GEMM rounds the GEMM
+output to bf16/fp16 before adding the bias, and ``linear_sub``, an addmm with y1 as the accumulator,
+forms the projection in fp32 where the forward rounded it to the autocast dtype: both rebuilt the
+inputs with 16-bit-level errors under autocast.) ln2 is bitwise nn.LayerNorm's (the same ATen op;
+CUDA autocast runs both layer_norm and native_layer_norm in fp32). ln1 comes from the fused
+sub_layer_norm, which agrees with nn.LayerNorm to fp32 rounding but not bitwise; under autocast the
+rare ln1 element whose 16-bit cast then differs perturbs the attention, so x1's rebuild error at
+ViT sizes is ~1e-5 relative (CPU, bf16, 197 tokens x 256-768), against ~1e-3 for a bf16-rounded
+rebuild. The composition for x1 is also the faster one:
+on an H200 in bf16, F.linear + coupling_sub took 1.77 ms against 2.10 ms for the single
+addmm(alpha=-1, beta=1) of ``linear_sub`` at 32768 rows x 4096, and 0.117 ms against 0.177 ms at
+25216 x 1024.
 
 grads(dy1, dy2)::
 
     dln2, dW1, db1, dW2, db2 = vjp of g at ln2 with dy2
     dy1', dw_ln2, db_ln2 = layer_norm_bwd_add(dln2, y1, ..., dres=dy1)     dy1' = dy1 + dG^T dy2
     dP = s * dy1';  dO = dP @ Wp;  dWp = dP^T o;  dbp = sum_rows(dP)       (proj by hand: o is kept,
-                                                                            proj's output never is)
+                                                                            proj's output is not)
     dln1, dWqkv, dbqkv = vjp of o at ln1 with dO
     dx2, dw_ln1, db_ln1 = layer_norm_bwd_add(dln1, x2, ..., dres=dy2)      dx2 = dy2 + dF^T dy1'
     dx1 = dy1'
@@ -37,10 +53,8 @@ from torch import nn
 from revkernels.engine.state import maybe_replay
 from revkernels.nn.drop_path import DropPath
 from revkernels.nn.reversible import BlockGrads, ReversibleBlock
-from revkernels.ops.bias_gelu import bias_gelu
 from revkernels.ops.coupling import coupling_sub
 from revkernels.ops.layer_norm import layer_norm_bwd_add, sub_layer_norm
-from revkernels.ops.linear_sub import linear_sub
 
 
 class AttentionBranch(nn.Module):
@@ -112,7 +126,9 @@ class RevViTBlock(ReversibleBlock):
                 ln2, mean2, rstd2 = torch.native_layer_norm(y1, [dim], g.norm.weight, g.norm.bias, g.norm.eps)
             ln2 = ln2.requires_grad_()
             with maybe_replay(None if state is None else state.rng_g):
-                hidden = bias_gelu(F.linear(ln2, leaves["g.fc1.weight"]), leaves["g.fc1.bias"], g.approximate)
+                # The ops (and so the kernels and dtypes) of MlpBranch.forward: g_out is bitwise the G
+                # the forward added, under autocast too.
+                hidden = F.gelu(F.linear(ln2, leaves["g.fc1.weight"], leaves["g.fc1.bias"]), approximate=g.approximate)
                 g_out = F.linear(hidden, leaves["g.fc2.weight"], leaves["g.fc2.bias"])
                 g_scale = g.drop_path.sample_scale(g_out)
                 if g_scale is not None:
@@ -121,11 +137,13 @@ class RevViTBlock(ReversibleBlock):
             ln1 = ln1.detach().requires_grad_()
             with maybe_replay(None if state is None else state.rng_f):
                 o = f.attend(ln1, leaves["f.qkv.weight"], leaves.get("f.qkv.bias"))
-                f_scale = f.drop_path.sample_scale(o)
-            if f_scale is None:
-                x1 = linear_sub(y1, o.detach(), f.proj.weight.detach(), f.proj.bias.detach())
-            else:
-                x1 = coupling_sub(y1, F.linear(o.detach(), f.proj.weight.detach(), f.proj.bias.detach()) * f_scale)
+                # proj then drop-path exactly as AttentionBranch.forward / DropPath.forward compute
+                # them: the rebuild subtracts the value the forward added.
+                f_out = F.linear(o.detach(), f.proj.weight.detach(), f.proj.bias.detach())
+                f_scale = f.drop_path.sample_scale(f_out)
+            if f_scale is not None:
+                f_out = f_out * f_scale
+            x1 = coupling_sub(y1, f_out)
         return _RevViTRecompute(x1=x1, x2=x2, y1=y1, ln1=ln1, ln2=ln2, mean1=mean1, rstd1=rstd1,
                                 mean2=mean2.reshape(mean2.shape[:-1]), rstd2=rstd2.reshape(rstd2.shape[:-1]),
                                 o=o, g_out=g_out, f_scale=f_scale, leaves=leaves)
@@ -138,7 +156,7 @@ class RevViTBlock(ReversibleBlock):
         dln2, *g_param_grads = torch.autograd.grad(rec.g_out, [rec.ln2] + [leaves[n] for n in g_names],
                                                    dy2.to(rec.g_out.dtype))
         dy1_total, dw_ln2, db_ln2 = layer_norm_bwd_add(dln2, rec.y1, g.norm.weight, rec.mean2, rec.rstd2, dy1)
-        # F's projection by hand: its output is never materialised in the rebuild.
+        # F's projection by hand: the rebuild keeps o but not the projection's output.
         o = rec.o.detach()
         dproj = dy1_total if rec.f_scale is None else dy1_total * rec.f_scale
         dproj2d = dproj.reshape(-1, dproj.shape[-1]).to(o.dtype)

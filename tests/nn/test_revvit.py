@@ -67,6 +67,33 @@ def test_autocast_bf16_follows_the_low_precision_rule():
         assert rel_err(o, e) <= 2 * rel_err(s, e) + 1e-6, f"output/grad {i}"
 
 
+def _norm_rel_err(actual, expected):
+    """||actual - expected|| / ||expected||, in float64."""
+    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+@pytest.mark.parametrize("drop_path", [0.0, 0.3])
+def test_recompute_under_autocast_bf16_rebuilds_to_fp32_rounding(drop_path):
+    # The rebuild must subtract exactly (same kernels, same dtypes) the F and G values the forward
+    # added, so that under autocast the rebuilt input carries only the fp32 rounding of the
+    # residual streams, not bf16 rounding of recomputed branch outputs.
+    torch.manual_seed(3)  # with drop_path 0.3: each branch keeps one sample and drops the other
+    block = RevViTBlock(DIM, HEADS, drop_path=drop_path)
+    x1, x2 = torch.randn(2, 5, DIM), torch.randn(2, 5, DIM)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y1, y2, state = block.forward_with_state(x1, x2)
+        rec = block.recompute(y1, y2, state)
+    if drop_path:
+        # The replayed masks must matter: per sample, a branch was either dropped (y == x) or not.
+        for y, x in ((y1, x1), (y2, x2)):
+            kept = [not torch.equal(y[i], x[i]) for i in range(2)]
+            assert kept == [True, False], kept
+    assert rec.x1.dtype == x1.dtype and rec.x2.dtype == x2.dtype
+    err1, err2 = _norm_rel_err(rec.x1, x1), _norm_rel_err(rec.x2, x2)
+    assert err1 <= 1e-6, f"x1: relative error {err1:.3e}"
+    assert err2 <= 1e-6, f"x2: relative error {err2:.3e}"
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="must be divisible by num_heads"):
         RevViTBlock(30, 4)
