@@ -1,0 +1,212 @@
+"""The graphs engine (CUDA-graph capture and replay) against plain autograd.
+
+On CPU it is the pareprop engine's eager schedule; the capture itself is tested on a GPU.
+"""
+import random
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import revkernels as rk
+from revkernels.engine import graphs
+from revkernels.nn.revvit import RevViTBlock
+from tests.helpers import assert_close_rel, make_seq, plain_forward, rel_err, run_grads
+
+
+def test_cpu_runs_eagerly_without_warning_and_matches_sequential():
+    seq = make_seq(3, 16, dropout=0.2)
+    data = [torch.randn(4, 16) for _ in range(4)]
+    expected = run_grads(seq, seq, *data, seed=5)
+    seq.engine = "graphs"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        actual = run_grads(seq, seq, *data, seed=5)
+    for a, e in zip(actual, expected):
+        assert torch.equal(a, e)
+
+
+def test_random_modules_are_found_only_when_they_draw():
+    seq = make_seq(2, 8, dropout=0.1, drop_path=0.2)
+    found = graphs._random_modules(seq)
+    assert any("f.4" in name for name in found) and any("f.5" in name for name in found)
+    seq.eval()
+    assert graphs._random_modules(seq) == []
+    assert graphs._random_modules(make_seq(2, 8)) == []
+
+
+def test_signature_tracks_what_a_graph_depends_on():
+    seq = make_seq(2, 8)
+    x = torch.randn(3, 8)
+    key = graphs._signature(seq, x, x)
+    assert graphs._signature(seq, torch.randn(3, 8), torch.randn(3, 8)) == key  # values do not matter
+    assert graphs._signature(seq, torch.randn(4, 8), torch.randn(4, 8)) != key  # shape
+    assert graphs._signature(seq, x.double(), x.double()) != key  # dtype
+    assert graphs._signature(seq, x.requires_grad_(), x) != key  # requires_grad
+    x = x.detach()
+    seq.eval()
+    assert graphs._signature(seq, x, x) != key  # training flags
+    seq.train()
+    with torch.no_grad():
+        seq.blocks[0].f[1].weight = nn.Parameter(seq.blocks[0].f[1].weight.clone())
+    assert graphs._signature(seq, x, x) != key  # a parameter's storage
+
+
+# --- GPU: capture and replay ------------------------------------------------------------------------
+
+def _vit_stack(depth, drop_path=0.0, dim=64, heads=4, engine="graphs"):
+    return rk.nn.ReversibleSequential(*[RevViTBlock(dim, heads, drop_path=drop_path) for _ in range(depth)],
+                                      engine=engine).cuda()
+
+
+def _captured_runs(seq):
+    return list(graphs._graphs_of(seq).captured.values())
+
+
+def _train_in_step(depth, steps, autocast_dtype=None, batches=(4,)):
+    """Trains a graphs-engine stack and an identical plain-autograd one side by side with SGD; yields
+    (step, ours, exact, same_dtype) where same_dtype is plain autograd in the autocast dtype."""
+    seq = _vit_stack(depth)
+    reference = _vit_stack(depth, engine="autograd")
+    reference.load_state_dict(seq.state_dict())
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (seq, reference))
+    for step in range(steps):
+        batch = batches[step % len(batches)]
+        data = [torch.randn(batch, 9, 64, device="cuda") for _ in range(4)]
+        exact = run_grads(lambda a, b: plain_forward(reference, a, b), reference, *data)
+        with torch.autocast("cuda", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+            same_dtype = run_grads(lambda a, b: plain_forward(reference, a, b), reference, *data) \
+                if autocast_dtype else None
+            ours = run_grads(seq, seq, *data)
+        yield step, seq, ours, exact, same_dtype
+        for model, optimizer, grads in ((seq, opt, ours), (reference, ref_opt, exact)):
+            for p, g in zip(model.parameters(), grads[4:]):
+                p.grad = g
+            optimizer.step()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [1, 2, 3, 12, 25])
+def test_cuda_grads_equal_autograd_fp32_over_three_optimizer_steps(depth):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback: every step replays the captured graphs
+        for step, seq, ours, exact, _ in _train_in_step(depth, 3):
+            for i, (o, e) in enumerate(zip(ours, exact)):
+                assert_close_rel(o, e, 1e-5, f"step {step} output/grad {i}")
+    assert len(_captured_runs(seq)) == 1
+
+
+@pytest.mark.gpu
+def test_cuda_backward_is_captured_on_two_streams():
+    seq = _vit_stack(3)
+    x = torch.randn(2, 9, 64, device="cuda", requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sum(y.sum() for y in seq(x, x)).backward()
+    (captured,) = _captured_runs(seq)
+    assert captured.walker is graphs.reverse_blocks_two_streams
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [2, 3])
+def test_cuda_autocast_bf16_follows_the_low_precision_rule(depth):
+    for step, seq, ours, exact, same_dtype in _train_in_step(depth, 3, autocast_dtype=torch.bfloat16):
+        for i, (o, s, e) in enumerate(zip(ours, same_dtype, exact)):
+            assert rel_err(o, e) <= 2 * rel_err(s, e) + 1e-6, f"step {step} output/grad {i}"
+
+
+@pytest.mark.gpu
+def test_cuda_new_shapes_are_captured_and_old_ones_replayed():
+    for step, seq, ours, exact, _ in _train_in_step(2, 5, batches=(4, 6, 4, 6, 3)):
+        for i, (o, e) in enumerate(zip(ours, exact)):
+            assert_close_rel(o, e, 1e-5, f"step {step} output/grad {i}")
+    assert len(_captured_runs(seq)) == 3
+
+
+@pytest.mark.gpu
+def test_cuda_grads_accumulate_across_backward_calls():
+    seq = _vit_stack(2)
+    reference = _vit_stack(2, engine="autograd")
+    reference.load_state_dict(seq.state_dict())
+    for _ in range(3):  # no zero_grad: three micro-batches accumulate
+        x = torch.randn(4, 9, 64, device="cuda")
+        for model in (seq, reference):
+            y1, y2 = model(x, x)
+            (y1.square().sum() + y2.sum()).backward()
+    for (name, p), q in zip(seq.named_parameters(), reference.parameters()):
+        assert_close_rel(p.grad, q.grad, 1e-5, name)
+
+
+@pytest.mark.gpu
+def test_cuda_two_forwards_before_one_backward_fall_back_and_stay_correct():
+    seq = _vit_stack(2)
+    reference = _vit_stack(2, engine="autograd")
+    reference.load_state_dict(seq.state_dict())
+    xs = [torch.randn(4, 9, 64, device="cuda") for _ in range(2)]
+    seq(xs[0], xs[0])[0].sum().backward()  # captures
+    seq.zero_grad()
+    with pytest.warns(UserWarning, match="still awaits its backward"):
+        outs = [seq(x, x) for x in xs]
+    ref_outs = [reference(x, x) for x in xs]
+    sum(y1.sum() + y2.square().sum() for y1, y2 in outs).backward()
+    sum(y1.sum() + y2.square().sum() for y1, y2 in ref_outs).backward()
+    for (name, p), q in zip(seq.named_parameters(), reference.parameters()):
+        assert_close_rel(p.grad, q.grad, 1e-5, name)
+
+
+@pytest.mark.gpu
+def test_cuda_drop_path_falls_back_with_a_warning_and_exact_grads():
+    seq = _vit_stack(2, drop_path=0.2)
+    data = [torch.randn(4, 9, 64, device="cuda") for _ in range(4)]
+    expected = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=3)
+    with pytest.warns(UserWarning, match="draw random numbers"):
+        actual = run_grads(seq, seq, *data, seed=3)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert_close_rel(a, e, 1e-5, f"output/grad {i}")
+    seq.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_grads(seq, seq, *data)
+    assert len(_captured_runs(seq)) == 1
+
+
+@pytest.mark.gpu
+def test_cuda_batchnorm_running_stats_count_each_step_once():
+    seq = make_seq(2, 16, engine="graphs", norm="batch").cuda()
+    reference = make_seq(2, 16, engine="autograd", norm="batch").cuda()
+    reference.load_state_dict(seq.state_dict())
+    for _ in range(3):
+        x = torch.randn(8, 16, device="cuda")
+        for model in (seq, reference):
+            sum(y.sum() for y in model(x, x)).backward()
+    for (name, b), r in zip(seq.named_buffers(), reference.buffers()):
+        assert torch.equal(b, r) if b.dtype == torch.long else torch.allclose(b, r, rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.gpu
+def test_cuda_a_host_synchronising_block_falls_back_with_the_error():
+    class Syncing(nn.Module):
+        def forward(self, x):
+            return x * float(x.abs().max())  # .item() under capture is an error
+
+    seq = rk.nn.ReversibleSequential(rk.nn.ReversibleBlock(Syncing(), nn.Linear(8, 8)), engine="graphs").cuda()
+    x = torch.randn(4, 8, device="cuda", requires_grad=True)
+    with pytest.warns(UserWarning, match="capture failed"):
+        y1, y2 = seq(x, x)
+    (y1.sum() + y2.sum()).backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.gpu
+def test_cuda_repeated_runs_are_identical_under_stress():
+    rng = random.Random(0)
+    stacks = {d: _vit_stack(d, dim=32, heads=2) for d in (1, 2, 3, 5)}
+    for step in range(200):
+        depth, batch = rng.choice(list(stacks)), rng.choice([1, 2, 4])
+        seq = stacks[depth]
+        data = [torch.randn(batch, 17, 32, device="cuda") for _ in range(4)]
+        first = run_grads(seq, seq, *data)
+        second = run_grads(seq, seq, *data)
+        for a, b in zip(first, second):
+            assert torch.equal(a, b), f"step {step}: depth {depth}, batch {batch} differs between runs"
