@@ -1,19 +1,29 @@
-"""Train-step benchmark of transformer stacks: standard backprop against reversible training.
+"""Train-step benchmark: standard backprop against reversible training (transformer stacks, RevNets).
 
-    python benchmarks/bench_train.py                       # CUDA: ViT-B/L, bf16 autocast
+    python benchmarks/bench_train.py                       # CUDA: ViT-B/L and RevNets, bf16 autocast
     python benchmarks/bench_train.py --device cpu --quick  # a smoke run of the same code
 
-Variants, all measured in one run (forward, backward, AdamW step; medians after warm-up):
+Transformer variants, all measured in one run (forward, backward, AdamW step (fused on CUDA);
+medians after warm-up):
     standard            pre-norm transformer blocks x + F(x), x + G(x), eager autograd
     standard_compile    the same with each block under torch.compile (one compiled graph shared by
                         all blocks of a stack: what large-model trainers do, and cheap to compile)
+    standard_graphs     the same with the whole stack's forward and backward as CUDA graphs
+                        (torch.cuda.make_graphed_callables)
     checkpoint          standard with per-block torch.utils.checkpoint
     reversible_plain    ReversibleBlock(F, G) of plain nn modules, sequential engine
     revkernels_<engine> RevViTBlock (fused recompute/grads) with each engine
 F = attention(LN(x)), G = MLP(LN(x)) with the same modules in every variant; the reversible ones
 run two streams of the full width, as Rev-ViT does, so every variant computes one F and one G per
-block in the forward. Results: CSV with device, versions and commit, a throughput plot and a
-memory-vs-depth plot, under --out.
+block in the forward. Peak memory is the whole step's (parameters, grads, optimizer state,
+activations, captured graphs' pools), measured from an empty device.
+
+RevNets (``--revnets name:stem:batch``; on CUDA RevNet-18/50 at 224x224, batch 64 and 256, and
+CIFAR RevNet-18 at 32x32, batch 256): plain autograd against each reversible engine, cross-entropy on
+random images and labels.
+
+Results: CSV with device, versions and commit, a throughput plot and a memory-vs-depth plot,
+under --out. A variant that fails is printed with its error and recorded as nan.
 """
 import argparse
 import os
@@ -22,6 +32,7 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -34,7 +45,7 @@ from revkernels.nn.revvit import AttentionBranch, MlpBranch, RevViTBlock  # noqa
 MODELS = {"vit_b": dict(depth=12, dim=768, heads=12), "vit_l": dict(depth=24, dim=1024, heads=16)}
 BATCHES = {"vit_b": [8, 32, 128], "vit_l": [8, 32]}
 TOKENS = 197
-ENGINES = ("sequential", "pareprop")
+ENGINES = ("sequential", "pareprop", "graphs")
 
 
 class StandardBlock(nn.Module):
@@ -72,9 +83,8 @@ class ReversibleStack(nn.Module):
 
 
 def build(variant, depth, dim, heads):
-    if variant in ("standard", "standard_compile", "checkpoint"):
-        model = StandardStack(depth, dim, heads, use_checkpoint=variant == "checkpoint")
-        return model
+    if variant in ("standard", "standard_compile", "standard_graphs", "checkpoint"):
+        return StandardStack(depth, dim, heads, use_checkpoint=variant == "checkpoint")
     if variant == "reversible_plain":
         return ReversibleStack([rk.nn.ReversibleBlock(AttentionBranch(dim, heads), MlpBranch(dim, 4 * dim))
                                 for _ in range(depth)], "sequential")
@@ -87,19 +97,19 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def measure(variant, depth, dim, heads, batch, tokens, device, dtype, steps, warmup):
-    torch.manual_seed(0)
-    model = build(variant, depth, dim, heads).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    if variant == "standard_compile":
-        for block in model.blocks:
-            block.compile(dynamic=False)
-    x = torch.randn(batch, tokens, dim, device=device)
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+def time_steps(model, inputs, loss_of, device, dtype, steps, warmup, graph_whole_model=False):
+    """(median ms of a train step, peak MiB of the whole step from an empty device): forward under
+    autocast, backward, AdamW step (fused on CUDA). graph_whole_model: the model is first replaced
+    by torch.cuda.make_graphed_callables (the standard-backprop-in-a-CUDA-graph baseline)."""
+    autocast = lambda **kw: torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32, **kw)  # noqa: E731
+    if graph_whole_model:
+        with autocast(cache_enabled=False):
+            model = torch.cuda.make_graphed_callables(model, (inputs,))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
     def step():
-        with autocast:
-            loss = model(x).float().square().mean()
+        with autocast():
+            loss = loss_of(model(inputs))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -107,9 +117,6 @@ def measure(variant, depth, dim, heads, batch, tokens, device, dtype, steps, war
     for _ in range(warmup):
         step()
     _sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
     times = []
     for _ in range(steps):
         _sync(device)
@@ -117,8 +124,60 @@ def measure(variant, depth, dim, heads, batch, tokens, device, dtype, steps, war
         step()
         _sync(device)
         times.append((time.perf_counter() - start) * 1e3)
-    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else float("nan")
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
     return statistics.median(times), peak
+
+
+def _fresh_device(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def measure(variant, depth, dim, heads, batch, tokens, device, dtype, steps, warmup):
+    _fresh_device(device)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = build(variant, depth, dim, heads)
+        x = torch.randn(batch, tokens, dim)
+    if variant == "standard_compile":
+        for block in model.blocks:
+            block.compile(dynamic=False)
+    return time_steps(model, x, lambda y: y.float().square().mean(), device, dtype, steps, warmup,
+                      graph_whole_model=variant == "standard_graphs")
+
+
+def measure_revnet(name, stem, engine, batch, device, dtype, steps, warmup):
+    """A RevNet train step on random images and labels; engine "autograd" is plain backprop."""
+    _fresh_device(device)
+    torch.manual_seed(0)
+    size = 32 if stem == "cifar" else 224
+    classes = 10 if stem == "cifar" else 1000
+    with torch.device(device):
+        model = getattr(rk.models, name)(num_classes=classes, stem=stem, engine=engine)
+        images = torch.randn(batch, 3, size, size)
+        labels = torch.randint(0, classes, (batch,))
+    return time_steps(model, images, lambda logits: F.cross_entropy(logits.float(), labels), device, dtype,
+                      steps, warmup)
+
+
+def _safely(fn, *args):
+    """fn(*args), or (nan, nan) with the error printed: one failing variant keeps the others' rows."""
+    try:
+        return fn(*args)
+    except Exception as error:  # reported in the output and the CSV (nan), never silently
+        print(f"    FAILED: {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
+        return float("nan"), float("nan")
+
+
+REVNETS_CUDA = ["revnet18:imagenet:64", "revnet18:imagenet:256", "revnet50:imagenet:64", "revnet50:imagenet:256",
+                "revnet18:cifar:256"]
+REVNET_ENGINES = ("autograd", "sequential", "pareprop", "graphs")
+
+
+def _ratio(a, b):
+    return f"{a / b:.2f}x" if a == a and b == b and b else "n/a"  # nan-safe
 
 
 def main(argv=None):
@@ -127,47 +186,84 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="tiny shapes and few steps (smoke run)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--batches", type=int, nargs="+", help="batch sizes (default: 8 32 128 for vit_b, 8 32 for vit_l)")
+    parser.add_argument("--variants", nargs="+", help="transformer variants to run (default: all for the device)")
     parser.add_argument("--depth-sweep", type=int, nargs="*", default=[12, 24, 48],
                         help="depths for the memory sweep (ViT-B width, batch 32)")
+    parser.add_argument("--revnets", nargs="*", help="RevNet configs name:stem:batch (default on CUDA: "
+                        + " ".join(REVNETS_CUDA) + "; none on CPU unless --quick); empty to skip")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    variants = ["standard"] + (["standard_compile"] if device.type == "cuda" else []) + \
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    variants = ["standard"] + (["standard_compile", "standard_graphs"] if cuda else []) + \
         ["checkpoint", "reversible_plain"] + [f"revkernels_{e}" for e in ENGINES]
+    variants = [v for v in variants if not args.variants or v in args.variants]
     if args.quick:
         models, batches, tokens, steps, warmup = {"tiny": dict(depth=2, dim=64, heads=4)}, {"tiny": [2]}, 17, 2, 1
         sweep = [1, 2] if args.depth_sweep else []
+        revnets = ["revnet18:cifar:2"] if args.revnets is None else args.revnets
     else:
         models = {m: MODELS[m] for m in args.models}
         batches = {m: args.batches or BATCHES[m] for m in models}
         tokens, steps, warmup, sweep = TOKENS, 10, 3, args.depth_sweep
+        revnets = (REVNETS_CUDA if cuda else []) if args.revnets is None else args.revnets
     meta = provenance(args.device)
     print(f"train-step benchmark on {meta['device']} ({dtype}), torch {meta['torch']}, commit {meta['commit']}")
     rows = []
     for name, shape in models.items():
         for batch in batches[name]:
             for variant in variants:
-                ms, peak = measure(variant, shape["depth"], shape["dim"], shape["heads"], batch, tokens, device,
-                                   dtype, steps, warmup)
+                ms, peak = _safely(measure, variant, shape["depth"], shape["dim"], shape["heads"], batch, tokens,
+                                   device, dtype, steps, warmup)
                 rows.append({"kind": "throughput", "model": name, "depth": shape["depth"], "batch": batch,
                              "variant": variant, "ms": round(ms, 3), "images_per_s": round(batch / ms * 1e3, 1),
                              "peak_mib": round(peak, 1)})
                 print(f"{name:>6} batch {batch:>4} {variant:<22} {ms:9.2f} ms  peak {peak:8.1f} MiB", flush=True)
     sweep_shape = next(iter(models.values()))
+    sweep_batch = 2 if args.quick else 32
     for depth in sweep:
         for variant in ("standard", "reversible_plain", "revkernels_sequential"):
-            ms, peak = measure(variant, depth, sweep_shape["dim"], sweep_shape["heads"], 32 if not args.quick else 2,
-                               tokens, device, dtype, max(2, steps // 3), 1)
-            rows.append({"kind": "depth_sweep", "model": "sweep", "depth": depth, "batch": 32 if not args.quick else 2,
+            ms, peak = _safely(measure, variant, depth, sweep_shape["dim"], sweep_shape["heads"], sweep_batch, tokens,
+                               device, dtype, max(2, steps // 3), 1)
+            rows.append({"kind": "depth_sweep", "model": "sweep", "depth": depth, "batch": sweep_batch,
                          "variant": variant, "ms": round(ms, 3), "images_per_s": "", "peak_mib": round(peak, 1)})
+    for config in revnets:
+        name, stem, batch = config.split(":")
+        for engine in REVNET_ENGINES:
+            ms, peak = _safely(measure_revnet, name, stem, engine, int(batch), device, dtype, max(2, steps // 2),
+                               max(1, warmup - 1))
+            rows.append({"kind": "revnet", "model": f"{name}_{stem}", "depth": "", "batch": int(batch),
+                         "variant": engine, "ms": round(ms, 3), "images_per_s": round(int(batch) / ms * 1e3, 1),
+                         "peak_mib": round(peak, 1)})
+            print(f"{name + '_' + stem:>16} batch {batch:>4} {engine:<12} {ms:9.2f} ms  peak {peak:8.1f} MiB", flush=True)
+
+    def pick(kind, model, batch):
+        return {r["variant"]: r for r in rows if r["kind"] == kind and r["model"] == model and r["batch"] == batch}
 
     print(f"\n{'model':>6} {'batch':>5}  " + "  ".join(f"{v:>14}" for v in variants[1:]) + "   (speed vs standard)")
     for name in models:
         for batch in batches[name]:
-            mine = {r["variant"]: r for r in rows if r["kind"] == "throughput" and r["model"] == name and r["batch"] == batch}
-            base = mine["standard"]["ms"]
-            print(f"{name:>6} {batch:>5}  " + "  ".join(f"{base / mine[v]['ms']:>13.2f}x" for v in variants[1:]))
+            mine = pick("throughput", name, batch)
+            print(f"{name:>6} {batch:>5}  " + "  ".join(f"{_ratio(mine['standard']['ms'], mine[v]['ms']):>14}"
+                                                       for v in variants[1:]))
+    if "revkernels_graphs" in variants:
+        print("\nrevkernels_graphs speed vs: " + ", ".join(v for v in variants if v != "revkernels_graphs"))
+        for name in models:
+            for batch in batches[name]:
+                mine = pick("throughput", name, batch)
+                ours = mine["revkernels_graphs"]["ms"]
+                print(f"{name:>6} {batch:>5}  " + "  ".join(f"{_ratio(mine[v]['ms'], ours):>8}" for v in variants
+                                                           if v != "revkernels_graphs"))
+    if revnets:
+        print("\nRevNet: speed and peak-memory ratio vs autograd")
+        for config in revnets:
+            name, stem, batch = config.split(":")
+            mine = pick("revnet", f"{name}_{stem}", int(batch))
+            base = mine["autograd"]
+            print(f"{name}_{stem} batch {batch}: " + "  ".join(
+                f"{e} {_ratio(base['ms'], mine[e]['ms'])} speed, {_ratio(base['peak_mib'], mine[e]['peak_mib'])} less memory"
+                for e in REVNET_ENGINES[1:]))
     os.makedirs(args.out, exist_ok=True)
     tag = device.type
     path = write_csv(os.path.join(args.out, f"train_{tag}.csv"), rows, meta)
@@ -180,7 +276,7 @@ def _plot(path, rows, meta):
     plt = pyplot()
     if plt is None:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(19, 4.5))
     throughput = [r for r in rows if r["kind"] == "throughput"]
     for (model, variant) in dict.fromkeys((r["model"], r["variant"]) for r in throughput):
         mine = sorted((r for r in throughput if r["model"] == model and r["variant"] == variant), key=lambda r: r["batch"])
@@ -197,6 +293,19 @@ def _plot(path, rows, meta):
     axes[1].set_ylabel("peak memory of a step (MiB)")
     if sweep:
         axes[1].legend(fontsize=7)
+    revnet = [r for r in rows if r["kind"] == "revnet"]
+    configs = list(dict.fromkeys((r["model"], r["batch"]) for r in revnet))
+    engines = list(dict.fromkeys(r["variant"] for r in revnet))
+    width = 0.8 / max(1, len(engines))
+    for k, engine in enumerate(engines):
+        values = [next((r["images_per_s"] for r in revnet if (r["model"], r["batch"]) == c and r["variant"] == engine), 0)
+                  for c in configs]
+        axes[2].bar([i + k * width for i in range(len(configs))], values, width, label=engine)
+    if configs:
+        axes[2].set_xticks([i + width * (len(engines) - 1) / 2 for i in range(len(configs))],
+                           [f"{m}\nbatch {b}" for m, b in configs], fontsize=7)
+        axes[2].set_ylabel("images / s")
+        axes[2].legend(fontsize=7)
     fig.suptitle(f"{meta['device']} | torch {meta['torch']} | commit {meta['commit']}", fontsize=9)
     return save_figure(fig, path)
 

@@ -5,14 +5,18 @@
                 each block's input from its output and computes its grads, last block first
     pareprop    the sequential engine with the backward on two CUDA streams: block i-1's rebuild
                 overlaps block i's gradients (sequential schedule on CPU)
+    graphs      the run's forward and backward (pareprop schedule) captured as CUDA graphs per
+                input signature and replayed: no launch overhead; eager pareprop where a graph
+                cannot be used (CPU, dropout/drop-path to replay, capture failure), with a warning
 
 An engine is a function ``engine(seq, x1, x2) -> (y1, y2)``.
 """
 from revkernels.engine.autograd import run_autograd
+from revkernels.engine.graphs import clear_graphs, run_graphs
 from revkernels.engine.pareprop import reverse_blocks_two_streams, run_pareprop
 from revkernels.engine.sequential import reverse_blocks, run_sequential
 
-ENGINES = {"autograd": run_autograd, "sequential": run_sequential, "pareprop": run_pareprop}
+ENGINES = {"autograd": run_autograd, "sequential": run_sequential, "pareprop": run_pareprop, "graphs": run_graphs}
 
 
 def get_engine(name):
@@ -22,5 +26,5 @@ def get_engine(name):
     return ENGINES[name]
 
 
-__all__ = ["ENGINES", "get_engine", "run_autograd", "run_sequential", "run_pareprop", "reverse_blocks",
-           "reverse_blocks_two_streams"]
+__all__ = ["ENGINES", "get_engine", "run_autograd", "run_sequential", "run_pareprop", "run_graphs", "clear_graphs",
+           "reverse_blocks", "reverse_blocks_two_streams"]

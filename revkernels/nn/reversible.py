@@ -220,7 +220,10 @@ class ReversibleSequential(nn.Module):
     Args:
         *blocks: `ReversibleBlock` instances (or subclasses such as fused blocks), at least one.
         engine: "sequential" (default: saves only the run's outputs and rebuilds each block's input
-            in the backward) or "autograd" (reference: ordinary autograd, stores activations).
+            in the backward), "pareprop" (the same with the backward on two CUDA streams),
+            "graphs" (the pareprop run captured as CUDA graphs and replayed, for static shapes;
+            see `revkernels.engine.graphs`) or "autograd" (reference: ordinary autograd, stores
+            activations).
         preserve_rng_state: replay each block's randomness (dropout, drop-path) in the recompute.
             Costs a few KB of host memory per block; turn off only for deterministic blocks.
     """
