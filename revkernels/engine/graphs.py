@@ -32,13 +32,17 @@ on CPU), warning once per run and reason:
   ``preserve_rng_state``: a captured recompute cannot redraw the forward's random numbers;
 - the previous forward of the same signature still awaits its backward (its static buffers are
   in use: two forwards before one backward, such as a run called twice in one step);
-- capture failed (for example a module that synchronises with the host); the warning carries
-  the error and the signature is not tried again.
+- a block synchronises with the host (``.item()``, a data-dependent shape, ...): the second
+  warm-up iteration runs under ``torch.cuda.set_sync_debug_mode("error")``, so such a run is found
+  before any capture is attempted;
+- capture failed; the warning carries the error and the signature is not tried again (the
+  failed capture is ended and the caller's stream restored, so the process stays usable).
 
 Forward hooks of the blocks run during warm-up and capture only, not at replay.
 """
 import collections
 import contextlib
+import gc
 import warnings
 import weakref
 
@@ -97,6 +101,38 @@ class _PendingToken:
     """Lives as long as the autograd graph of one replayed forward."""
 
 
+@contextlib.contextmanager
+def _capturing(graph, pool, stream):
+    """Captures the body's work on `stream` into `graph`. Unlike torch.cuda.graph, an error in the
+    body still ends the capture and restores the current stream, so a failed capture leaves the
+    process usable (a stream left capturing breaks every later launch on it)."""
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):
+                graph.capture_end()
+            raise
+        graph.capture_end()
+
+
+@contextlib.contextmanager
+def _sync_is_an_error():
+    # A host synchronisation inside a capture invalidates it; finding it during warm-up (an error
+    # instead of a sync) means no capture is attempted for such a run.
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+class HostSyncError(RuntimeError):
+    """A block synchronised with the host during the graphs engine's warm-up."""
+
+
 class CapturedRun:
     """The forward and backward graphs of one run for one input signature."""
 
@@ -110,25 +146,40 @@ class CapturedRun:
         caller = torch.cuda.current_stream(x1.device)
         side = torch.cuda.Stream(x1.device)
         side.wait_stream(caller)
+
+        def forward_backward():
+            y1, y2 = run_reversible(seq, self.x1, self.x2, walker)
+            torch.autograd.grad((y1, y2), inputs, (torch.ones_like(y1), torch.ones_like(y2)), allow_unused=True)
+
         with _uncached_autocast(), _without_rng_replay(seq):
             with torch.cuda.stream(side):
-                for _ in range(WARMUP_ITERS):
-                    y1, y2 = run_reversible(seq, self.x1, self.x2, walker)
-                    torch.autograd.grad((y1, y2), inputs, (torch.ones_like(y1), torch.ones_like(y2)),
-                                        allow_unused=True)
-                del y1, y2
+                for i in range(WARMUP_ITERS):
+                    if i == 0:  # lazy initialisation may synchronise once
+                        forward_backward()
+                        continue
+                    try:
+                        with _sync_is_an_error():
+                            forward_backward()
+                    except RuntimeError as error:
+                        if "synchronizing" not in str(error):
+                            raise
+                        raise HostSyncError(f"a block synchronises with the host ({str(error).splitlines()[0]})") \
+                            from error
             caller.wait_stream(side)
             with torch.no_grad():
                 for buffer, saved in zip(seq.buffers(), saved_buffers):
                     buffer.copy_(saved)
+            torch.cuda.synchronize(x1.device)
+            gc.collect()
             self.pool = torch.cuda.graph_pool_handle()
             self.forward_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.forward_graph, pool=self.pool):
+            with _capturing(self.forward_graph, self.pool, side):
                 self.y1, self.y2 = run_reversible(seq, self.x1, self.x2, walker)
             self.dy1, self.dy2 = torch.empty_like(self.y1), torch.empty_like(self.y2)
             self.backward_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.backward_graph, pool=self.pool):
+            with _capturing(self.backward_graph, self.pool, side):
                 grads = torch.autograd.grad((self.y1, self.y2), inputs, (self.dy1, self.dy2), allow_unused=True)
+            caller.wait_stream(side)
         grads = list(grads)
         self.dx = [grads.pop(0) if needed else None for needed in self.input_slots]
         self.param_grads = grads
@@ -216,8 +267,11 @@ def _captured(seq, x1, x2, params):
     for walker in (reverse_blocks_two_streams, reverse_blocks):
         try:
             captured = CapturedRun(seq, x1, x2, params, walker)
+        except HostSyncError as error:
+            failed[key] = str(error)
+            return None, failed[key]
         except Exception as error:  # capture can fail in any op; the message says which
-            errors.append(f"{walker.__name__}: {type(error).__name__}: {error}")
+            errors.append(f"{walker.__name__}: {type(error).__name__}: {str(error).splitlines()[0]}")
             continue
         if errors:
             _warn_once(seq, f"the two-stream backward could not be captured, the single-stream one is used ({errors[0]})")
