@@ -15,8 +15,11 @@ medians after warm-up):
     revkernels_<engine> RevViTBlock (fused recompute/grads) with each engine
 F = attention(LN(x)), G = MLP(LN(x)) with the same modules in every variant; the reversible ones
 run two streams of the full width, as Rev-ViT does, so every variant computes one F and one G per
-block in the forward. Peak memory is the whole step's (parameters, grads, optimizer state,
-activations, captured graphs' pools), measured from an empty device.
+block in the forward. Memory, per model on an emptied device: ``peak_mib`` the step's peak
+(parameters, grads, optimizer state, activations, captured graphs' pools) and ``transient_mib`` the
+part of it above what stays allocated between steps (the activations; a captured graph keeps its
+pool, holding its activations, allocated between steps, so for the graphs variants only
+``peak_mib`` is comparable).
 
 RevNets (``--revnets name:stem:batch``; on CUDA RevNet-18/50 at 224x224, batch 64 and 256, and
 CIFAR RevNet-18 at 32x32, batch 256): plain autograd against each reversible engine, cross-entropy on
@@ -98,8 +101,10 @@ def _sync(device):
 
 
 def time_steps(model, inputs, loss_of, device, dtype, steps, warmup, graph_whole_model=False):
-    """(median ms of a train step, peak MiB of the whole step from an empty device): forward under
-    autocast, backward, AdamW step (fused on CUDA). graph_whole_model: the model is first replaced
+    """(median ms of a train step, peak MiB of the step, of which MiB above what stays allocated
+    between steps): forward under autocast, backward, AdamW step (fused on CUDA). The second is
+    the step's transient memory (activations); what stays allocated between steps is parameters,
+    optimizer state and, for captured CUDA graphs, their memory pools. graph_whole_model: the model is first replaced
     by torch.cuda.make_graphed_callables (the standard-backprop-in-a-CUDA-graph baseline)."""
     autocast = lambda **kw: torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32, **kw)  # noqa: E731
     if graph_whole_model:
@@ -117,6 +122,9 @@ def time_steps(model, inputs, loss_of, device, dtype, steps, warmup, graph_whole
     for _ in range(warmup):
         step()
     _sync(device)
+    if device.type == "cuda":
+        between_steps = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(steps):
         _sync(device)
@@ -124,8 +132,10 @@ def time_steps(model, inputs, loss_of, device, dtype, steps, warmup, graph_whole
         step()
         _sync(device)
         times.append((time.perf_counter() - start) * 1e3)
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
-    return statistics.median(times), peak
+    if device.type != "cuda":
+        return statistics.median(times), float("nan"), float("nan")
+    peak = torch.cuda.max_memory_allocated(device)
+    return statistics.median(times), peak / 2**20, (peak - between_steps) / 2**20
 
 
 def _fresh_device(device):
@@ -168,7 +178,7 @@ def _safely(fn, *args):
         return fn(*args)
     except Exception as error:  # reported in the output and the CSV (nan), never silently
         print(f"    FAILED: {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
-        return float("nan"), float("nan")
+        return float("nan"), float("nan"), float("nan")
 
 
 REVNETS_CUDA = ["revnet18:imagenet:64", "revnet18:imagenet:256", "revnet50:imagenet:64", "revnet50:imagenet:256",
@@ -214,29 +224,32 @@ def main(argv=None):
     for name, shape in models.items():
         for batch in batches[name]:
             for variant in variants:
-                ms, peak = _safely(measure, variant, shape["depth"], shape["dim"], shape["heads"], batch, tokens,
-                                   device, dtype, steps, warmup)
+                ms, peak, transient = _safely(measure, variant, shape["depth"], shape["dim"], shape["heads"], batch,
+                                              tokens, device, dtype, steps, warmup)
                 rows.append({"kind": "throughput", "model": name, "depth": shape["depth"], "batch": batch,
                              "variant": variant, "ms": round(ms, 3), "images_per_s": round(batch / ms * 1e3, 1),
-                             "peak_mib": round(peak, 1)})
-                print(f"{name:>6} batch {batch:>4} {variant:<22} {ms:9.2f} ms  peak {peak:8.1f} MiB", flush=True)
+                             "peak_mib": round(peak, 1), "transient_mib": round(transient, 1)})
+                print(f"{name:>6} batch {batch:>4} {variant:<22} {ms:9.2f} ms  peak {peak:8.1f} MiB  "
+                      f"transient {transient:8.1f} MiB", flush=True)
     sweep_shape = next(iter(models.values()))
     sweep_batch = 2 if args.quick else 32
     for depth in sweep:
         for variant in ("standard", "reversible_plain", "revkernels_sequential"):
-            ms, peak = _safely(measure, variant, depth, sweep_shape["dim"], sweep_shape["heads"], sweep_batch, tokens,
-                               device, dtype, max(2, steps // 3), 1)
+            ms, peak, transient = _safely(measure, variant, depth, sweep_shape["dim"], sweep_shape["heads"],
+                                          sweep_batch, tokens, device, dtype, max(2, steps // 3), 1)
             rows.append({"kind": "depth_sweep", "model": "sweep", "depth": depth, "batch": sweep_batch,
-                         "variant": variant, "ms": round(ms, 3), "images_per_s": "", "peak_mib": round(peak, 1)})
+                         "variant": variant, "ms": round(ms, 3), "images_per_s": "", "peak_mib": round(peak, 1),
+                         "transient_mib": round(transient, 1)})
     for config in revnets:
         name, stem, batch = config.split(":")
         for engine in REVNET_ENGINES:
-            ms, peak = _safely(measure_revnet, name, stem, engine, int(batch), device, dtype, max(2, steps // 2),
-                               max(1, warmup - 1))
+            ms, peak, transient = _safely(measure_revnet, name, stem, engine, int(batch), device, dtype,
+                                          max(2, steps // 2), max(1, warmup - 1))
             rows.append({"kind": "revnet", "model": f"{name}_{stem}", "depth": "", "batch": int(batch),
                          "variant": engine, "ms": round(ms, 3), "images_per_s": round(int(batch) / ms * 1e3, 1),
-                         "peak_mib": round(peak, 1)})
-            print(f"{name + '_' + stem:>16} batch {batch:>4} {engine:<12} {ms:9.2f} ms  peak {peak:8.1f} MiB", flush=True)
+                         "peak_mib": round(peak, 1), "transient_mib": round(transient, 1)})
+            print(f"{name + '_' + stem:>16} batch {batch:>4} {engine:<12} {ms:9.2f} ms  peak {peak:8.1f} MiB  "
+                  f"transient {transient:8.1f} MiB", flush=True)
 
     def pick(kind, model, batch):
         return {r["variant"]: r for r in rows if r["kind"] == kind and r["model"] == model and r["batch"] == batch}
@@ -256,13 +269,14 @@ def main(argv=None):
                 print(f"{name:>6} {batch:>5}  " + "  ".join(f"{_ratio(mine[v]['ms'], ours):>8}" for v in variants
                                                            if v != "revkernels_graphs"))
     if revnets:
-        print("\nRevNet: speed and peak-memory ratio vs autograd")
+        print("\nRevNet vs autograd: speed, and how many times less step peak / transient (activation) memory")
         for config in revnets:
             name, stem, batch = config.split(":")
             mine = pick("revnet", f"{name}_{stem}", int(batch))
             base = mine["autograd"]
             print(f"{name}_{stem} batch {batch}: " + "  ".join(
-                f"{e} {_ratio(base['ms'], mine[e]['ms'])} speed, {_ratio(base['peak_mib'], mine[e]['peak_mib'])} less memory"
+                f"{e} {_ratio(base['ms'], mine[e]['ms'])} speed, {_ratio(base['peak_mib'], mine[e]['peak_mib'])}"
+                f" / {_ratio(base['transient_mib'], mine[e]['transient_mib'])} less memory"
                 for e in REVNET_ENGINES[1:]))
     os.makedirs(args.out, exist_ok=True)
     tag = device.type

@@ -12,13 +12,19 @@ chunked kernel: one pass for the statistics (per-chunk mean and M2, merged as in
 one to write x and ln, each forming x from y and g again (a program does not read back what it
 stored: Triton does not order a store before a later load of another thread).
 
-layer_norm_bwd_add: a grid of programs over blocks of rows. Each keeps the fp32 (fp64) partial
-sums of dweight and dbias over its rows in registers and stores them to a (programs, N) buffer,
-which a second kernel sums over programs in a fixed order (deterministic; no atomics or locks).
-Wider rows: a first kernel writes each row's mean(dxhat) and mean(dxhat * xhat), then a 2-D grid
-(row blocks x column chunks) writes dx and the partial sums chunk by chunk.
+layer_norm_bwd_add: a grid of programs over blocks of rows (4 per SM up to BLOCK_N 2048, else 2).
+Each keeps the fp32 (fp64) partial sums of dweight and dbias over its rows in registers and stores
+them to a (programs, N) buffer, which a second kernel sums over programs in a fixed order
+(deterministic; no atomics or locks).
+Rows wider than MAX_FUSED_N_BWD (4096: the fused kernel spills registers at BLOCK_N 8192): a first
+kernel writes each row's mean(dxhat) and mean(dxhat * xhat), then a 2-D grid (row blocks x column
+chunks) writes dx and the partial sums chunk by chunk.
 
-Block sizes and warp counts follow the usual fused LayerNorm kernels; they are not tuned here.
+Block sizes, warps and programs come from an H200 sweep (bf16, widths 768/1024/3072/4096; kernel
+launches timed with do_bench): the forward's warps (4 at 768/1024, 16 at 4096) reach ~98% of copy
+bandwidth; the backward takes 8 warps (fewer for blocks under 1024) and 4 programs per SM up to
+BLOCK_N 2048, else 2: 12608x768 93.9 -> 76.4 us, 25216x1024 170.5 -> 121.0 us, 32768x4096
+547 -> 341.8 us (3142 GB/s) against the former 2 programs per SM and forward warp counts.
 """
 import functools
 
@@ -26,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_FUSED_N = 8192  # widest row kept whole in registers
+MAX_FUSED_N = 8192  # widest row kept whole in registers by the forward
+MAX_FUSED_N_BWD = 4096  # widest row kept whole by the backward (BLOCK_N 8192 spills registers)
 CHUNK_N = 2048  # chunk width of the kernels for wider rows
 PARTIAL_BLOCK_P = 16  # partial rows summed per step of the reduction
 PARTIAL_BLOCK_N = 256  # columns per program of the reduction
@@ -207,7 +214,18 @@ def _as_rows(t, n):
 
 
 def _num_warps(block_n):
+    """Warps of the forward kernels."""
     return min(max(block_n // 256, 1), 16)
+
+
+def _bwd_num_warps(block_n):
+    """Warps of the backward kernels (fused, and the chunked ones for their chunk width)."""
+    return min(8, max(1, block_n // 128))
+
+
+def _bwd_programs_per_sm(block_n):
+    """Row programs per SM of the backward, by the row's block width (next power of 2 of N)."""
+    return 4 if block_n <= 2048 else 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -215,10 +233,11 @@ def _sm_count(index):
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _num_row_programs(rows, device):
-    """Programs of the backward: a couple per SM on a GPU, a few under the interpreter."""
+def _num_row_programs(rows, device, per_sm):
+    """Programs of the backward: per_sm per SM on a GPU, a few under the interpreter."""
     if device.type == "cuda":
-        return min(rows, 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device()))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return min(rows, per_sm * _sm_count(index))
     return min(rows, 4)
 
 
@@ -247,9 +266,10 @@ def sub_layer_norm(y, g, weight, bias, eps, max_fused_n=MAX_FUSED_N, chunk_n=CHU
     return x, ln, mean, rstd
 
 
-def layer_norm_bwd_add(dln, x, weight, mean, rstd, dres, max_fused_n=MAX_FUSED_N, chunk_n=CHUNK_N):
+def layer_norm_bwd_add(dln, x, weight, mean, rstd, dres, max_fused_n=MAX_FUSED_N_BWD, chunk_n=CHUNK_N):
     """(dx, dweight, dbias): dx = dres + LayerNorm backward(dln) in dres's dtype; dweight, dbias
-    summed over rows in fp32 (fp64 when x or dres is fp64) and returned in weight's dtype."""
+    summed over rows in fp32 (fp64 when x or dres is fp64) and returned in weight's dtype. Rows
+    wider than max_fused_n take the chunked kernels."""
     n = x.shape[-1]
     acc_fp64 = torch.float64 in (x.dtype, dres.dtype)
     acc_dtype = torch.float64 if acc_fp64 else torch.float32
@@ -261,26 +281,28 @@ def layer_norm_bwd_add(dln, x, weight, mean, rstd, dres, max_fused_n=MAX_FUSED_N
         return dx, dweight.zero_(), dbias.zero_()
     dln_rows, x_rows, dres_rows = _as_rows(dln, n), _as_rows(x, n), _as_rows(dres, n)
     weight, mean, rstd = weight.contiguous(), mean.contiguous(), rstd.contiguous()
-    programs = _num_row_programs(rows, x.device)
+    block_n = triton.next_power_of_2(n)
+    # Programs per SM by the whole row's width, also on the chunked path (whose 2-D grid
+    # multiplies them by the chunks of a row).
+    programs = _num_row_programs(rows, x.device, _bwd_programs_per_sm(block_n))
     rows_per_program = triton.cdiv(rows, programs)
     programs = triton.cdiv(rows, rows_per_program)
     partials = torch.empty(2, programs, n, dtype=acc_dtype, device=x.device)
-    block_n = triton.next_power_of_2(n)
     if block_n <= max_fused_n:
         _layer_norm_bwd_add_kernel[(programs,)](
             dx, partials[0], partials[1], dln_rows, dln_rows.stride(0), x_rows, x_rows.stride(0), weight, mean, rstd,
             dres_rows, dres_rows.stride(0), n, rows, rows_per_program,
-            ACC_FP64=acc_fp64, BLOCK_N=block_n, num_warps=_num_warps(block_n))
+            ACC_FP64=acc_fp64, BLOCK_N=block_n, num_warps=_bwd_num_warps(block_n))
     else:
         block_n = min(chunk_n, block_n)
         stats = torch.empty(rows, 2, dtype=acc_dtype, device=x.device)
         _layer_norm_bwd_row_stats_kernel[(rows,)](
             stats, dln_rows, dln_rows.stride(0), x_rows, x_rows.stride(0), weight, mean, rstd, n,
-            ACC_FP64=acc_fp64, BLOCK_N=block_n, num_warps=_num_warps(block_n))
+            ACC_FP64=acc_fp64, BLOCK_N=block_n, num_warps=_bwd_num_warps(block_n))
         _layer_norm_bwd_add_chunked_kernel[(programs, triton.cdiv(n, block_n))](
             dx, partials[0], partials[1], stats, dln_rows, dln_rows.stride(0), x_rows, x_rows.stride(0), weight, mean,
             rstd, dres_rows, dres_rows.stride(0), n, rows, rows_per_program,
-            ACC_FP64=acc_fp64, BLOCK_N=block_n, num_warps=_num_warps(block_n))
+            ACC_FP64=acc_fp64, BLOCK_N=block_n, num_warps=_bwd_num_warps(block_n))
     _sum_partials_kernel[(triton.cdiv(n, PARTIAL_BLOCK_N), 2)](
         dweight, dbias, partials, programs, n, BLOCK_P=PARTIAL_BLOCK_P, BLOCK_N=PARTIAL_BLOCK_N)
     return dx, dweight, dbias

@@ -1,10 +1,13 @@
 """The benchmark scripts run end to end (CPU smoke runs of the same code the GPU check runs)."""
 import csv
+import importlib.util
 import pathlib
 import subprocess
 import sys
+import types
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -23,3 +26,65 @@ def test_script_writes_its_csv_and_plot(tmp_path, script, csv_name, kinds):
     assert {r[column] for r in rows} >= kinds
     assert all(r["commit"] and r["device"] and r["torch"] for r in rows)
     assert (tmp_path / csv_name.replace(".csv", ".png")).stat().st_size > 0
+
+
+def test_kernels_csv_has_both_timings(tmp_path):
+    """bench_kernels reports the GPU time (ms, the primary figure) and the per-call time (call_ms)
+    with the method used (timing); on CPU both are the same perf_counter median."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernels.py"), "--device", "cpu",
+                             "--quick", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "kernels_cpu.csv")))
+    assert {"ms", "call_ms", "timing", "gb_per_s", "call_gb_per_s", "pct_of_copy", "copy_gb_per_s"} <= set(rows[0])
+    assert all(r["timing"] == "perf_counter" and r["ms"] == r["call_ms"] for r in rows)
+    assert all((r["gb_per_s"] == "") == (r["op"] == "linear_sub") for r in rows)
+    assert "of copy" in result.stdout and "target >= 85%" in result.stdout and "target >= 70%" in result.stdout
+
+
+def _bench_kernels_module():
+    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "benchmarks" / "bench_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kernels_cuda_timing_and_fallback(monkeypatch):
+    """The CUDA timing path without a GPU: do_bench gives call_ms, do_bench_cudagraph ms; a capture
+    failure falls back to the per-call time with timing "events"."""
+    import triton.testing
+
+    bench = _bench_kernels_module()
+    calls = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup, rep, return_mode: calls.append("events") or 0.2)
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph",
+                        lambda fn, rep, return_mode: calls.append("graph") or 0.05)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    cuda = types.SimpleNamespace(type="cuda")
+    assert bench._time(lambda: None, cuda, 10) == (0.05, 0.2, "cudagraph")
+    assert calls == ["events", "graph"]
+
+    def not_capturable(fn, rep, return_mode):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", not_capturable)
+    assert bench._time(lambda: None, cuda, 10) == (0.2, 0.2, "events")
+
+
+def test_kernels_cuda_summary(capsys):
+    """The CUDA summary (both tables and the copy-bandwidth shares) from synthetic rows."""
+    bench = _bench_kernels_module()
+    rows = []
+    for op, nbytes in (("coupling_sub", 3e9), ("layer_norm_bwd_add", 4e9), ("linear_sub", None)):
+        for impl, ms, timing in (("eager", 2.0, "cudagraph"), ("compile", 1.5, "events"), ("triton", 1.0, "cudagraph"),
+                                 ("cuda", 1.2, "cudagraph")):
+            rows.append({"op": op, "rows": 8, "width": 4, "impl": impl, "ms": ms, "call_ms": ms + 0.1,
+                         "timing": timing, "gb_per_s": nbytes / (ms * 1e-3) / 1e9 if nbytes else "",
+                         "tflop_per_s": 1.0 if not nbytes else ""})
+    bench._print_summary(rows, [(8, 4)], ["eager", "compile", "triton", "cuda"], ["triton", "cuda"], True, 3500.0,
+                         True)
+    out = capsys.readouterr().out
+    assert "CUDA-graph replay" in out and "per-call time" in out and "2.00x / 1.50x" in out
+    assert "1.5000 ms*" in out  # the compile row that could not be captured
+    assert "coupling_sub         3000 GB/s = 85.7% of copy (triton)  target >= 85%: met" in out
+    assert "layer_norm_bwd_add   4000 GB/s = 114.3% of copy (triton)  target >= 70%: met" in out
+    assert "linear_sub           1.0 TFLOP/s" in out

@@ -364,6 +364,51 @@ def test_triton_row_loop_and_fp64_accumulation(approximate, monkeypatch):
                      _truth(dy, x, bias64, approximate)[0], tol=1e-7, what="y (fp64 bias)")
 
 
+def test_triton_tile_shapes():
+    """The H200-tuned tiles: forward 4096 elements up to 256 columns, backward 4096 up to 128
+    columns, both 4 warps; narrow widths and few rows shrink the tile, never past the data."""
+    from revkernels.triton import bias_gelu as B
+
+    assert (B.FWD_TILE, B.FWD_MAX_BLOCK_N, B.BWD_TILE, B.BWD_MAX_BLOCK_N) == (4096, 256, 4096, 128)
+    assert B.NUM_WARPS == 4 and B.MAX_ROW_PROGRAMS == 256
+    assert B._fwd_blocks(32768, 4096) == (16, 256) and B._bwd_blocks(32768, 4096) == (32, 128)
+    assert B._fwd_blocks(12608, 3072) == (16, 256) and B._bwd_blocks(12608, 3072) == (32, 128)
+    assert B._fwd_blocks(4096, 33) == (64, 64) and B._bwd_blocks(4096, 33) == (64, 64)
+    assert B._fwd_blocks(4096, 8) == (256, 16)  # at least 16 columns
+    assert B._fwd_blocks(1, 1000) == (1, 256) and B._bwd_blocks(7, 1000) == (8, 128)
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+def test_triton_launch_configs(approximate, monkeypatch):
+    """The wrappers launch the forward with _fwd_blocks and the backward with _bwd_blocks, NUM_WARPS each."""
+    from revkernels.triton import bias_gelu as B
+
+    log = []
+
+    class Log:
+        def __init__(self, kernel, name):
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):
+            launch = self.kernel[grid]
+
+            def run(*args, **kwargs):
+                log.append((self.name, grid, kwargs.get("BLOCK_M"), kwargs.get("BLOCK_N"), kwargs.get("num_warps")))
+                return launch(*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(B, "_bias_gelu_kernel", Log(B._bias_gelu_kernel, "fwd"))
+    monkeypatch.setattr(B, "_bias_gelu_bwd_kernel", Log(B._bias_gelu_bwd_kernel, "bwd"))
+    rows, n = 40, 300
+    dy, x, bias = (t.to(_device()) for t in _inputs((rows, n), torch.float32))
+    y_true, dx_true, dbias_true = _truth(dy, x, bias, approximate)
+    assert_close_rel(B.bias_gelu(x, bias, approximate), y_true, tol=1e-5, what="y")
+    dx, dbias = B.bias_gelu_bwd(dy, x, bias, approximate)
+    assert_close_rel(dx, dx_true, tol=1e-5, what="dx")
+    assert_close_rel(dbias, dbias_true, tol=1e-5, what="dbias")
+    assert log == [("fwd", (3, 2), 16, 256, 4), ("bwd", (2, 3), 32, 128, 4)]
+
+
 def test_triton_empty():
     from revkernels.triton import bias_gelu as triton_bias_gelu
 

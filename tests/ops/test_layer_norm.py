@@ -461,9 +461,80 @@ def test_triton_empty_rows():
     assert dx.shape == (0, 33) and not dweight.any() and not dbias.any()
 
 
+class _LaunchLog:
+    """Stands in for a @triton.jit kernel of the module and records each launch's config."""
+
+    def __init__(self, kernel, name, log):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.log.append((self.name, kwargs.get("BLOCK_N"), kwargs.get("num_warps")))
+            return launch(*args, **kwargs)
+        return run
+
+
+# (width, forward kernel, backward kernels): the backward keeps rows whole only up to
+# MAX_FUSED_N_BWD = 4096 (BLOCK_N 8192 spills registers), the forward up to MAX_FUSED_N = 8192.
+ROUTES = [(33, ["fwd"], ["bwd_add"]), (1000, ["fwd"], ["bwd_add"]), (4096, ["fwd"], ["bwd_add"]),
+          (4097, ["fwd"], ["bwd_row_stats", "bwd_add_chunked"]),
+          (8193, ["fwd_chunked"], ["bwd_row_stats", "bwd_add_chunked"])]
+
+
+@pytest.mark.parametrize("width,fwd,bwd", ROUTES)
+def test_triton_launch_configs(width, fwd, bwd, monkeypatch):
+    """Which kernels each width takes, with the tuned warps: the forward's _num_warps, the backward's
+    min(8, max(1, BLOCK_N // 128)) for the fused kernel and the chunked ones' chunk width."""
+    import triton
+
+    from revkernels.triton import layer_norm as L
+
+    log = []
+    for name in ("fwd", "fwd_chunked", "bwd_add", "bwd_row_stats", "bwd_add_chunked"):
+        attr = {"fwd": "_sub_layer_norm_fwd_kernel", "fwd_chunked": "_sub_layer_norm_fwd_chunked_kernel",
+                "bwd_add": "_layer_norm_bwd_add_kernel", "bwd_row_stats": "_layer_norm_bwd_row_stats_kernel",
+                "bwd_add_chunked": "_layer_norm_bwd_add_chunked_kernel"}[name]
+        monkeypatch.setattr(L, attr, _LaunchLog(getattr(L, attr), name, log))
+    device = _triton_device()
+    shape = (2, width)
+    y, g = _random(shape).to(device), _g(shape).to(device)
+    weight, bias = (t.to(device) for t in _params(width))
+    x, ln, mean, rstd = L.sub_layer_norm(y, g, weight, bias, EPS)
+    block = triton.next_power_of_2(width)
+    fwd_block = block if fwd == ["fwd"] else L.CHUNK_N
+    assert log == [(fwd[0], fwd_block, L._num_warps(fwd_block))]
+    log.clear()
+    dln, dres = torch.randn(shape).to(device), torch.randn(shape).to(device)
+    dx, dweight, dbias = L.layer_norm_bwd_add(dln, x, weight, mean, rstd, dres)
+    bwd_block = block if bwd == ["bwd_add"] else L.CHUNK_N
+    assert log == [(name, bwd_block, L._bwd_num_warps(bwd_block)) for name in bwd]
+    gx, gw, gb = _torch_layer_norm_grads(x.double(), weight.double(), bias.double(), dln.double())
+    assert_close_rel(dx, dres.double() + gx, 1e-5, "dx")
+    assert_close_rel(dweight, gw, 1e-5, "dweight")
+
+
+def test_triton_backward_tuning(monkeypatch):
+    """The H200-tuned backward config: 8 warps (fewer for narrow blocks), 4 programs per SM up to
+    BLOCK_N 2048 and 2 above, a separate (smaller) fused width limit than the forward's."""
+    from revkernels.triton import layer_norm as L
+
+    assert L.MAX_FUSED_N_BWD == 4096 and L.MAX_FUSED_N == 8192
+    assert [L._bwd_num_warps(b) for b in (1, 64, 128, 256, 512, 1024, 2048, 4096)] == [1, 1, 1, 2, 4, 8, 8, 8]
+    assert [L._num_warps(b) for b in (1024, 4096, 8192)] == [4, 16, 16]  # the forward's, unchanged
+    assert [L._bwd_programs_per_sm(b) for b in (64, 1024, 2048, 4096, 8192, 16384)] == [4, 4, 4, 2, 2, 2]
+    monkeypatch.setattr(L, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert L._num_row_programs(12608, cuda, 4) == 528 and L._num_row_programs(32768, cuda, 2) == 264
+    assert L._num_row_programs(100, cuda, 4) == 100
+    assert L._num_row_programs(100, torch.device("cpu"), 4) == 4
+
+
 # --- CUDA (Triton through torch.ops) -------------------------------------------------------------
 
-GPU_SHAPES = [(1, 33), (300, 1000), (64, 4097), (8, 12288)]  # 12288: wider than one block (chunked)
+# 4097: fused forward, chunked backward (wider than MAX_FUSED_N_BWD); 12288: chunked both ways.
+GPU_SHAPES = [(1, 33), (300, 1000), (64, 4096), (64, 4097), (8, 12288)]
 
 
 @pytest.mark.gpu

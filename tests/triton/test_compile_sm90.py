@@ -5,8 +5,8 @@ CUDA device), and the interpreter accepts code that the compiler rejects. Here t
 are imported in a child process without TRITON_INTERPRET, and each kernel is compiled (TTIR ->
 PTX -> cubin through ptxas) for every dtype combination and constexpr configuration the entry
 points launch: the block sizes and warp counts come from the modules' own launch helpers and
-constants for representative widths (1, 33, 1000, 4097, 8192 and the chunked path above
-MAX_FUSED_N). Register use and spills (cuobjdump resource usage: LOCAL/STACK > 0) are printed as
+constants for representative widths (1, 33, 1000, 4096, 4097, 8192 and the chunked paths above
+MAX_FUSED_N_BWD / MAX_FUSED_N). Register use and spills (cuobjdump resource usage: LOCAL/STACK > 0) are printed as
 non-fatal notes.
 
 One child process compiles everything (a fresh Triton cache, so nothing is a cache hit). Run it
@@ -25,8 +25,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MODULES = ("revkernels.triton.coupling", "revkernels.triton.layer_norm", "revkernels.triton.bias_gelu")
 ARCH = 90
 FLOAT_DTYPES = ("fp32", "bf16", "fp16", "fp64")
-WIDTHS = (1, 33, 1000, 4097, 8192)  # fused LayerNorm widths; CHUNKED_WIDTH takes the chunked kernels
-CHUNKED_WIDTH = 10000
+WIDTHS = (1, 33, 1000, 4096, 4097, 8192)  # LayerNorm widths: fused forward; fused backward up to MAX_FUSED_N_BWD
+CHUNKED_WIDTH = 10000  # the forward's chunked kernel (the backward's chunked kernels take 4097 and 8192 too)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,7 +66,12 @@ def _cases():
     fused_blocks = sorted({triton.next_power_of_2(n) for n in WIDTHS})
     assert all(b <= layer_norm.MAX_FUSED_N for b in fused_blocks)
     assert triton.next_power_of_2(CHUNKED_WIDTH) > layer_norm.MAX_FUSED_N
+    bwd_fused_blocks = [b for b in fused_blocks if b <= layer_norm.MAX_FUSED_N_BWD]
+    assert layer_norm.MAX_FUSED_N_BWD in bwd_fused_blocks and len(bwd_fused_blocks) < len(fused_blocks)
+    # The chunk width of every chunked kernel (forward above MAX_FUSED_N, backward above MAX_FUSED_N_BWD).
     chunk = min(layer_norm.CHUNK_N, triton.next_power_of_2(CHUNKED_WIDTH))
+    assert all(min(layer_norm.CHUNK_N, triton.next_power_of_2(n)) == chunk
+               for n in WIDTHS if triton.next_power_of_2(n) > layer_norm.MAX_FUSED_N_BWD)
     for combos, blocks in ((same, fused_blocks), (mixed, [triton.next_power_of_2(1000)])):
         for y, g, w, b in combos:
             acc = _acc(y, g)
@@ -85,44 +90,47 @@ def _cases():
     same = [(d, d, d, _acc(d)) for d in FLOAT_DTYPES]  # (x, dres, weight, mean)
     mixed = [("bf16", "fp32", "fp32", "fp32"), ("fp32", "bf16", "fp32", "fp32"), ("bf16", "bf16", "fp32", "fp32"),
              ("fp32", "fp64", "fp32", "fp64"), ("fp16", "fp32", "fp16", "fp32"), ("fp32", "fp32", "fp32", "fp64")]
-    for combos, blocks in ((same, fused_blocks), (mixed, [triton.next_power_of_2(1000)])):
+    for combos, blocks in ((same, bwd_fused_blocks), (mixed, [triton.next_power_of_2(1000)])):
         for x, dres, w, m in combos:
             acc = _acc(x, dres)
             for block in blocks:
                 add(layer_norm, "_layer_norm_bwd_add_kernel",
                     dict(dx_ptr=dres, dw_partial_ptr=acc, db_partial_ptr=acc, dln_ptr=x, x_ptr=x, w_ptr=w,
                          mean_ptr=m, rstd_ptr=m, dres_ptr=dres),
-                    dict(ACC_FP64=acc == "fp64", BLOCK_N=block), layer_norm._num_warps(block))
+                    dict(ACC_FP64=acc == "fp64", BLOCK_N=block), layer_norm._bwd_num_warps(block))
     for x, dres, w, m in same + mixed:
         acc = _acc(x, dres)
         cx = dict(ACC_FP64=acc == "fp64", BLOCK_N=chunk)
         add(layer_norm, "_layer_norm_bwd_row_stats_kernel",
-            dict(stats_ptr=acc, dln_ptr=x, x_ptr=x, w_ptr=w, mean_ptr=m, rstd_ptr=m), cx, layer_norm._num_warps(chunk))
+            dict(stats_ptr=acc, dln_ptr=x, x_ptr=x, w_ptr=w, mean_ptr=m, rstd_ptr=m), cx,
+            layer_norm._bwd_num_warps(chunk))
         add(layer_norm, "_layer_norm_bwd_add_chunked_kernel",
             dict(dx_ptr=dres, dw_partial_ptr=acc, db_partial_ptr=acc, stats_ptr=acc, dln_ptr=x, x_ptr=x, w_ptr=w,
-                 mean_ptr=m, rstd_ptr=m, dres_ptr=dres), cx, layer_norm._num_warps(chunk))
+                 mean_ptr=m, rstd_ptr=m, dres_ptr=dres), cx, layer_norm._bwd_num_warps(chunk))
     for acc, w in (("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "fp16"), ("fp64", "fp64"), ("fp64", "fp32")):
         add(layer_norm, "_sum_partials_kernel", dict(dw_ptr=w, db_ptr=w, partial_ptr=acc),
             dict(BLOCK_P=layer_norm.PARTIAL_BLOCK_P, BLOCK_N=layer_norm.PARTIAL_BLOCK_N))
 
     # bias_gelu(x, bias) / bias_gelu_bwd(dy, x, bias): out, dx in x's dtype; bias any float dtype.
+    # The forward and backward have their own tile shapes (_fwd_blocks, _bwd_blocks), both NUM_WARPS.
     shapes = [(1, 33), (7, 1000), (4096, 33), (4096, 1000), (4096, 8), (64, 8192)]  # (rows, n)
-    all_blocks = sorted({bias_gelu._blocks(r, n) for r, n in shapes})
-    few_blocks = [bias_gelu._blocks(1, 33), bias_gelu._blocks(4096, 1000)]
+    few_shapes = [(1, 33), (4096, 1000)]
     same = [(d, d) for d in FLOAT_DTYPES]
     mixed = [("bf16", "fp32"), ("fp16", "fp32"), ("fp32", "fp64"), ("fp32", "bf16")]
     # Every block shape for the erf form; the tanh form and mixed dtypes (which change only the
     # math and the load/store conversions) on fewer shapes, to keep the whole file near a minute.
-    plan = [(same, False, all_blocks), (same, True, few_blocks), (mixed, False, few_blocks[1:]),
-            (mixed, True, few_blocks[1:])]
-    for combos, tanh, blocks in plan:
+    plan = [(same, False, shapes), (same, True, few_shapes), (mixed, False, few_shapes[1:]),
+            (mixed, True, few_shapes[1:])]
+    for combos, tanh, plan_shapes in plan:
         for x, b in combos:
             acc = _acc(x, b)
-            for block_m, block_n in blocks:
-                cx = dict(TANH=tanh, ACC_FP64=acc == "fp64", BLOCK_M=block_m, BLOCK_N=block_n)
-                add(bias_gelu, "_bias_gelu_kernel", dict(out_ptr=x, x_ptr=x, bias_ptr=b), cx)
-                add(bias_gelu, "_bias_gelu_bwd_kernel", dict(dx_ptr=x, partial_ptr=acc, dy_ptr=x, x_ptr=x, bias_ptr=b),
-                    cx)
+            for kernel, blocks, ptrs in (
+                    ("_bias_gelu_kernel", bias_gelu._fwd_blocks, dict(out_ptr=x, x_ptr=x, bias_ptr=b)),
+                    ("_bias_gelu_bwd_kernel", bias_gelu._bwd_blocks,
+                     dict(dx_ptr=x, partial_ptr=acc, dy_ptr=x, x_ptr=x, bias_ptr=b))):
+                for block_m, block_n in sorted({blocks(r, n) for r, n in plan_shapes}):
+                    cx = dict(TANH=tanh, ACC_FP64=acc == "fp64", BLOCK_M=block_m, BLOCK_N=block_n)
+                    add(bias_gelu, kernel, ptrs, cx, bias_gelu.NUM_WARPS)
     for b, acc in (("fp32", "fp32"), ("bf16", "fp32"), ("fp16", "fp32"), ("fp64", "fp64"), ("fp32", "fp64")):
         add(bias_gelu, "_reduce_partials_kernel", dict(dbias_ptr=b, partial_ptr=acc),
             dict(ACC_FP64=acc == "fp64", BLOCK=bias_gelu.REDUCE_BLOCK))
