@@ -8,13 +8,18 @@ import subprocess
 import torch
 
 
-def provenance(device):
-    """Commit, device, versions: written next to every figure."""
+def _git_commit():
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or "unknown"
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
+        return "unknown"
+
+
+def provenance(device):
+    """Commit, device, versions: written next to every figure. REVKERNELS_COMMIT names the commit
+    where the tree has no git metadata (a snapshot copied to a benchmark machine)."""
+    commit = os.environ.get("REVKERNELS_COMMIT") or _git_commit()
     if torch.device(device).type == "cuda":
         device_name = torch.cuda.get_device_name(device)
     else:
