@@ -1,0 +1,171 @@
+"""README results from the committed benchmark CSVs: markdown tables, regenerated, never typed.
+
+    python benchmarks/readme_tables.py            # rewrites README.md between the results markers
+    python benchmarks/readme_tables.py --print    # prints the tables instead
+
+Reads ``benchmarks/results/kernels_cuda.csv`` (bench_kernels.py) and ``train_cuda.csv``
+(bench_train.py) where present; each table is headed by the commit, GPU, torch and triton versions
+its CSV recorded. Ratios are computed here from the medians in the CSV, against baselines measured
+in the same run.
+"""
+import argparse
+import csv
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+BEGIN, END = "<!-- results:begin (benchmarks/readme_tables.py) -->", "<!-- results:end -->"
+FORWARD_OPS = ("coupling_sub", "sub_layer_norm", "bias_gelu")
+BACKWARD_OPS = ("layer_norm_bwd_add", "bias_gelu_bwd")
+TARGET_PCT = {**{op: 85 for op in FORWARD_OPS}, **{op: 70 for op in BACKWARD_OPS}}
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _num(value):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _ratio(a, b):
+    a, b = _num(a), _num(b)
+    return f"{a / b:.2f}x" if a == a and b == b and b else "n/a"
+
+
+def _provenance(rows):
+    r = rows[0]
+    return f"commit `{r['commit']}`, {r['device']}, torch {r['torch']}, triton {r['triton']}, {r['date']}"
+
+
+def kernel_tables(rows):
+    """Per op at the largest size: GPU time and GB/s per implementation, % of copy bandwidth, ratios."""
+    largest = max((int(r["rows"]) * int(r["width"]) for r in rows), default=0)
+    at_largest = [r for r in rows if int(r["rows"]) * int(r["width"]) == largest]
+    if not at_largest:
+        return []
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    fused = [i for i in impls if i not in ("eager", "compile")]
+    sample = at_largest[0]
+    timing = {"cudagraph": "GPU time by CUDA-graph replay", "events": "per-call time (host overhead included)"}
+    timings = ", ".join(timing.get(t, t) for t in dict.fromkeys(r.get("timing", "events") for r in at_largest))
+    lines = [f"Fused ops at {sample['rows']} x {sample['width']} {sample['dtype']} ({_provenance(rows)}; "
+             f"{timings}; medians; copy bandwidth {_num(sample['copy_gb_per_s']):.0f} GB/s measured in the same "
+             "run):", "",
+             "| op | " + " | ".join(impls) + " | best fused, % of copy (target) | vs eager | vs torch.compile |",
+             "|---" * (len(impls) + 4) + "|"]
+    ops = list(dict.fromkeys(r["op"] for r in at_largest))
+    for op in ops:
+        mine = {r["impl"]: r for r in at_largest if r["op"] == op}
+        cells = []
+        for impl in impls:
+            r = mine.get(impl)
+            if r is None:
+                cells.append("")
+                continue
+            rate = f"{_num(r['gb_per_s']):.0f} GB/s" if r["gb_per_s"] else f"{_num(r['tflop_per_s']):.0f} TFLOP/s"
+            cells.append(f"{_num(r['ms']) * 1e3:.0f} us, {rate}")
+        best = min((mine[i] for i in fused if i in mine), key=lambda r: _num(r["ms"]))
+        if op in TARGET_PCT:
+            pct = _num(best["gb_per_s"]) / _num(best["copy_gb_per_s"]) * 100
+            met = "met" if pct >= TARGET_PCT[op] else "missed"
+            pct_cell = f"{pct:.0f}% ({best['impl']}; >= {TARGET_PCT[op]}%: {met})"
+        else:
+            pct_cell = "GEMM, no target"
+        lines.append(f"| `{op}` | " + " | ".join(cells) + f" | {pct_cell} | {_ratio(mine['eager']['ms'], best['ms'])} | "
+                     f"{_ratio(mine['compile']['ms'], best['ms']) if 'compile' in mine else 'n/a'} |")
+    return lines
+
+
+def train_tables(rows):
+    lines = []
+    throughput = [r for r in rows if r["kind"] == "throughput"]
+    if throughput:
+        variants = list(dict.fromkeys(r["variant"] for r in throughput))
+        lines += [f"Train step, ms (median; bf16 autocast, AdamW; {_provenance(rows)}). Last columns: "
+                  "`revkernels_graphs` speed against each baseline (> 1 is faster):", "",
+                  "| model | batch | " + " | ".join(variants) + " | graphs vs standard eager | vs standard graphed | "
+                  "vs standard compiled | vs reversible plain |", "|---" * (len(variants) + 6) + "|"]
+        for model, batch in dict.fromkeys((r["model"], r["batch"]) for r in throughput):
+            mine = {r["variant"]: r for r in throughput if r["model"] == model and r["batch"] == batch}
+            ours = mine.get("revkernels_graphs", {}).get("ms")
+            cells = [f"{_num(mine[v]['ms']):.1f}" if v in mine else "" for v in variants]
+            ratios = [_ratio(mine.get(v, {}).get("ms"), ours) for v in
+                      ("standard", "standard_graphs", "standard_compile", "reversible_plain")]
+            lines.append(f"| {model} | {batch} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    revnet = [r for r in rows if r["kind"] == "revnet"]
+    if revnet:
+        engines = list(dict.fromkeys(r["variant"] for r in revnet))
+        lines += ["", "RevNets (images/s; step peak / transient memory in MiB; ratios against `autograd` in the "
+                  "same run):", "",
+                  "| model | batch | " + " | ".join(engines) + " | best engine speed vs autograd | "
+                  "transient memory vs autograd |", "|---" * (len(engines) + 4) + "|"]
+        for model, batch in dict.fromkeys((r["model"], r["batch"]) for r in revnet):
+            mine = {r["variant"]: r for r in revnet if r["model"] == model and r["batch"] == batch}
+            cells = [f"{_num(mine[e]['images_per_s']):.0f} img/s, {_num(mine[e]['peak_mib']):.0f} / "
+                     f"{_num(mine[e].get('transient_mib')):.0f}" if e in mine else "" for e in engines]
+            others = [mine[e] for e in engines if e != "autograd" and e in mine and _num(mine[e]["ms"]) == _num(mine[e]["ms"])]
+            base = mine.get("autograd")
+            if base and others:
+                best = min(others, key=lambda r: _num(r["ms"]))
+                lean = min(others, key=lambda r: _num(r.get("transient_mib")))
+                speed = f"{_ratio(base['ms'], best['ms'])} ({best['variant']})"
+                memory = f"{_ratio(base.get('transient_mib'), lean.get('transient_mib'))} less ({lean['variant']})"
+            else:
+                speed = memory = "n/a"
+            lines.append(f"| {model} | {batch} | " + " | ".join(cells) + f" | {speed} | {memory} |")
+    sweep = [r for r in rows if r["kind"] == "depth_sweep"]
+    if sweep:
+        variants = list(dict.fromkeys(r["variant"] for r in sweep))
+        lines += ["", "Peak memory of a step (MiB) by depth, ViT-B width, batch 32:", "",
+                  "| depth | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
+        for depth in dict.fromkeys(r["depth"] for r in sweep):
+            mine = {r["variant"]: r for r in sweep if r["depth"] == depth}
+            lines.append(f"| {depth} | " + " | ".join(f"{_num(mine[v]['peak_mib']):.0f}" if v in mine else ""
+                                                      for v in variants) + " |")
+    return lines
+
+
+def tables(results=RESULTS):
+    lines = []
+    kernels = os.path.join(results, "kernels_cuda.csv")
+    train = os.path.join(results, "train_cuda.csv")
+    if os.path.exists(kernels):
+        lines += kernel_tables(read_csv(kernels)) + [""]
+    if os.path.exists(train):
+        lines += train_tables(read_csv(train)) + [""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def rewrite(readme, text):
+    with open(readme) as f:
+        content = f.read()
+    if BEGIN not in content or END not in content:
+        raise SystemExit(f"{readme} has no results markers ({BEGIN} ... {END})")
+    head, rest = content.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(readme, "w") as f:
+        f.write(head + BEGIN + "\n" + text + END + tail)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--print", action="store_true", help="print the tables instead of rewriting README.md")
+    parser.add_argument("--results", default=RESULTS)
+    parser.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
+    args = parser.parse_args(argv)
+    text = tables(args.results)
+    if args.print:
+        print(text)
+    else:
+        rewrite(args.readme, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
