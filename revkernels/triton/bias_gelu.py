@@ -12,8 +12,9 @@ columns); backward 4096-element tiles up to 128 columns wide, at most 256 row pr
 
 - forward: out = gelu(x + bias), one tile per program.
 - backward: dx = dy * gelu'(x + bias), and dbias in two passes: program (m, n) walks its own range
-  of rows (rows_per_program, a multiple of BLOCK_M) for its columns, writing dx and adding the
-  tiles' column sums of dx (fp32, before rounding) into one row m of a partial-sum buffer; a
+  of rows (rows_per_program, a multiple of BLOCK_M) for its columns, writing dx and adding its
+  tiles (fp32, before rounding) into a tile-shaped accumulator, whose column sums it stores in
+  row m of a partial-sum buffer (one reduction over rows per program, not per tile); a
   second kernel sums the partial rows in order. The split depends only on the shape, so dbias
   is reproducible.
 
@@ -93,7 +94,9 @@ def _bias_gelu_bwd_kernel(dx_ptr, partial_ptr, dy_ptr, x_ptr, bias_ptr, rows, n,
     c = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     c_mask = c < n
     b = tl.load(bias_ptr + c, mask=c_mask, other=0.0).to(acc_type)
-    column_sum = tl.zeros([BLOCK_N], dtype=acc_type)
+    # Tile-shaped accumulator, reduced over rows once at the end: a cross-warp reduction per
+    # iteration would cost more than the loads it overlaps.
+    column_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_type)
     for start in range(0, rows_per_program, BLOCK_M):
         r = pid_m * rows_per_program + start + tl.arange(0, BLOCK_M)
         mask = (r < rows)[:, None] & c_mask[None, :]
@@ -101,8 +104,8 @@ def _bias_gelu_bwd_kernel(dx_ptr, partial_ptr, dy_ptr, x_ptr, bias_ptr, rows, n,
         dy = tl.load(dy_ptr + r[:, None] * dy_row_stride + c[None, :], mask=mask, other=0.0).to(acc_type)
         g = dy * _gelu_derivative(x + b[None, :], TANH)
         tl.store(dx_ptr + r[:, None] * n + c[None, :], g.to(dx_ptr.dtype.element_ty), mask=mask)
-        column_sum += tl.sum(tl.where(mask, g, 0.0), axis=0)
-    tl.store(partial_ptr + pid_m * n + c, column_sum, mask=c_mask)
+        column_acc += tl.where(mask, g, 0.0)
+    tl.store(partial_ptr + pid_m * n + c, tl.sum(column_acc, axis=0), mask=c_mask)
 
 
 @triton.jit
