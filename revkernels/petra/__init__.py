@@ -7,10 +7,14 @@
     trainer.flush()                                # drain the pending backwards
 
 `partition` (stages that rebuild or buffer their inputs), `simulate` (the exact one-process,
-tick-by-tick runtime, with the backprop and reversible-backprop baselines). See /PETRA.md.
+tick-by-tick runtime, with the backprop and reversible-backprop baselines; ``groups=R`` runs R groups
+of consecutive stages as R workers), `distributed` (one process per worker over torch.distributed,
+bit-identical to the simulator: ``torchrun --nproc-per-node R -m revkernels.petra.train --runtime
+distributed``, or ``--nproc R``). See /PETRA.md.
 """
 from revkernels.petra import simulate
 from revkernels.petra.partition import Stage, partition
-from revkernels.petra.simulate import METHODS, Trainer, make_optimizer, param_groups
+from revkernels.petra.simulate import METHODS, Trainer, Worker, make_optimizer, param_groups, split_groups
 
-__all__ = ["partition", "Stage", "simulate", "Trainer", "METHODS", "make_optimizer", "param_groups"]
+__all__ = ["partition", "Stage", "simulate", "Trainer", "Worker", "METHODS", "make_optimizer", "param_groups",
+           "split_groups"]

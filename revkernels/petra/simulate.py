@@ -31,6 +31,14 @@ Methods (`Trainer(method=...)`):
                  `ReversibleSequential` on the sequential engine (rebuilds, stores only outputs),
                  no pipelining.
 The baselines record forward and backward of batch b at tick b in every stage.
+
+Workers and groups. A tick is run by `Worker`s: by default one per stage; ``groups=R`` (or a list of
+group sizes) puts R contiguous groups of stages on R workers, each running its group as one stage
+(the forwards of its stages in order, then their backwards in reverse; a group holding the head
+runs its whole forward, loss and backward in one tick), and the timing above applies to the workers:
+worker w (1-based, of R) runs a batch's backward 2(R - w) ticks after its forward. `Worker.step` is
+the per-tick step that every runtime runs (`revkernels.petra.distributed` runs one worker per process);
+the messages it returns are contiguous tensors, so both runtimes compute on identical inputs.
 """
 import math
 
@@ -109,6 +117,109 @@ class _StageOptimizer:
         return True
 
 
+def split_groups(num_stages, groups=None):
+    """Stage indices per worker: `groups` None (one stage per worker), an int R (R contiguous groups,
+    sizes differing by at most one, the larger first) or a sequence of positive group sizes summing to
+    `num_stages`."""
+    if groups is None:
+        return [[i] for i in range(num_stages)]
+    if isinstance(groups, int) and not isinstance(groups, bool):
+        if not 1 <= groups <= num_stages:
+            raise ValueError(f"revkernels: groups must be an int in [1, {num_stages}] (the number of stages), got {groups}")
+        q, r = divmod(num_stages, groups)
+        sizes = [q + (1 if g < r else 0) for g in range(groups)]
+    else:
+        sizes = list(groups) if hasattr(groups, "__iter__") and not isinstance(groups, (str, bytes)) else None
+        if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes) \
+                or sum(sizes) != num_stages:
+            raise ValueError(f"revkernels: groups must be an int or positive group sizes summing to {num_stages}, "
+                             f"got {groups!r}")
+    out, start = [], 0
+    for n in sizes:
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def _contiguous(xs):
+    return None if xs is None else tuple(None if t is None else t.contiguous() for t in xs)
+
+
+class Worker:
+    """A pipeline worker: consecutive stages (one by default) run as one stage, with their optimizers.
+
+    `step` is one tick of PETRA.md's worker view, shared by every runtime. ``index`` is the worker's
+    position (0-based), ``stages`` its `Stage`s, ``optimizers`` one `_StageOptimizer` per stage.
+    """
+
+    def __init__(self, index, stages, optimizers):
+        self.index = index
+        self.stages = list(stages)
+        self.optimizers = list(optimizers)
+        self.is_first = self.stages[0].is_first
+        self.is_last = self.stages[-1].is_last
+
+    @property
+    def stage_indices(self):
+        return [s.index for s in self.stages]
+
+    def __repr__(self):
+        return f"Worker({self.index}, stages={self.stage_indices})"
+
+    def step(self, incoming, pending, labels):
+        """One tick. `incoming`: ``(batch, x)`` to run forward (the image for the first worker) or None;
+        `pending`: ``(batch, y, dy)`` from the next worker to run backward, or None; `labels`: a callable
+        batch -> labels (used by the last worker). Returns ``{"fwd": (batch, out) | None, "bwd":
+        (batch, x, dx) | None (never for the first worker), "loss": float | None, "batch", "stepped":
+        stage indices that took an optimizer step, "events": [(stage index, "forward" | "backward", batch)]}``.
+        """
+        res = {"fwd": None, "bwd": None, "loss": None, "batch": None, "stepped": [], "events": []}
+        events = res["events"]
+
+        def backward_through(stages, batch, y, dy):
+            for s, opt in reversed(stages):
+                events.append((s.index, "backward", batch))
+                y, dy = s.backward(y, dy, batch)
+                if opt.after_backward():
+                    res["stepped"].append(s.index)
+            return y, dy
+
+        pairs = list(zip(self.stages, self.optimizers))
+        if self.is_last:
+            if incoming is None:
+                return res
+            batch, x = incoming
+            for s in self.stages[:-1]:
+                events.append((s.index, "forward", batch))
+                x = s.forward(x, batch)
+            head, head_opt = pairs[-1]
+            events.append((head.index, "forward", batch))
+            loss, _, x, dx = head.forward_backward(x, labels(batch))
+            events.append((head.index, "backward", batch))
+            if head_opt.after_backward():
+                res["stepped"].append(head.index)
+            if len(pairs) > 1:
+                x, dx = backward_through(pairs[:-1], batch, x, dx)
+            res.update(loss=loss.item(), batch=batch)
+            if not self.is_first:
+                res["bwd"] = (batch, _contiguous(x), _contiguous(dx))
+            res["stepped"].sort()
+            return res
+        if incoming is not None:  # forward of the newest batch, latest parameters
+            batch, x = incoming
+            for s in self.stages:
+                events.append((s.index, "forward", batch))
+                x = s.forward(x, batch)
+            res["fwd"] = (batch, _contiguous(x))
+        if pending is not None:  # backward of the pending batch: (y, dy) from the next worker
+            batch, y, dy = pending
+            x, dx = backward_through(pairs, batch, y, dy)
+            if not self.is_first:
+                res["bwd"] = (batch, _contiguous(x), _contiguous(dx))
+        res["stepped"].sort()
+        return res
+
+
 class Trainer:
     """Trains `model` by `method` ("petra", "backprop" or "revbackprop") one batch at a time.
 
@@ -123,6 +234,8 @@ class Trainer:
         weight_decay: applied to every parameter but norm-layer parameters and biases.
         gamma, momentum: step-decay factor and Nesterov momentum.
         batch_size: the per-step batch for the lr scaling; None takes the first batch's size.
+        groups: petra only: None (one worker per stage) or the stage grouping of `split_groups`
+            (an int R or a list of group sizes); each group runs as one worker (``workers``).
 
     `train_step(images, labels)` runs one tick (petra) or one forward/backward (baselines) and
     returns a dict: ``loss`` (float, or None while the pipeline fills: petra's loss is the one its
@@ -136,7 +249,7 @@ class Trainer:
     """
 
     def __init__(self, model, method="petra", accum_k=1, base_lr=0.1, warmup_steps=0, milestones=(),
-                 weight_decay=5e-4, gamma=0.1, momentum=0.9, batch_size=None):
+                 weight_decay=5e-4, gamma=0.1, momentum=0.9, batch_size=None, groups=None):
         if not isinstance(method, str) or method not in METHODS:
             raise ValueError(f"revkernels: method must be one of {list(METHODS)}, got {method!r}")
         _check_int(accum_k, "accum_k", 1)
@@ -167,8 +280,13 @@ class Trainer:
         for stage in self.stages:
             stage.module.train()
         self.num_stages = len(self.stages)
+        if groups is not None and method != "petra":
+            raise ValueError(f"revkernels: groups applies to method 'petra' only, got method {method!r}")
+        self.groups = split_groups(self.num_stages, groups)
         if method == "petra":
             self.optimizers = [_StageOptimizer(self, [s.module]) for s in self.stages]
+            self.workers = [Worker(w, [self.stages[i] for i in g], [self.optimizers[i] for i in g])
+                            for w, g in enumerate(self.groups)]
         else:
             self.optimizers = [_StageOptimizer(self, [s.module for s in self.stages])]
             self._segments = self._revbackprop_segments() if method == "revbackprop" else None
@@ -177,8 +295,8 @@ class Trainer:
         self.schedule = {}
         self.events = []
         self._labels = {}  # batch id -> labels, until the head has used them
-        self._fwd_msgs = {}  # stage index -> (batch, output) sent to stage index + 1 last tick
-        self._bwd_msgs = {}  # stage index -> (batch, x, dx) sent to stage index - 1 last tick
+        self._fwd_msgs = {}  # worker index -> (batch, output) sent to worker index + 1 last tick
+        self._bwd_msgs = {}  # worker index -> (batch, x, dx) sent to worker index - 1 last tick
 
     # --- schedule ---------------------------------------------------------------------------------
 
@@ -245,37 +363,20 @@ class Trainer:
         return out
 
     def _tick(self, new_input):
-        t = self.tick
         fwd_msgs, bwd_msgs = {}, {}
-        result = {"loss": None, "batch": None, "tick": t, "stepped": []}
-        for i, stage in enumerate(self.stages):
-            incoming = new_input if i == 0 else self._fwd_msgs.get(i - 1)
-            if stage.is_last:
-                if incoming is None:
-                    continue
-                batch, x = incoming
-                self._record(i, "forward", batch)
-                loss, _, x, dx = stage.forward_backward(x, self._labels.pop(batch))
-                self._record(i, "backward", batch)
-                result.update(loss=loss.item(), batch=batch)
-                if i > 0:
-                    bwd_msgs[i] = (batch, x, dx)
-                if self.optimizers[i].after_backward():
-                    result["stepped"].append(i)
-                continue
-            if incoming is not None:  # forward of the newest batch, latest parameters
-                batch, x = incoming
-                self._record(i, "forward", batch)
-                fwd_msgs[i] = (batch, stage.forward(x, batch))
-            pending = self._bwd_msgs.get(i + 1)
-            if pending is not None:  # backward of the pending batch: (y, dy) from stage i + 1
-                batch, y, dy = pending
-                self._record(i, "backward", batch)
-                x, dx = stage.backward(y, dy, batch)
-                if i > 0:
-                    bwd_msgs[i] = (batch, x, dx)
-                if self.optimizers[i].after_backward():
-                    result["stepped"].append(i)
+        result = {"loss": None, "batch": None, "tick": self.tick, "stepped": []}
+        for w, worker in enumerate(self.workers):
+            incoming = new_input if w == 0 else self._fwd_msgs.get(w - 1)
+            out = worker.step(incoming, self._bwd_msgs.get(w + 1), self._labels.pop)
+            for stage, what, batch in out["events"]:
+                self._record(stage, what, batch)
+            if out["fwd"] is not None:
+                fwd_msgs[w] = out["fwd"]
+            if out["bwd"] is not None:
+                bwd_msgs[w] = out["bwd"]
+            if out["loss"] is not None:
+                result.update(loss=out["loss"], batch=out["batch"])
+            result["stepped"].extend(out["stepped"])
         self._fwd_msgs, self._bwd_msgs = fwd_msgs, bwd_msgs
         self.tick += 1
         return result

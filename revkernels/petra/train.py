@@ -21,7 +21,21 @@ it is flushed once at the end of training, before the final evaluation. A train 
 over the losses the head computed during the epoch (for PETRA that excludes the fill ticks).
 
 ``--max-steps`` caps the number of training batches over the whole run (for smoke tests).
-Only ``--runtime simulate`` exists so far; ``--runtime distributed`` exits with an error.
+
+Runtimes. ``--runtime simulate`` (default): the exact one-process simulator (any method).
+``--runtime distributed`` (PETRA only): one process per worker, torch.distributed point-to-point
+(`revkernels.petra.distributed`; gloo on CPU, NCCL with one GPU per rank), bit-identical to the
+simulator with the same grouping::
+
+    torchrun --nproc-per-node 3 -m revkernels.petra.train --runtime distributed ...   # 3 ranks
+    python -m revkernels.petra.train --runtime distributed --nproc 3 ...              # spawns the 3 itself
+
+``--ranks R`` splits the model's J stages into R contiguous groups, each run as one worker (by either
+runtime, so ``--runtime simulate --ranks R`` simulates exactly what R distributed ranks do); the
+default is one worker per stage (simulate) or one group per rank (distributed). Every rank iterates
+the same seeded batches; the last rank (the head: it has the losses) gathers the other ranks' stage
+states at each epoch's end, evaluates and writes the logs, in the same format. ``--timeout`` (s): a
+rank that stops answering for that long stops the run; every process then exits non-zero naming it.
 """
 import argparse
 import csv
@@ -35,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from revkernels.petra.data import DATASETS, batches, load_dataset
-from revkernels.petra.simulate import METHODS, Trainer
+from revkernels.petra.simulate import METHODS, Trainer, split_groups
 
 MODELS = ("revnet18", "revnet34", "revnet50")
 RUNTIMES = ("simulate", "distributed")
@@ -50,13 +64,26 @@ def build_model(name, num_classes, stem="cifar"):
 
 
 def make_parser():
-    p = argparse.ArgumentParser(prog="python -m revkernels.petra.train",
-                                description="Train a RevNet with PETRA (or a baseline) on a small image dataset.")
+    p = argparse.ArgumentParser(
+        prog="python -m revkernels.petra.train",
+        description="Train a RevNet with PETRA (or a baseline) on a small image dataset.",
+        epilog="distributed PETRA (one process per rank, bit-identical to --runtime simulate --ranks R): "
+               "torchrun --nproc-per-node R -m revkernels.petra.train --runtime distributed ..., or "
+               "python -m revkernels.petra.train --runtime distributed --nproc R ...")
     p.add_argument("--model", default="revnet18", help=f"one of {', '.join(MODELS)}")
     p.add_argument("--stem", default="cifar", help="RevNet stem: cifar (3x3/1 conv) or imagenet")
     p.add_argument("--dataset", default="digits", help=f"one of {', '.join(DATASETS)}")
     p.add_argument("--method", default="petra", help=f"one of {', '.join(METHODS)}")
-    p.add_argument("--runtime", default="simulate", help="simulate (distributed: not available yet)")
+    p.add_argument("--runtime", default="simulate",
+                   help="simulate (one process, any method) or distributed (PETRA, one process per rank: launch "
+                        "under torchrun --nproc-per-node R, or pass --nproc R)")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="split the stages into R contiguous groups, one worker each (default: one per stage, or "
+                        "one group per rank under --runtime distributed)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="--runtime distributed without torchrun: spawn this many local processes (ranks)")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="distributed: seconds before a silent rank counts as failed (every process then exits non-zero)")
     p.add_argument("--accum", type=int, default=1, help="backward steps per optimizer step (k)")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=64)
@@ -86,9 +113,19 @@ def _check_args(args):
         raise ValueError(f"revkernels: --stem must be 'cifar' or 'imagenet', got {args.stem!r}")
     if args.runtime not in RUNTIMES:
         raise ValueError(f"revkernels: --runtime must be one of {list(RUNTIMES)}, got {args.runtime!r}")
-    if args.runtime == "distributed":
-        raise NotImplementedError("revkernels: --runtime distributed is not available yet; "
-                                  "use --runtime simulate (the exact one-process PETRA simulator)")
+    if args.runtime == "distributed" and args.method != "petra":
+        raise ValueError(f"revkernels: --runtime distributed runs --method petra only, got {args.method!r}")
+    if args.ranks is not None and args.method != "petra":
+        raise ValueError(f"revkernels: --ranks applies to --method petra only, got {args.method!r}")
+    for name, value in (("--ranks", args.ranks), ("--nproc", args.nproc)):
+        if value is not None and value < 1:
+            raise ValueError(f"revkernels: {name} must be >= 1, got {value}")
+    if args.nproc is not None and args.runtime != "distributed":
+        raise ValueError("revkernels: --nproc needs --runtime distributed")
+    if args.nproc is not None and args.ranks is not None and args.nproc != args.ranks:
+        raise ValueError(f"revkernels: --ranks {args.ranks} and --nproc {args.nproc} differ (one rank per group)")
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        raise ValueError(f"revkernels: --timeout must be > 0, got {args.timeout}")
     for name, value, minimum in (("--accum", args.accum, 1), ("--epochs", args.epochs, 1),
                                  ("--batch-size", args.batch_size, 1), ("--eval-batch-size", args.eval_batch_size, 1)):
         if value < minimum:
@@ -106,12 +143,14 @@ def _check_args(args):
 
 
 @torch.no_grad()
-def evaluate(model, images, labels, batch_size):
+def evaluate(model, images, labels, batch_size, device=None):
     """(mean cross-entropy, accuracy) of `model` in eval mode; restores the previous mode."""
     was_training = model.training
     model.eval()
     loss_sum, correct = 0.0, 0
     for x, y in batches(images, labels, batch_size, shuffle=False, drop_last=False):
+        if device is not None:
+            x, y = x.to(device), y.to(device)
         logits = model(x)
         loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
         correct += (logits.argmax(dim=1) == y).sum().item()
@@ -145,14 +184,33 @@ class _Logger:
             csv.DictWriter(f, self.fields).writerow(row)
 
 
+def _rank_main(argv):
+    """A rank spawned by ``--nproc`` (RANK etc. in its environment)."""
+    main(argv)
+
+
 def main(argv=None):
-    """Runs the CLI with `argv` (default sys.argv[1:]); returns the summary dict. Raises ValueError on
-    bad arguments and NotImplementedError for ``--runtime distributed``."""
+    """Runs the CLI with `argv` (default sys.argv[1:]); returns the summary dict (None on the ranks of a
+    distributed run that do not log). Raises ValueError on bad arguments; ``--runtime distributed --nproc``
+    raises `revkernels.petra.distributed.LaunchError` when a rank fails."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = make_parser().parse_args(argv)
     _check_args(args)
+    if args.runtime == "distributed" and "RANK" not in os.environ:
+        if args.nproc is None:
+            raise ValueError("revkernels: --runtime distributed runs one process per rank: launch it with "
+                             "torchrun --nproc-per-node R -m revkernels.petra.train ..., or pass --nproc R")
+        from revkernels.petra.distributed import launch
+        launch(_rank_main, args.nproc, (argv,), threads=args.threads or max(1, (os.cpu_count() or 1) // args.nproc))
+        out = args.out or os.path.join("runs", f"{args.model}-{args.dataset}-{args.method}")
+        with open(os.path.join(out, "summary.json")) as f:
+            return json.load(f)
     threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    elif args.runtime == "distributed":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     try:
         return _run(args)
     finally:
@@ -170,35 +228,61 @@ def _run(args):
         raise ValueError(f"revkernels: --batch-size {args.batch_size} is larger than the training set "
                          f"({data.train_images.shape[0]} images)")
     opt_steps_per_epoch = batches_per_epoch / args.accum
-    trainer = Trainer(model, method=args.method, accum_k=args.accum, base_lr=args.lr,
-                      warmup_steps=int(round(args.warmup_epochs * opt_steps_per_epoch)),
-                      milestones=[int(round(m * opt_steps_per_epoch)) for m in args.milestones],
-                      weight_decay=args.weight_decay, gamma=args.gamma, batch_size=args.batch_size)
+    kwargs = dict(accum_k=args.accum, base_lr=args.lr,
+                  warmup_steps=int(round(args.warmup_epochs * opt_steps_per_epoch)),
+                  milestones=[int(round(m * opt_steps_per_epoch)) for m in args.milestones],
+                  weight_decay=args.weight_decay, gamma=args.gamma, batch_size=args.batch_size)
+    device, pipe = None, None
+    if args.runtime == "distributed":
+        from revkernels.petra import distributed
 
+        device = distributed.init(timeout=args.timeout)
+        if args.ranks is not None:
+            split_groups(len(model.stages), args.ranks)  # a clear error before any rank waits on another
+        pipe = distributed.PipelineRank(model, groups=args.ranks, timeout=args.timeout, device=device, **kwargs)
+        trainer, logs = pipe.trainer, pipe.is_last
+        try:
+            return _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tqdm)
+        except Exception as e:  # noqa: BLE001 - a failing rank stops every rank, naming itself
+            import traceback
+
+            traceback.print_exc()
+            pipe.fail(pipe.rank, f"{type(e).__name__}: {e}")
+    trainer = Trainer(model, method=args.method, groups=args.ranks, **kwargs)
+    return _train(args, data, model, trainer, None, True, None, batches_per_epoch, tqdm)
+
+
+def _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tqdm):
+    """The epoch loop, for the simulator (`pipe` None) or this rank of a distributed run (`logs`: this
+    process writes the logs)."""
+    step_fn = pipe if pipe is not None else trainer
     out = args.out or os.path.join("runs", f"{args.model}-{args.dataset}-{args.method}")
-    os.makedirs(out, exist_ok=True)
     total_steps = args.epochs * batches_per_epoch
     if args.max_steps is not None:
         total_steps = min(total_steps, args.max_steps)
-    config = dict(vars(args), out=out, image_size=data.image_size, num_stages=trainer.num_stages,
-                  stage_kinds=[s.kind for s in trainer.stages], train_images=int(data.train_images.shape[0]),
-                  test_images=int(data.test_images.shape[0]), batches_per_epoch=batches_per_epoch,
-                  total_steps=total_steps, peak_lr=trainer.peak_lr, warmup_steps=trainer.warmup_steps,
-                  milestone_steps=list(trainer.milestones), normalisation={"mean": data.mean, "std": data.std})
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    logger = _Logger(out, trainer.num_stages)
+    if logs:
+        os.makedirs(out, exist_ok=True)
+        config = dict(vars(args), out=out, image_size=data.image_size, num_stages=trainer.num_stages,
+                      stage_kinds=[s.kind for s in trainer.stages], groups=trainer.groups,
+                      world_size=pipe.world_size if pipe is not None else 1,
+                      train_images=int(data.train_images.shape[0]),
+                      test_images=int(data.test_images.shape[0]), batches_per_epoch=batches_per_epoch,
+                      total_steps=total_steps, peak_lr=trainer.peak_lr, warmup_steps=trainer.warmup_steps,
+                      milestone_steps=list(trainer.milestones), normalisation={"mean": data.mean, "std": data.std})
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        logger = _Logger(out, trainer.num_stages)
 
     gen = torch.Generator().manual_seed(args.seed)
     step, record = 0, None
-    bar = tqdm(total=total_steps, desc=f"{args.method} {args.model}", unit="step", disable=args.no_progress,
-               file=sys.stderr)
+    bar = tqdm(total=total_steps, desc=f"{args.method} {args.model}", unit="step",
+               disable=args.no_progress or not logs, file=sys.stderr)
     for epoch in range(1, args.epochs + 1):
         losses, n_images, t0 = [], 0, time.perf_counter()
         for images, labels in batches(data.train_images, data.train_labels, args.batch_size, gen):
             if step >= total_steps:
                 break
-            result = trainer.train_step(images, labels)
+            result = step_fn.train_step(images, labels)
             step += 1
             n_images += images.shape[0]
             if result["loss"] is not None:
@@ -206,12 +290,22 @@ def _run(args):
                 bar.set_postfix(loss=f"{result['loss']:.3f}", refresh=False)
             bar.update(1)
         last = epoch == args.epochs or step >= total_steps
-        stats = trainer.buffer_stats()  # the in-flight buffers, before any drain
+        stats = step_fn.buffer_stats()  # the in-flight buffers, before any drain (collective if distributed)
         if last:
-            losses.extend(r["loss"] for r in trainer.flush() if r["loss"] is not None)
+            losses.extend(r["loss"] for r in step_fn.flush() if r["loss"] is not None)
         train_time = time.perf_counter() - t0
-        test_loss, test_acc = evaluate(model, data.test_images, data.test_labels, args.eval_batch_size)
-        opt_steps = trainer.optimizers[0].steps
+        if pipe is not None:
+            opt_steps = pipe.collect()  # the other stages' states into the logging rank's model
+            opt_steps = opt_steps[0] if logs else None
+            peak = [s["peak_bytes"] for s in pipe.buffer_stats()]
+        else:
+            opt_steps = trainer.optimizers[0].steps
+            peak = [s["peak_bytes"] for s in trainer.buffer_stats()]
+        if not logs:
+            if last:
+                break
+            continue
+        test_loss, test_acc = evaluate(model, data.test_images, data.test_labels, args.eval_batch_size, device)
         record = {"epoch": epoch, "step": step, "optimizer_steps": opt_steps,
                   "lr": trainer.lr_at(max(opt_steps - 1, 0)),
                   "train_loss": sum(losses) / len(losses) if losses else None,
@@ -219,30 +313,39 @@ def _run(args):
                   "images_per_s": n_images / train_time if train_time > 0 else None,
                   "epoch_time_s": train_time,
                   "buffer_bytes": [s["bytes"] for s in stats],
-                  "peak_buffer_bytes": [s["peak_bytes"] for s in trainer.buffer_stats()]}
+                  "peak_buffer_bytes": peak}
         logger.log(record)
         bar.write(f"epoch {epoch}: step {step} train_loss {record['train_loss']} test_acc {test_acc:.4f} "
                   f"images/s {record['images_per_s']:.1f}", file=sys.stderr)
         if last:
             break
     bar.close()
+    if pipe is not None:
+        pipe.close()
+    if not logs:
+        return None
     summary = dict(record, model=args.model, dataset=args.dataset, method=args.method, accum=args.accum,
                    runtime=args.runtime, seed=args.seed, final_test_acc=record["test_acc"])
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(f"final: model={args.model} dataset={args.dataset} method={args.method} accum={args.accum} "
-          f"epochs={record['epoch']} steps={step} train_loss={record['train_loss']} "
+          f"runtime={args.runtime} epochs={record['epoch']} steps={step} train_loss={record['train_loss']} "
           f"test_acc={record['test_acc']:.4f} out={out}", flush=True)
     return summary
 
 
 def cli(argv=None):
     """`main` with argument errors turned into a one-line message and exit status 2."""
+    from revkernels.petra.distributed import LaunchError
+
     try:
         main(argv)
     except (ValueError, NotImplementedError) as e:
         print(f"python -m revkernels.petra.train: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except LaunchError as e:
+        print(f"python -m revkernels.petra.train: error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The PETRA trainer CLI (`python -m revkernels.petra.train`) and its datasets: end-to-end runs of
 each method on real digits with logs, the digits loader (real, shaped, normalised, stable split),
-synthetic blobs, and clear errors for bad arguments and the not-yet-available distributed runtime."""
+synthetic blobs, and clear errors for bad arguments and a distributed run without a launcher."""
 import csv
 import json
 import os
@@ -150,13 +150,18 @@ def test_cli_bad_args(flag, value, tmp_path):
         main(["--out", str(tmp_path), flag, *value.split()])
 
 
-def test_cli_distributed_not_available(tmp_path, capsys):
-    with pytest.raises(NotImplementedError, match="distributed is not available yet"):
+def test_cli_distributed_needs_a_launcher(tmp_path, capsys):
+    # Without torchrun's environment nor --nproc, a clear error (the runtime itself: tests/petra/test_distributed.py).
+    with pytest.raises(ValueError, match="torchrun --nproc-per-node"):
         main(["--runtime", "distributed", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--method petra only"):
+        main(["--runtime", "distributed", "--method", "backprop", "--nproc", "2", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--nproc needs --runtime distributed"):
+        main(["--nproc", "2", "--out", str(tmp_path)])
     with pytest.raises(SystemExit) as e:
         cli(["--runtime", "distributed", "--out", str(tmp_path)])
     assert e.value.code == 2
-    assert "not available yet" in capsys.readouterr().err
+    assert "--nproc" in capsys.readouterr().err
 
 
 def test_python_m_entry_point_errors_clearly():
@@ -164,4 +169,4 @@ def test_python_m_entry_point_errors_clearly():
     proc = subprocess.run([sys.executable, "-m", "revkernels.petra.train", "--runtime", "distributed"],
                           capture_output=True, text=True, cwd=root, timeout=60)
     assert proc.returncode == 2
-    assert "--runtime distributed is not available yet" in proc.stderr and "Traceback" not in proc.stderr
+    assert "torchrun --nproc-per-node" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,527 @@
+r"""PETRA's ``distributed`` runtime: one process per worker (a stage, or a group of stages), torch.distributed
+point-to-point messages, exactly the simulator's tick semantics (`revkernels.petra.simulate`).
+
+Launch.
+    torchrun --nproc-per-node R -m revkernels.petra.train --runtime distributed [--ranks R] ...
+    python -m revkernels.petra.train --runtime distributed --nproc R ...     # spawns the R processes itself
+From Python: `launch(fn, R, args)` starts R processes on a free local port (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT in their environment) and runs ``fn(*args)`` in each; inside, `init()` joins the group and
+`PipelineRank(model, ...)` runs this rank's worker with the same `train_step` / `advance` / `flush` calls
+as `simulate.Trainer` (every rank makes the same calls with the same, deterministic batch sequence:
+rank 0 uses the images, the last rank the labels; no labels cross the wire).
+
+Backend: NCCL when CUDA is available with at least one device per rank (rank r on ``cuda:r``; the
+control messages still use a gloo group), else gloo on CPU.
+
+Stages and ranks. The model's J stages are split into R contiguous groups (`simulate.split_groups`;
+default R = world size, and R = J gives one stage per rank); rank w runs group w as one `simulate.Worker`,
+the same per-tick step the simulator runs (``Trainer(..., groups=R)`` simulates the same grouping).
+Every rank builds the whole model from the same seed (its own group trains; the others are only read
+for shapes and, on the logging rank, receive the trained states for evaluation).
+
+Protocol, per tick t on rank w (0-based, of R). Batch fed at tick s (``train_step``) is forwarded by
+rank w at tick s + w and backwarded at tick s + 2(R - 1) - w (the last rank: forward, loss and backward
+at s + R - 1), so every rank knows from the shared feed history which messages it gets at each tick:
+    1. wait for the receives posted during tick t - 1 (what w - 1 and w + 1 sent at tick t - 1);
+    2. post the receives for tick t + 1 into fresh buffers (communication overlaps this tick's compute);
+    3. `Worker.step`: forward of the incoming batch, then backward of the pending one (rebuilding the
+       input of reversible stages, popping the FIFO of the others), optimizer steps every k backwards;
+    4. wait for the sends of tick t - 1 (their buffers are dropped only then), post this tick's sends:
+       forward: the output tuple to w + 1; backward: (rebuilt input, input grad) to w - 1.
+Under NCCL (which runs a pair's operations in order on one stream) the receives of step 2 are posted
+with the sends of step 4, as one `batch_isend_irecv` group, to avoid a send queued behind a receive.
+A message is one tensor per stream; tag = ((t mod 4096) * 2 + kind) * 16 + i (kind 0 forward, 1
+backward; i the tensor's position: output streams, then for a backward the grads after the inputs).
+Shapes are static: each rank computes every boundary's shapes and dtypes once by running the stages'
+forwards on the ``meta`` device from the first batch's image shape (deep copies; no real compute).
+
+Faults. The process group's timeout (``timeout`` s, default 30) bounds every wait; receives are waited
+on with that deadline. A failed or timed-out wait, a dead peer's closed connection, or a stalled
+heartbeat (a watchdog thread in every rank bumps a counter in the rendezvous store every 0.25 s and
+watches the others') makes the rank that notices write ``rank r (stages ...) failed: why`` into the
+store and exit with status 1; every other rank's watchdog sees it within a poll and exits 1 with the
+same message on stderr; losing the store means rank 0 (its host) died. So every process exits non-zero
+within about ``timeout`` + 1 s of a failure, naming the failed rank and its stages; never a hang. Test
+hook: ``REVKERNELS_PETRA_FAULT_AFTER=rank:tick`` SIGKILLs that rank at the start of that tick.
+"""
+import copy
+import datetime
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from revkernels.petra.simulate import Trainer
+
+FAULT_ENV = "REVKERNELS_PETRA_FAULT_AFTER"
+_FWD, _BWD = 0, 1
+_PREFIX = "revkernels_petra/"
+
+
+def _tag(tick, kind, i):
+    return ((tick % 4096) * 2 + kind) * 16 + i
+
+
+def _stages_str(indices):
+    return f"stage {indices[0]}" if len(indices) == 1 else f"stages {indices[0]}-{indices[-1]}"
+
+
+def pick_backend(world_size):
+    """'nccl' when CUDA has at least `world_size` devices, else 'gloo'."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def init(timeout=30.0, backend=None):
+    """Joins the process group from the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as set
+    by torchrun or `launch`) unless already joined; returns the device this rank computes on."""
+    if not dist.is_initialized():
+        world = int(os.environ["WORLD_SIZE"])
+        backend = backend or pick_backend(world)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def boundary_specs(stages, groups, image_shape, dtype=torch.float32):
+    """``specs[w]``: [(shape, dtype)] of worker w's output (the tuple it sends to w + 1), from a forward of
+    deep copies of the stages on the meta device."""
+    x = (torch.empty(image_shape, dtype=dtype, device="meta"),)
+    specs = []
+    with torch.no_grad():
+        for group in groups[:-1]:
+            for i in group:
+                module = copy.deepcopy(stages[i].module).to("meta")
+                out = module(*x)
+                x = out if isinstance(out, tuple) else (out,)
+            specs.append([(tuple(t.shape), t.dtype) for t in x])
+    return specs
+
+
+class PipelineRank:
+    """This rank's worker of a PETRA pipeline over the initialised process group.
+
+    Args:
+        model: the whole model (built identically, same seed, on every rank); trained in place.
+        groups: the stage grouping (`simulate.split_groups`); None means as many groups as ranks.
+        timeout: seconds before a silent peer counts as failed (also the process group's timeout).
+        device: where this rank computes (default: the one `init` picked).
+        batched: post each tick's receives and sends as one `batch_isend_irecv` group (default: under
+            NCCL only; gloo posts the receives before the compute).
+        trainer_kwargs: `simulate.Trainer`'s (accum_k, base_lr, warmup_steps, milestones, ...).
+
+    `train_step(images, labels)`, `advance()`, `flush()`, `pending()` as `simulate.Trainer`'s (a
+    collective sequence: every rank makes the same calls); the loss is reported by the last rank.
+    `buffer_stats()` (collective): every stage's FIFO statistics. `collect(dst)` (collective): the
+    other ranks' stage states loaded into rank `dst`'s model, and every stage's optimizer step count.
+    `close()` (collective): stops the watchdog, waits for all ranks and leaves the group.
+    """
+
+    def __init__(self, model, groups=None, timeout=30.0, device=None, batched=None, **trainer_kwargs):
+        if not dist.is_initialized():
+            raise RuntimeError("revkernels: call revkernels.petra.distributed.init() first (or launch with torchrun)")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.timeout = float(timeout)
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
+        model.to(self.device)
+        groups = self.world_size if groups is None else groups
+        self.trainer = Trainer(model, "petra", groups=groups, **trainer_kwargs)
+        self.model = model
+        if len(self.trainer.workers) != self.world_size:
+            raise ValueError(f"revkernels: {len(self.trainer.workers)} stage groups but {self.world_size} ranks: "
+                             f"the number of groups (--ranks) must equal the world size")
+        self.num_workers = self.world_size
+        self.worker = self.trainer.workers[self.rank]
+        self.stages = self.trainer.stages
+        self.is_last = self.rank == self.world_size - 1
+        self.tick = 0
+        self.batches_in = 0
+        self._fed = []  # tick -> batch id fed at that tick, or None
+        self._last_fed = None  # the last tick that fed a batch
+        self._labels = {}
+        self._specs = None
+        self._recvs = {}  # kind -> (batch, peer, [[tensor, work]])
+        self._sends = []  # (tensor, peer, work) of the last tick's sends
+        # NCCL runs a pair's p2p operations in order on one stream: a receive posted before this tick's
+        # send would wait for the peer's send queued behind the peer's own early receive. So under NCCL
+        # the next tick's receives are posted with this tick's sends as one group (batch_isend_irecv).
+        self._batched = dist.get_backend() == "nccl" if batched is None else bool(batched)
+        self._deferred = []  # P2POps (NCCL) of the receives not posted yet
+        self._control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout)) \
+            if dist.get_backend() != "gloo" else dist.group.WORLD
+        fault = os.environ.get(FAULT_ENV)
+        self._fault_tick = None
+        if fault:
+            r, t = fault.split(":")
+            if int(r) == self.rank:
+                self._fault_tick = int(t)
+        self._names = [_stages_str(g) for g in self.trainer.groups]
+        self._watchdog = _Watchdog(self)
+        self._watchdog.start()
+
+    # --- faults ----------------------------------------------------------------------------------------
+
+    def describe(self, rank):
+        return f"rank {rank} ({self._names[rank]})"
+
+    def fail(self, culprit, why):
+        """Records `culprit`'s failure in the store (the first report wins), prints it, exits 1."""
+        msg = f"{self.describe(culprit)} failed: {why}"
+        _abort(self, msg, publish=True)
+
+    # --- the pipeline --------------------------------------------------------------------------------
+
+    def pending(self):
+        """True while the first rank has not run the backward of every batch fed so far."""
+        return self._last_fed is not None and self.tick <= self._last_fed + 2 * (self.num_workers - 1)
+
+    def train_step(self, images, labels):
+        if self._specs is None:
+            self._image_spec = (tuple(images.shape), images.dtype)
+            self._specs = boundary_specs(self.stages, self.trainer.groups, tuple(images.shape), images.dtype)
+        elif (tuple(images.shape), images.dtype) != self._image_spec:
+            raise ValueError(f"revkernels: the distributed runtime needs every batch of one shape and dtype "
+                             f"{self._image_spec}, got {(tuple(images.shape), images.dtype)} (drop the last batch)")
+        self._last_fed = self.tick
+        if self.trainer.batch_size is None:
+            self.trainer.batch_size = int(images.shape[0])
+        batch = self.batches_in
+        self.batches_in += 1
+        if self.is_last:
+            self._labels[batch] = labels.to(self.device)
+        new = (batch, images.to(self.device)) if self.rank == 0 else None
+        return self._tick(batch, new)
+
+    def advance(self):
+        if not self.pending():
+            return None
+        return self._tick(None, None)
+
+    def flush(self):
+        out = []
+        while self.pending():
+            out.append(self.advance())
+        return out
+
+    def _fed_at(self, tick):
+        return self._fed[tick] if 0 <= tick < len(self._fed) else None
+
+    def _post_recvs(self, tick):
+        """Posts the receives of `tick` (what the neighbours send at tick - 1)."""
+        w, R = self.rank, self.num_workers
+        self._recvs = {}
+        if w > 0 and self._fed_at(tick - w) is not None:
+            self._recvs[_FWD] = (self._fed_at(tick - w), w - 1, self._irecv(w - 1, tick - 1, _FWD, self._specs[w - 1]))
+        if w < R - 1 and self._fed_at(tick - 2 * (R - 1) + w) is not None:
+            specs = self._specs[w] * 2
+            self._recvs[_BWD] = (self._fed_at(tick - 2 * (R - 1) + w), w + 1, self._irecv(w + 1, tick - 1, _BWD, specs))
+
+    def _irecv(self, peer, tick, kind, specs):
+        out = []
+        for i, (shape, dtype) in enumerate(specs):
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            if self._batched:
+                out.append([t, None])
+                self._deferred.append((out[-1], dist.P2POp(dist.irecv, t, peer, tag=_tag(tick, kind, i))))
+            else:
+                out.append([t, dist.irecv(t, src=peer, tag=_tag(tick, kind, i))])
+        return out
+
+    def _isend(self, ops, t, peer, tag):
+        t = t.contiguous()
+        if self._batched:
+            ops.append(((t, peer), dist.P2POp(dist.isend, t, peer, tag=tag)))
+        else:
+            self._sends.append((t, peer, dist.isend(t, dst=peer, tag=tag)))
+
+    def _wait(self, peer, works, what):
+        deadline = datetime.timedelta(seconds=self.timeout)
+        try:
+            for _, work in works:
+                if not work.wait(deadline):
+                    raise TimeoutError(f"no message within {self.timeout:g} s")
+        except Exception as e:  # noqa: BLE001 - any failure of a peer ends the run
+            self.fail(peer, f"{what} from it at tick {self.tick} did not arrive ({_short(e)})".strip())
+        return tuple(t for t, _ in works)
+
+    def _tick(self, batch, new):
+        t = self.tick
+        if self._fault_tick is not None and t >= self._fault_tick:
+            sys.stderr.write(f"revkernels petra: {FAULT_ENV}: killing rank {self.rank} at tick {t}\n")
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        self._fed.append(batch)
+        incoming = pending = None
+        if _FWD in self._recvs:
+            b, peer, works = self._recvs[_FWD]
+            incoming = (b, self._wait(peer, works, "the forward message"))
+        if _BWD in self._recvs:
+            b, peer, works = self._recvs[_BWD]
+            msg = self._wait(peer, works, "the backward message")
+            n = len(msg) // 2
+            pending = (b, msg[:n], msg[n:])
+        if new is not None:
+            incoming = new
+        self._post_recvs(t + 1)
+        out = self.worker.step(incoming, pending, self._labels.pop)
+        for stage, what, b in out["events"]:
+            self.trainer.events.append((t, stage, what, b))
+            self.trainer.schedule.setdefault((b, stage), {})[what] = t
+        self._wait_sends()
+        sends = []
+        if out["fwd"] is not None:
+            for i, x in enumerate(out["fwd"][1]):
+                self._isend(sends, x, self.rank + 1, _tag(t, _FWD, i))
+        if out["bwd"] is not None:
+            _, x, dx = out["bwd"]
+            for i, y in enumerate(tuple(x) + tuple(dx)):
+                self._isend(sends, y, self.rank - 1, _tag(t, _BWD, i))
+        if self._batched and (self._deferred or sends):
+            ops = self._deferred + sends
+            works = dist.batch_isend_irecv([op for _, op in ops])
+            for (slot, _), work in zip(self._deferred, works):
+                slot[1] = work
+            self._sends = [(t, peer, work) for ((t, peer), _), work in zip(sends, works[len(self._deferred):])]
+            self._deferred = []
+        self.tick += 1
+        self.trainer.tick = self.tick
+        return {"loss": out["loss"], "batch": out["batch"], "tick": t, "stepped": out["stepped"]}
+
+    # --- collectives ----------------------------------------------------------------------------------
+
+    def _own(self):
+        return self.trainer.groups[self.rank]
+
+    def buffer_stats(self):
+        """Every stage's FIFO statistics (collective; this rank's stages are measured here)."""
+        mine = {i: st for i, st in enumerate(self.trainer.buffer_stats()) if i in self._own()}
+        parts = [None] * self.world_size
+        dist.all_gather_object(parts, mine, group=self._control)
+        merged = {}
+        for p in parts:
+            merged.update(p)
+        return [merged[i] for i in range(len(self.stages))]
+
+    def collect(self, dst=None):
+        """Loads the other ranks' stage states into rank `dst`'s model (default the last rank) and returns
+        every stage's optimizer step count there (None elsewhere). Collective."""
+        dst = self.world_size - 1 if dst is None else dst
+        mine = {i: ({k: v.detach().cpu() for k, v in self.stages[i].module.state_dict().items()},
+                    self.trainer.optimizers[i].steps) for i in self._own()}
+        parts = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(mine, parts, dst=dst, group=self._control)
+        if self.rank != dst:
+            return None
+        steps = {}
+        for r, part in enumerate(parts):
+            for i, (state, n) in part.items():
+                if r != self.rank:
+                    self.stages[i].module.load_state_dict(state)
+                steps[i] = n
+        return [steps[i] for i in range(len(self.stages))]
+
+    def _wait_sends(self):
+        """Waits for the previous tick's sends (their tensors are released only then)."""
+        deadline = datetime.timedelta(seconds=self.timeout)
+        for _, peer, work in self._sends:
+            try:
+                work.wait(deadline)
+            except Exception as e:  # noqa: BLE001 - the receiver is the peer that failed
+                self.fail(peer, f"a send to it at tick {self.tick - 1} failed ({_short(e)})")
+        self._sends = []
+
+    def close(self):
+        """Waits for the last sends, stops the watchdog, meets every rank and leaves the group."""
+        self._wait_sends()
+        self._watchdog.mark_done()
+        self._watchdog.stop()
+        try:
+            if dist.get_backend(self._control) == "gloo":
+                dist.monitored_barrier(group=self._control, timeout=datetime.timedelta(seconds=self.timeout))
+            else:
+                dist.barrier(group=self._control)
+        except Exception as e:  # noqa: BLE001
+            _abort(self, f"the final barrier failed: {e}", publish=False)
+        dist.destroy_process_group()
+
+
+def _short(e):
+    """An exception in one line, without gloo's boilerplate."""
+    text = str(e).split(". This is typically")[0].strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def _abort(rank_obj, msg, publish):
+    store = rank_obj._watchdog.store
+    if publish and store is not None:
+        try:
+            store.compare_set(_PREFIX + "failed", "", msg)
+            msg = store.get(_PREFIX + "failed").decode()
+        except Exception:  # noqa: BLE001 - the store is gone: with rank 0 (its host), or with torchrun's agent
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+                msg = f"{msg}; the torchrun agent's rendezvous store is gone too"
+            elif rank_obj.rank != 0:
+                msg = f"{rank_obj.describe(0)} failed: the rendezvous store it hosts is gone (then: {msg})"
+    sys.stderr.write(f"revkernels petra: rank {rank_obj.rank} ({rank_obj._names[rank_obj.rank]}) exiting: {msg}\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)
+
+
+class _Watchdog(threading.Thread):
+    """Heartbeats through the rendezvous store; exits the process when a failure is published, when a
+    peer's heartbeat stalls for `timeout` s, or when the store (rank 0) is gone."""
+
+    POLL = 0.25
+
+    def __init__(self, rank_obj):
+        super().__init__(daemon=True, name="petra-watchdog")
+        self.rank_obj = rank_obj
+        self._stop_event = threading.Event()
+        try:
+            self.store = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - no store: no watchdog (the waits' deadlines still apply)
+            self.store = None
+
+    def stop(self):
+        self._stop_event.set()
+        if self.is_alive():
+            self.join(timeout=5)
+
+    def run(self):
+        if self.store is None:
+            return
+        r = self.rank_obj
+        me, world, timeout = r.rank, r.world_size, r.timeout
+        last = {p: (-1, time.monotonic()) for p in range(world) if p != me}
+        while not self._stop_event.wait(self.POLL):
+            try:
+                self.store.add(f"{_PREFIX}hb/{me}", 1)
+                if self.store.check([_PREFIX + "failed"]):
+                    _abort(r, self.store.get(_PREFIX + "failed").decode(), publish=False)
+                now = time.monotonic()
+                for p in last:
+                    if self.store.check([f"{_PREFIX}done/{p}"]):
+                        continue
+                    count = self.store.add(f"{_PREFIX}hb/{p}", 0)
+                    if count != last[p][0]:
+                        last[p] = (count, now)
+                    elif now - last[p][1] > timeout:
+                        r.fail(p, f"no heartbeat for {timeout:g} s (hung or killed)")
+            except Exception as e:  # noqa: BLE001 - the store lives in rank 0
+                if self._stop_event.is_set():
+                    return
+                if me == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+                    _abort(r, f"lost the rendezvous store ({_short(e)})", publish=False)
+                _abort(r, f"{r.describe(0)} failed: lost the rendezvous store it hosts "
+                          f"({_short(e)})", publish=False)
+
+    def mark_done(self):
+        if self.store is not None:
+            try:
+                self.store.set(f"{_PREFIX}done/{self.rank_obj.rank}", "1")
+            except Exception:  # noqa: BLE001
+                pass
+
+
+# --- launching ---------------------------------------------------------------------------------------
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank, world, port, fn, args, log_dir, env, threads):
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(env or {})
+    if log_dir:
+        for fd, name in ((1, "out"), (2, "err")):
+            f = os.open(os.path.join(log_dir, f"rank{rank}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(f, fd)
+            os.close(f)
+        sys.stdout = os.fdopen(1, "w", buffering=1)
+        sys.stderr = os.fdopen(2, "w", buffering=1)
+    if threads:
+        torch.set_num_threads(threads)
+    code = 0
+    try:
+        result = fn(*args)
+        if log_dir and result is not None:
+            torch.save(result, os.path.join(log_dir, f"rank{rank}.pt"))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class LaunchError(RuntimeError):
+    def __init__(self, msg, exitcodes):
+        super().__init__(msg)
+        self.exitcodes = exitcodes
+
+
+def launch(fn, nprocs, args=(), log_dir=None, env=None, threads=1, grace=60.0, timeout=None):
+    """Runs ``fn(*args)`` in `nprocs` fresh processes (spawn) forming a process group on a free local port.
+
+    Each child gets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (and `env`) in its environment and
+    `threads` torch threads. With `log_dir`, rank r's stdout/stderr go to ``rank{r}.out/.err`` there and a
+    non-None return value to ``rank{r}.pt``; returns the list of those values (None where absent). If a
+    child fails, the others get `grace` s to exit on their own and are then killed; raises `LaunchError`
+    (with ``exitcodes``) naming the ranks that failed. `timeout`: seconds for the whole run (None: none).
+    """
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+    procs = [ctx.Process(target=_child, args=(r, nprocs, port, fn, args, log_dir, env, threads), daemon=False)
+             for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    start, first_fail = time.monotonic(), None
+    try:
+        while any(p.exitcode is None for p in procs):
+            time.sleep(0.05)
+            now = time.monotonic()
+            if first_fail is None and any(p.exitcode not in (None, 0) for p in procs):
+                first_fail = now
+            if (first_fail is not None and now - first_fail > grace) or (timeout is not None and now - start > timeout):
+                for p in procs:
+                    if p.exitcode is None:
+                        p.kill()
+                for p in procs:
+                    p.join(5)
+                break
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+                p.join(5)
+    codes = [p.exitcode for p in procs]
+    if any(c != 0 for c in codes):
+        def how(c):
+            return f"signal {signal.Signals(-c).name}" if c is not None and c < 0 else f"status {c}"
+        bad = ", ".join(f"rank {r} exited with {how(c)}" for r, c in enumerate(codes) if c != 0)
+        raise LaunchError(f"revkernels: distributed PETRA run failed: {bad}", codes)
+    results = []
+    for r in range(nprocs):
+        path = os.path.join(log_dir, f"rank{r}.pt") if log_dir else None
+        results.append(torch.load(path, weights_only=False) if path and os.path.exists(path) else None)
+    return results

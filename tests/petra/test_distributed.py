@@ -1,0 +1,159 @@
+"""PETRA's distributed runtime (gloo, CPU processes): identical parameters to the simulator with the same
+stage grouping, no buffers in reversible stages, every process exits non-zero naming the failed stage when
+a worker is killed, and the trainer CLI's ``--runtime distributed --nproc`` writes its logs."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from revkernels.petra import Trainer
+from revkernels.petra.distributed import FAULT_ENV, LaunchError, PipelineRank, init, launch
+from tests.petra.test_simulate import _batches, synthetic_stages
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+KW = dict(accum_k=2, base_lr=0.5, warmup_steps=1, weight_decay=1e-3)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _train_rank(layout, groups, n_steps, timeout=20.0, batched=None):
+    """One rank: the model from seed 0, N steps, flush; returns this rank's stage states and stats."""
+    torch.manual_seed(0)
+    model = synthetic_stages(layout)
+    init(timeout=timeout)
+    pr = PipelineRank(model, groups=groups, timeout=timeout, batched=batched, **KW)
+    own = pr.trainer.groups[pr.rank]
+    peak_rev = 0
+    losses = []
+    for x, y in _batches(n_steps):
+        out = pr.train_step(x, y)
+        losses.append(out["loss"])
+        peak_rev = max([peak_rev] + [s.buffer_bytes for s in pr.stages if s.index in own and s.reversible])
+    losses += [r["loss"] for r in pr.flush()]
+    stats = pr.buffer_stats()
+    steps = [pr.trainer.optimizers[i].steps for i in own]
+    state = {i: {k: v.clone() for k, v in pr.stages[i].module.state_dict().items()} for i in own}
+    schedule = {key: t for key, t in pr.trainer.schedule.items() if key[1] in own}
+    pr.close()
+    return {"state": state, "stats": stats, "steps": steps, "peak_rev": peak_rev, "losses": losses,
+            "schedule": schedule, "ticks": pr.tick}
+
+
+def _simulate(layout, groups, n_steps):
+    torch.manual_seed(0)
+    model = synthetic_stages(layout)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = Trainer(model, "petra", groups=groups, **KW)
+        losses = [trainer.train_step(x, y)["loss"] for x, y in _batches(n_steps)]
+        losses += [r["loss"] for r in trainer.flush()]
+    finally:
+        torch.set_num_threads(threads)
+    return model, trainer, losses
+
+
+@pytest.mark.parametrize("layout, groups, batched", [("S r H", None, None), ("S r D r r H", 3, None),
+                                                     ("S r D r r H", 3, True)])
+def test_distributed_equals_simulator(layout, groups, batched, tmp_path):
+    """J = 3 stages on 3 ranks, and 6 stages in 3 groups (also with the grouped posting NCCL uses)."""
+    n = 6
+    results = launch(_train_rank, 3, (layout, groups, n, 20.0, batched), log_dir=str(tmp_path), timeout=120)
+    model, trainer, sim_losses = _simulate(layout, groups, n)
+    assert len(trainer.workers) == 3
+    for r, res in enumerate(results):
+        assert res is not None, open(tmp_path / f"rank{r}.err").read()
+        for i, state in res["state"].items():
+            for name, t in trainer.stages[i].module.state_dict().items():
+                assert torch.equal(state[name], t), f"rank {r} stage {i} {name}: max diff " \
+                    f"{(state[name].double() - t.double()).abs().max().item() if t.is_floating_point() else 'int'}"
+        assert res["steps"] == [trainer.optimizers[i].steps for i in trainer.groups[r]]
+        assert res["ticks"] == trainer.tick
+        assert res["schedule"] == {k: v for k, v in trainer.schedule.items() if k[1] in trainer.groups[r]}
+    assert results[-1]["losses"] == sim_losses  # the head's losses, bit for bit
+    assert all(x is None for res in results[:-1] for x in res["losses"])
+    # Buffers: reversible stages hold none; every stage's peak equals the simulator's.
+    stats, sim_stats = results[0]["stats"], trainer.buffer_stats()
+    assert [s["peak_bytes"] for s in stats] == [s["peak_bytes"] for s in sim_stats]
+    assert all(s["peak_bytes"] == 0 for s in stats if s["reversible"])
+    assert stats[0]["peak_bytes"] > 0 and all(res["peak_rev"] == 0 for res in results)
+    assert trainer.optimizers[0].steps == n // KW["accum_k"]
+
+
+@pytest.mark.parametrize("killed", [1, 0])  # a middle rank; rank 0, which also hosts the rendezvous store
+def test_killed_worker_stops_every_process_naming_the_stage(killed, tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as e:
+        launch(_train_rank, 3, ("S r D r r H", 3, 40, 10.0), log_dir=str(tmp_path), env={FAULT_ENV: f"{killed}:4"},
+               grace=60, timeout=120)
+    elapsed = time.monotonic() - t0
+    codes = e.value.exitcodes
+    assert codes[killed] == -9 and all(c == 1 for r, c in enumerate(codes) if r != killed), codes
+    assert f"rank {killed} exited with signal SIGKILL" in str(e.value)
+    name = {0: "rank 0 (stages 0-1) failed", 1: "rank 1 (stages 2-3) failed"}[killed]
+    for r in {0, 1, 2} - {killed}:
+        err = open(tmp_path / f"rank{r}.err").read()
+        assert name in err.strip().splitlines()[-1], err
+    assert elapsed < 60
+
+
+def test_cli_distributed_nproc_writes_logs_like_simulate(tmp_path):
+    args = ["--model", "revnet18", "--dataset", "synthetic", "--image-size", "8", "--epochs", "1", "--batch-size", "8",
+            "--max-steps", "5", "--accum", "2", "--threads", "1", "--no-progress", "--ranks", "3"]
+    dist_out, sim_out = str(tmp_path / "dist"), str(tmp_path / "sim")
+    proc = subprocess.run([sys.executable, "-m", "revkernels.petra.train", *args, "--runtime", "distributed",
+                           "--nproc", "3", "--out", dist_out], capture_output=True, text=True, cwd=ROOT, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "final:" in proc.stdout and proc.stdout.count("final:") == 1
+    from revkernels.petra.train import main
+    main(args + ["--runtime", "simulate", "--out", sim_out])
+    logs = {}
+    for name, out in (("dist", dist_out), ("sim", sim_out)):
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            logs[name] = [json.loads(line) for line in f]
+        with open(os.path.join(out, "metrics.csv")) as f:
+            assert len(f.read().splitlines()) == 2
+        with open(os.path.join(out, "config.json")) as f:
+            config = json.load(f)
+        assert config["runtime"] == ("distributed" if name == "dist" else "simulate") and config["groups"] == \
+            [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+        assert os.path.exists(os.path.join(out, "summary.json"))
+    d, s = logs["dist"][0], logs["sim"][0]
+    for key in ("step", "optimizer_steps", "lr", "train_loss", "test_loss", "test_acc", "buffer_bytes",
+                "peak_buffer_bytes"):
+        assert d[key] == s[key], key  # same parameters, bit for bit
+    assert all(b == 0 for b, k in zip(d["peak_buffer_bytes"], config["stage_kinds"]) if k == "reversible")
+
+
+# --- the simulator's stage groups (what the ranks run) ------------------------------------------------
+
+def test_split_groups_and_grouped_simulator_schedule():
+    from revkernels.petra import split_groups
+
+    assert split_groups(10, 3) == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert split_groups(4, None) == [[0], [1], [2], [3]] and split_groups(5, [2, 3]) == [[0, 1], [2, 3, 4]]
+    for bad in (0, 11, [2, 2], [5, 0, 5], "3"):
+        with pytest.raises(ValueError, match="groups"):
+            split_groups(10, bad)
+    with pytest.raises(ValueError, match="method .petra. only"):
+        Trainer(synthetic_stages("S r H"), "backprop", groups=2)
+    # Worker w (0-based, of R) runs batch b's forward at tick b + w and its backward 2(R - 1 - w) ticks later,
+    # every stage of a group at its group's ticks; a group of stages holds the inputs of its non-reversible ones.
+    trainer = Trainer(synthetic_stages("S r D r r H"), "petra", groups=[2, 2, 2], accum_k=2)
+    n, R = 5, 3
+    for x, y in _batches(n):
+        trainer.train_step(x, y)
+    trainer.flush()
+    assert trainer.tick == n + 2 * (R - 1)
+    for b in range(n):
+        for w, group in enumerate(trainer.groups):
+            for i in group:
+                assert trainer.schedule[(b, i)] == {"forward": b + w, "backward": b + w + 2 * (R - 1 - w)}
+    peaks = [s["peak_bytes"] for s in trainer.buffer_stats()]
+    assert peaks[0] > 0 and peaks[2] > 0 and peaks[1] == peaks[3] == peaks[4] == peaks[5] == 0
+    assert [o.steps for o in trainer.optimizers] == [n // 2] * 6
