@@ -12,6 +12,9 @@ medians after warm-up):
                         (torch.cuda.make_graphed_callables)
     checkpoint          standard with per-block torch.utils.checkpoint
     reversible_plain    ReversibleBlock(F, G) of plain nn modules, sequential engine
+    peer_revlib         the same F, G modules in RevLib's ReversibleSequential (pip install revlib)
+    peer_memcnn         the same F, G modules in memcnn's additive couplings with keep_input=False
+                        (pip install memcnn); peers run only where importable
     revkernels_<engine> RevViTBlock (fused recompute/grads) with each engine
 F = attention(LN(x)), G = MLP(LN(x)) with the same modules in every variant; the reversible ones
 run two streams of the full width, as Rev-ViT does, so every variant computes one F and one G per
@@ -85,7 +88,42 @@ class ReversibleStack(nn.Module):
         return (y1 + y2) * 0.5
 
 
+class PeerStack(nn.Module):
+    """A peer library's reversible stack on the two streams concatenated along the feature dim
+    (the layout RevLib and memcnn split), streams averaged at the end like `ReversibleStack`. The
+    concatenated input requires grad: RevLib's Function returns no graph otherwise."""
+
+    def __init__(self, stack):
+        super().__init__()
+        self.stack = stack
+
+    def forward(self, x):
+        y1, y2 = self.stack(torch.cat([x, x], dim=-1).requires_grad_()).chunk(2, dim=-1)
+        return (y1 + y2) * 0.5
+
+
+def peer_available(variant):
+    module = {"peer_revlib": "revlib", "peer_memcnn": "memcnn"}[variant]
+    try:
+        __import__(module)
+    except Exception:  # not installed, or fails to import with this torch
+        return False
+    return True
+
+
 def build(variant, depth, dim, heads):
+    if variant == "peer_revlib":
+        import revlib
+
+        branches = [m for _ in range(depth) for m in (AttentionBranch(dim, heads), MlpBranch(dim, 4 * dim))]
+        return PeerStack(revlib.ReversibleSequential(*branches, split_dim=-1))
+    if variant == "peer_memcnn":
+        import memcnn
+
+        return PeerStack(nn.Sequential(*[
+            memcnn.InvertibleModuleWrapper(memcnn.AdditiveCoupling(AttentionBranch(dim, heads), MlpBranch(dim, 4 * dim),
+                                                                   split_dim=-1), keep_input=False)
+            for _ in range(depth)]))
     if variant in ("standard", "standard_compile", "standard_graphs", "checkpoint"):
         return StandardStack(depth, dim, heads, use_checkpoint=variant == "checkpoint")
     if variant == "reversible_plain":
@@ -207,7 +245,8 @@ def main(argv=None):
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     variants = ["standard"] + (["standard_compile", "standard_graphs"] if cuda else []) + \
-        ["checkpoint", "reversible_plain"] + [f"revkernels_{e}" for e in ENGINES]
+        ["checkpoint", "reversible_plain"] + [p for p in ("peer_revlib", "peer_memcnn") if peer_available(p)] + \
+        [f"revkernels_{e}" for e in ENGINES]
     variants = [v for v in variants if not args.variants or v in args.variants]
     if args.quick:
         models, batches, tokens, steps, warmup = {"tiny": dict(depth=2, dim=64, heads=4)}, {"tiny": [2]}, 17, 2, 1

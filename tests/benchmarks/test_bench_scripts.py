@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end (CPU smoke runs of the same code the GPU check runs)."""
 import csv
 import importlib.util
+import math
 import pathlib
 import subprocess
 import sys
@@ -15,7 +16,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("script,csv_name,kinds", [
     ("bench_kernels.py", "kernels_cpu.csv", {"eager", "cpp"}),
     ("bench_train.py", "train_cpu.csv", {"standard", "checkpoint", "reversible_plain", "revkernels_sequential",
-                                         "revkernels_pareprop"}),
+                                         "revkernels_pareprop", "revkernels_graphs", "peer_revlib", "peer_memcnn",
+                                         "autograd", "graphs"}),
 ])
 def test_script_writes_its_csv_and_plot(tmp_path, script, csv_name, kinds):
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--device", "cpu", "--quick",
@@ -25,6 +27,7 @@ def test_script_writes_its_csv_and_plot(tmp_path, script, csv_name, kinds):
     column = "impl" if "kernels" in csv_name else "variant"
     assert {r[column] for r in rows} >= kinds
     assert all(r["commit"] and r["device"] and r["torch"] for r in rows)
+    assert all(math.isfinite(float(r["ms"])) for r in rows), "a variant failed"
     assert (tmp_path / csv_name.replace(".csv", ".png")).stat().st_size > 0
 
 
