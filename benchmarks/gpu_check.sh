@@ -8,6 +8,9 @@
 #   STAGES="build tests kernels train_quick" OUT=/tmp/out bash benchmarks/gpu_check.sh
 #   STAGES="prebuilt train" OUT=/tmp/out bash benchmarks/gpu_check.sh  # reuse a carried revkernels/_C*.so
 #
+# Peer libraries (RevLib, memcnn) are benchmarked where importable; on a machine without a package
+# index, put their wheels in .whl/ (pip download --no-deps revlib memcnn -d .whl) and carry it.
+#
 # Stages: build (pip install -e ., CUDA kernels forced; if that fails the log is kept and the
 # package is built without them so the Triton paths still run), prebuilt (use the _C*.so already in
 # revkernels/), tests (pytest -m gpu, $TEST_ARGS appended), kernels (bench_kernels.py), train
@@ -53,6 +56,12 @@ if wants prebuilt; then
   step "prebuilt extension"
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   $PY -c "import revkernels, torch; print('revkernels._C loaded:', hasattr(torch.ops.revkernels, 'cuda_coupling_sub'))" 2>&1 | tee -a "$log"
+fi
+
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  step "peer wheels (.whl/*.whl, e.g. revlib and memcnn for bench_train)"
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/revkernels_peers \
+    .whl/*.whl >> "$log" 2>&1 && export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/revkernels_peers"
 fi
 
 if wants tests; then
