@@ -27,7 +27,20 @@ log="$OUT/gpu_check.log"
 status=0
 step() { echo "== $* ($(date +%T))" | tee -a "$log"; }
 wants() { [[ " $STAGES " == *" $1 "* ]]; }
-limit() { local s=$1; shift; timeout -k 10 "$s" "$@"; local rc=$?; [ $rc -eq 124 ] && echo "TIMED OUT after $s s: $*" | tee -a "$log"; return $rc; }
+# DEADLINE_S: the whole script's time budget; each stage's limit is cut to what is left of it
+# (minus 20 s for the summary), so the results of finished stages always come back.
+script_start=$(date +%s)
+limit() {
+  local s=$1; shift
+  if [ -n "${DEADLINE_S:-}" ]; then
+    local left=$(( DEADLINE_S - ($(date +%s) - script_start) - 20 ))
+    [ "$left" -lt "$s" ] && s=$left
+    [ "$s" -le 0 ] && { echo "SKIPPED (no time left): $*" | tee -a "$log"; return 124; }
+  fi
+  timeout -k 10 "$s" "$@"; local rc=$?
+  [ $rc -eq 124 ] && echo "TIMED OUT after $s s: $*" | tee -a "$log"
+  return $rc
+}
 
 step "environment"
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
