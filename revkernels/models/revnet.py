@@ -12,6 +12,8 @@ bottlenecks). Stages, in order::
     r  reversible  ReversibleStage(F):  (y1, y2) = (x2, x1 + F(x2))     (HalfCouplingBlock)
                    F = BasicResidual:      conv3x3-BN-ReLU-conv3x3-BN             (C -> C)
                    F = BottleneckResidual: conv1x1-BN-ReLU-conv3x3-BN-ReLU-conv1x1-BN (4C -> C -> 4C)
+                   each BN(-ReLU) of F one fused op (`revkernels.nn.BatchNormAct2d`), in the
+                   forward and the recompute alike (so the recompute is bitwise the forward)
     D  down        one ResNet downsampling residual block spread over the two streams
                    (non-reversible: ordinary autograd):
                    basic       h = BN(conv3x3_s2(x2));   (y1, y2) = (h, P(x1) + BN(conv3x3(relu(h))))
@@ -54,6 +56,7 @@ import torch
 from torch import nn
 
 from revkernels.engine.recompute import run_recomputed
+from revkernels.nn.batch_norm import BatchNormAct2d
 from revkernels.nn.reversible import HalfCouplingBlock, ReversibleSequential, check_streams
 
 STEMS = ("cifar", "imagenet")
@@ -71,35 +74,38 @@ def _projection(cin, cout, stride, bias=False):
 
 
 class BasicResidual(nn.Module):
-    """ResNet basic residual function ``conv3x3-BN-ReLU-conv3x3-BN`` on one stream (C -> C)."""
+    """ResNet basic residual function ``conv3x3-BN-ReLU-conv3x3-BN`` on one stream (C -> C).
+
+    Each BN(+ReLU) is one fused `BatchNormAct2d` (a drop-in nn.BatchNorm2d: same parameters and
+    state_dict keys), the convolutions go through cuDNN."""
 
     def __init__(self, channels, conv_bias=False):
         super().__init__()
         self.conv1 = _conv(channels, channels, 3, bias=conv_bias)
-        self.bn1 = nn.BatchNorm2d(channels)
+        self.bn1 = BatchNormAct2d(channels, relu=True)
         self.conv2 = _conv(channels, channels, 3, bias=conv_bias)
-        self.bn2 = nn.BatchNorm2d(channels)
+        self.bn2 = BatchNormAct2d(channels, relu=False)
 
     def forward(self, x):
-        return self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x)))))
+        return self.bn2(self.conv2(self.bn1(self.conv1(x))))
 
 
 class BottleneckResidual(nn.Module):
     """ResNet bottleneck ``conv1x1-BN-ReLU-conv3x3-BN-ReLU-conv1x1-BN`` (cin -> mid -> cout), the
-    stride on the 3x3 convolution."""
+    stride on the 3x3 convolution. Each BN(+ReLU) is one fused `BatchNormAct2d`."""
 
     def __init__(self, cin, mid, cout, stride=1, conv_bias=False):
         super().__init__()
         self.conv1 = _conv(cin, mid, 1, bias=conv_bias)
-        self.bn1 = nn.BatchNorm2d(mid)
+        self.bn1 = BatchNormAct2d(mid, relu=True)
         self.conv2 = _conv(mid, mid, 3, stride, bias=conv_bias)
-        self.bn2 = nn.BatchNorm2d(mid)
+        self.bn2 = BatchNormAct2d(mid, relu=True)
         self.conv3 = _conv(mid, cout, 1, bias=conv_bias)
-        self.bn3 = nn.BatchNorm2d(cout)
+        self.bn3 = BatchNormAct2d(cout, relu=False)
 
     def forward(self, x):
-        x = torch.relu(self.bn1(self.conv1(x)))
-        x = torch.relu(self.bn2(self.conv2(x)))
+        x = self.bn1(self.conv1(x))
+        x = self.bn2(self.conv2(x))
         return self.bn3(self.conv3(x))
 
 

@@ -1,5 +1,6 @@
 """Drop-in reversible modules."""
+from revkernels.nn.batch_norm import BatchNormAct2d
 from revkernels.nn.drop_path import DropPath
 from revkernels.nn.reversible import HalfCouplingBlock, ReversibleBlock, ReversibleSequential
 
-__all__ = ["ReversibleBlock", "HalfCouplingBlock", "ReversibleSequential", "DropPath"]
+__all__ = ["ReversibleBlock", "HalfCouplingBlock", "ReversibleSequential", "DropPath", "BatchNormAct2d"]

@@ -9,8 +9,11 @@ How an op reaches its kernel: `_library.py`.
     sub_layer_norm, layer_norm_bwd_add  rebuild + LayerNorm; LayerNorm backward + residual add
     bias_gelu, bias_gelu_bwd            bias + GELU and its backward with the bias-grad reduction
     linear_sub                          the GEMM-side rebuild y - (a @ W^T + b) as one GEMM
+    batch_norm_act, batch_norm_act_bwd  training-mode BatchNorm (+ ReLU) and its backward
 """
 from revkernels.ops._library import get_cuda_backend, set_cuda_backend
+from revkernels.ops.batch_norm import (batch_norm_act, batch_norm_act_bwd, batch_norm_act_bwd_reference,
+                                       batch_norm_act_reference)
 from revkernels.ops.bias_gelu import bias_gelu, bias_gelu_bwd, bias_gelu_bwd_reference, bias_gelu_reference
 from revkernels.ops.coupling import coupling_add, coupling_add_reference, coupling_sub, coupling_sub_reference
 from revkernels.ops.layer_norm import (layer_norm_bwd_add, layer_norm_bwd_add_reference, sub_layer_norm,
@@ -22,5 +25,6 @@ __all__ = [
     "sub_layer_norm", "layer_norm_bwd_add", "sub_layer_norm_reference", "layer_norm_bwd_add_reference",
     "bias_gelu", "bias_gelu_bwd", "bias_gelu_reference", "bias_gelu_bwd_reference",
     "linear_sub", "linear_sub_reference",
+    "batch_norm_act", "batch_norm_act_bwd", "batch_norm_act_reference", "batch_norm_act_bwd_reference",
     "set_cuda_backend", "get_cuda_backend",
 ]

@@ -315,3 +315,46 @@ def test_bad_arguments():
     assert down.kind == "down"
     with torch.device("meta"), pytest.raises(ValueError, match="x1 and x2 must have the same shape"):
         down(torch.empty(2, 64, 8, 8), torch.empty(2, 64, 4, 4))
+
+
+# --- fused BatchNorm (+ ReLU) in the residual functions ------------------------------------------------
+
+def test_residual_functions_use_fused_batchnorm_with_unchanged_state_keys():
+    from revkernels.nn import BatchNormAct2d
+
+    basic, bottleneck = BasicResidual(8), BottleneckResidual(16, 4, 16)
+    assert [(type(m), m.relu) for m in (basic.bn1, basic.bn2)] == [(BatchNormAct2d, True), (BatchNormAct2d, False)]
+    assert [m.relu for m in (bottleneck.bn1, bottleneck.bn2, bottleneck.bn3)] == [True, True, False]
+    bn_keys = ["weight", "bias", "running_mean", "running_var", "num_batches_tracked"]
+    assert list(basic.state_dict()) == (["conv1.weight"] + [f"bn1.{k}" for k in bn_keys]
+                                        + ["conv2.weight"] + [f"bn2.{k}" for k in bn_keys])
+    # A state_dict of the unfused function (nn.BatchNorm2d + torch.relu) loads and computes the same.
+    unfused = nn.Sequential()
+    unfused.conv1, unfused.bn1 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+    unfused.conv2, unfused.bn2 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+    with torch.no_grad():
+        for p in unfused.parameters():
+            p.normal_()
+    basic.load_state_dict(unfused.state_dict())
+    x = torch.randn(2, 8, 6, 6)
+    want = unfused.bn2(unfused.conv2(torch.relu(unfused.bn1(unfused.conv1(x)))))
+    assert_close_rel(basic(x), want, 1e-5, "fused BasicResidual")
+    for a, b in zip(basic.buffers(), unfused.buffers()):
+        assert_close_rel(a.float(), b.float(), 1e-5, "running statistics")
+
+
+@pytest.mark.parametrize("residual", ["basic", "bottleneck"])
+def test_recompute_is_bitwise_the_forward(residual):
+    # An engine runs F under no_grad in the forward and again with autograd (BN statistics frozen)
+    # in the recompute; at the same input the two are the same ops, so bitwise the same output.
+    from revkernels.engine.state import frozen_batchnorm_stats
+
+    f = BasicResidual(8) if residual == "basic" else BottleneckResidual(16, 4, 16)
+    x = torch.randn(2, 8 if residual == "basic" else 16, 6, 6)
+    with torch.no_grad():
+        forward = f(x)
+    buffers = [b.clone() for b in f.buffers()]
+    with frozen_batchnorm_stats(f):
+        recompute = f(x.clone().requires_grad_())
+    assert recompute.requires_grad and torch.equal(forward, recompute.detach())
+    assert all(torch.equal(a, b) for a, b in zip(buffers, f.buffers()))  # counted once

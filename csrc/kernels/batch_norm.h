@@ -1,0 +1,121 @@
+// Torch-free training-mode BatchNorm (+ ReLU) kernels (math and semantics:
+// revkernels/ops/batch_norm.py):
+//   batch_norm_act      per channel c: mean, rstd = 1 / sqrt(biased var + eps) over the batch and
+//                       spatial positions; out = act((x - mean) * rstd * w + b), act = ReLU or identity
+//   batch_norm_act_bwd  dy = dout masked by (pre-activation > 0) when relu, xhat = (x - mean) * rstd;
+//                       dweight = sum(dy * xhat), dbias = sum(dy),
+//                       dx = rstd * w * (dy - dbias / M - xhat * dweight / M),  M = N * S
+// The data are viewed as (N, C, S) (S = the spatial dims flattened) with any strides (BnView):
+// NCHW-contiguous is (C*S, S, 1), channels_last (C*S, 1, C). weight, bias, mean and rstd come in
+// the accumulation type acc_t (float, or double for double data). Kernels take a channel range
+// [c_begin, c_end) so the glue can split channels across threads; each channel is reduced by one
+// thread in a fixed order, so results do not depend on the thread count.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "scalar.h"
+
+namespace revkernels {
+
+struct BnView {
+  int64_t n = 0, s = 0;                                // batch size and spatial size (C is the range)
+  int64_t n_stride = 0, c_stride = 0, s_stride = 0;    // element strides of the (N, C, S) view
+};
+
+// Channel sums are carried in kBnLanes independent partial sums (over s), folded pairwise per
+// sample and summed over samples: error grows with M / kBnLanes, not M.
+constexpr int64_t kBnLanes = 8;
+
+template <typename acc_t, typename Fn>
+inline acc_t bn_channel_sum(const BnView& v, Fn&& term) {
+  acc_t total = acc_t(0);
+  for (int64_t i = 0; i < v.n; ++i) {
+    acc_t lanes[kBnLanes] = {};
+    int64_t j = 0;
+    for (; j + kBnLanes <= v.s; j += kBnLanes) {
+      for (int64_t lane = 0; lane < kBnLanes; ++lane) lanes[lane] += term(i, j + lane);
+    }
+    for (int64_t lane = 0; j < v.s; ++j, ++lane) lanes[lane] += term(i, j);
+    for (int64_t width = kBnLanes / 2; width > 0; width /= 2) {
+      for (int64_t lane = 0; lane < width; ++lane) lanes[lane] += lanes[lane + width];
+    }
+    total += lanes[0];
+  }
+  return total;
+}
+
+// Pre-activation of one element: (x - mean) * rstd * w + b, as the forward and backward form it.
+template <typename acc_t>
+inline acc_t bn_affine(acc_t x, acc_t mu, acc_t rs, acc_t w, acc_t b) {
+  return (x - mu) * rs * w + b;
+}
+
+// Channels [c_begin, c_end): mean, rstd and out = act(normalised * w + b). Two passes for the
+// variance (sum of squared deviations from the mean), which avoids E[x^2] - mean^2's cancellation.
+template <typename acc_t, typename x_t>
+void batch_norm_act_cpu(x_t* out, acc_t* mean, acc_t* rstd, const x_t* x, const BnView& xv, const BnView& ov,
+                        const acc_t* weight, const acc_t* bias, acc_t eps, bool relu, int64_t c_begin,
+                        int64_t c_end) {
+  const acc_t count = static_cast<acc_t>(xv.n * xv.s);
+  for (int64_t c = c_begin; c < c_end; ++c) {
+    const x_t* xc = x + c * xv.c_stride;
+    auto at = [&](int64_t i, int64_t j) { return load<acc_t>(xc + i * xv.n_stride + j * xv.s_stride); };
+    const acc_t mu = bn_channel_sum<acc_t>(xv, at) / count;
+    const acc_t var = bn_channel_sum<acc_t>(xv, [&](int64_t i, int64_t j) {
+                        const acc_t d = at(i, j) - mu;
+                        return d * d;
+                      }) / count;
+    const acc_t rs = acc_t(1) / std::sqrt(var + eps);
+    const acc_t w = weight[c], b = bias[c];
+    x_t* oc = out + c * ov.c_stride;
+    for (int64_t i = 0; i < xv.n; ++i) {
+      for (int64_t j = 0; j < xv.s; ++j) {
+        acc_t y = bn_affine(at(i, j), mu, rs, w, b);
+        if (relu && !(y > acc_t(0))) y = acc_t(0);
+        store<acc_t>(oc + i * ov.n_stride + j * ov.s_stride, y);
+      }
+    }
+    mean[c] = mu;
+    rstd[c] = rs;
+  }
+}
+
+// Channels [c_begin, c_end) of the backward: dx, and dweight[c] / dbias[c] (the channel sums,
+// in acc_t). The ReLU mask is recomputed from x, mean, rstd, weight and bias exactly as the forward
+// formed the pre-activation.
+template <typename acc_t, typename x_t>
+void batch_norm_act_bwd_cpu(x_t* dx, acc_t* dweight, acc_t* dbias, const x_t* dout, const BnView& dv,
+                            const x_t* x, const BnView& xv, const BnView& dxv, const acc_t* weight,
+                            const acc_t* bias, const acc_t* mean, const acc_t* rstd, bool relu, int64_t c_begin,
+                            int64_t c_end) {
+  const acc_t count = static_cast<acc_t>(xv.n * xv.s);
+  for (int64_t c = c_begin; c < c_end; ++c) {
+    const x_t* xc = x + c * xv.c_stride;
+    const x_t* dc = dout + c * dv.c_stride;
+    const acc_t mu = mean[c], rs = rstd[c], w = weight[c], b = bias[c];
+    auto xhat_at = [&](int64_t i, int64_t j) { return (load<acc_t>(xc + i * xv.n_stride + j * xv.s_stride) - mu) * rs; };
+    auto dy_at = [&](int64_t i, int64_t j) {
+      const acc_t d = load<acc_t>(dc + i * dv.n_stride + j * dv.s_stride);
+      if (!relu) return d;
+      const acc_t y = bn_affine(load<acc_t>(xc + i * xv.n_stride + j * xv.s_stride), mu, rs, w, b);
+      return y > acc_t(0) ? d : acc_t(0);
+    };
+    const acc_t sum_dy = bn_channel_sum<acc_t>(xv, dy_at);
+    const acc_t sum_dy_xhat = bn_channel_sum<acc_t>(xv, [&](int64_t i, int64_t j) { return dy_at(i, j) * xhat_at(i, j); });
+    const acc_t mean_dy = sum_dy / count, mean_dy_xhat = sum_dy_xhat / count;
+    const acc_t scale = rs * w;
+    x_t* oc = dx + c * dxv.c_stride;
+    for (int64_t i = 0; i < xv.n; ++i) {
+      for (int64_t j = 0; j < xv.s; ++j) {
+        store<acc_t>(oc + i * dxv.n_stride + j * dxv.s_stride,
+                     scale * (dy_at(i, j) - mean_dy - xhat_at(i, j) * mean_dy_xhat));
+      }
+    }
+    dweight[c] = sum_dy_xhat;
+    dbias[c] = sum_dy;
+  }
+}
+
+}  // namespace revkernels
