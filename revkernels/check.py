@@ -1,5 +1,10 @@
 """`check_reversibility`: how exactly each block's inverse rebuilds its input, and how the error
-grows when a whole run is rebuilt from its output (what the engines' backward does)."""
+grows when a whole run is rebuilt from its output (what the engines' backward does).
+
+`monitor_reconstruction`: the same question asked at training time, opt-in and sampled: the
+sequential and pareprop engines compare each rebuilt block input with a small sample of the
+forward's and warn past a threshold."""
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -69,3 +74,109 @@ def check_reversibility(module, x1, x2):
     report.chained_errors = chained[::-1]
     torch.set_rng_state(rng_before)
     return report
+
+
+class ReconstructionMonitor:
+    """Opt-in runtime check of the memory-saving engines' rebuild (see `monitor_reconstruction`).
+
+    On every `every`-th forward of the monitored run (in training, with grad), the forward keeps
+    a strided sample of at most `max_samples` elements of each block's input (a few KB per
+    block: the exact input is not kept); that step's backward compares the rebuilt inputs at the
+    same positions and warns (UserWarning) when the relative error (max-abs difference over the
+    sample's max-abs, as `check_reversibility` measures it) passes `threshold`. This catches
+    both a block that does not invert (a recompute that differs from the forward) and error
+    compounding through a deep run. Costs one gather per block in the forward and one host
+    synchronisation at the end of the backward on sampled steps; nothing on the others.
+
+    `errors` holds the last sampled backward's per-block errors (block i: max over both
+    streams); `history` the (step, errors) of every sampled backward (bounded by `keep`).
+    """
+
+    def __init__(self, threshold=1e-3, every=1, max_samples=4096, keep=100):
+        if not threshold > 0:
+            raise ValueError(f"revkernels: threshold must be positive, got {threshold!r}")
+        if not (isinstance(every, int) and every >= 1):
+            raise ValueError(f"revkernels: every must be a positive int, got {every!r}")
+        if not (isinstance(max_samples, int) and max_samples >= 1):
+            raise ValueError(f"revkernels: max_samples must be a positive int, got {max_samples!r}")
+        self.threshold, self.every, self.max_samples, self.keep = float(threshold), every, max_samples, keep
+        self.step = 0  # forwards seen
+        self.errors = None
+        self.history = []
+
+    # -- called by the engines -------------------------------------------------------------
+
+    def begin_forward(self):
+        """Counts a forward; True when this step is sampled."""
+        self.step += 1
+        return (self.step - 1) % self.every == 0
+
+    def sample(self, x1, x2):
+        """The strided sample of one block's input kept for the backward."""
+        return (self._take(x1), self._take(x2))
+
+    def _take(self, x):
+        flat = x.detach().reshape(-1)
+        stride = max(1, -(-flat.numel() // self.max_samples))
+        return flat[::stride].clone()
+
+    def error(self, sample, x1, x2):
+        """Relative error of a rebuilt input at the sampled positions (a 0-dim tensor, no sync)."""
+        errs = []
+        for kept, rebuilt in zip(sample, (x1, x2)):
+            kept32 = kept.float()
+            diff = (self._take(rebuilt).float() - kept32).abs().max()
+            errs.append(diff / kept32.abs().max().clamp_min(torch.finfo(torch.float32).tiny))
+        return torch.maximum(errs[0], errs[1])
+
+    def report(self, errors):
+        """Records one sampled backward's per-block errors (block order) and warns past threshold."""
+        values = torch.stack(errors).tolist()
+        self.errors = values
+        self.history.append((self.step, values))
+        del self.history[:-self.keep]
+        bad = [i for i, e in enumerate(values) if not e <= self.threshold]  # NaN counts as bad
+        if bad:
+            first = bad[-1]  # errors compound towards block 0: the last bad block is where it starts
+            worst = max(bad, key=lambda i: values[i] if values[i] == values[i] else float("inf"))
+            warnings.warn(
+                f"revkernels: reconstruction monitor: block {first}'s input was rebuilt with relative error "
+                f"{values[first]:.2e} > threshold {self.threshold:.1e} (blocks over it: {bad[::-1]}; worst block "
+                f"{worst}: {values[worst]:.2e}; forward step {self.step}). The block may not be invertible "
+                "(a recompute that differs from its forward) or the run too deep for its dtype; check it "
+                "with revkernels.check_reversibility, or use engine='autograd'.",
+                UserWarning, stacklevel=2)
+
+
+class monitor_reconstruction:  # noqa: N801 (used like a function / context manager)
+    """Attaches a `ReconstructionMonitor` to a `ReversibleSequential` (engines sequential and
+    pareprop; the graphs engine and compiled runs are not monitored)::
+
+        monitor = monitor_reconstruction(seq, threshold=1e-3, every=100)   # stays attached
+        ...
+        monitor.detach()
+
+        with monitor_reconstruction(seq, threshold=1e-4) as monitor:        # detached on exit
+            ...
+    """
+
+    def __init__(self, seq, threshold=1e-3, every=1, max_samples=4096):
+        if not isinstance(seq, ReversibleSequential):
+            raise TypeError(f"revkernels: seq must be a ReversibleSequential, got {type(seq).__name__}")
+        self.seq = seq
+        self.monitor = ReconstructionMonitor(threshold, every, max_samples)
+        seq.reconstruction_monitor = self.monitor
+
+    def __getattr__(self, name):  # errors, history, step, threshold... of the monitor
+        return getattr(self.__dict__["monitor"], name)
+
+    def detach(self):
+        if getattr(self.seq, "reconstruction_monitor", None) is self.monitor:
+            self.seq.reconstruction_monitor = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.detach()
+        return False

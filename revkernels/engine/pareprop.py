@@ -37,10 +37,10 @@ def _hand_over(tensors, stream):
             t.record_stream(stream)
 
 
-def reverse_blocks_two_streams(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None):
+def reverse_blocks_two_streams(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None, monitor=None):
     """`reverse_blocks` with block i's steps on stream i % 2 (see the module docstring)."""
     if not y1.is_cuda:
-        return reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state)
+        return reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state, monitor=monitor)
     autocast = autocast_state.enter if autocast_state is not None else contextlib.nullcontext
     caller = torch.cuda.current_stream(y1.device)
     streams = _side_streams(y1.device)
@@ -51,10 +51,14 @@ def reverse_blocks_two_streams(blocks, states, y1, y2, dy1, dy2, params, autocas
     param_grads = [None] * len(params)
     n = len(blocks)
 
+    errors = [None] * n
+
     def recompute(i, a1, a2):
         stream = streams[i % 2]
         with torch.cuda.stream(stream), autocast():
             rec = blocks[i].recompute(a1, a2, None if states is None else states[i])
+            if monitor is not None:
+                errors[i] = monitor[0].error(monitor[1][i], rec.x1, rec.x2)
         return rec, stream.record_event()
 
     rec, rec_ready = recompute(n - 1, y1, y2)
@@ -87,6 +91,8 @@ def reverse_blocks_two_streams(blocks, states, y1, y2, dy1, dy2, params, autocas
         caller.wait_stream(stream)
     _hand_over((x1_out, x2_out, dy1, dy2), caller)
     _hand_over(param_grads, caller)
+    if monitor is not None:
+        monitor[0].report(errors)  # after the caller's stream waited for both side streams
     return x1_out, x2_out, dy1, dy2, param_grads
 
 

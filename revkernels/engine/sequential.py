@@ -14,19 +14,24 @@ import torch
 from revkernels.engine.state import AutocastState
 
 
-def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None):
+def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None, monitor=None):
     """Walks `blocks` backwards from their output (y1, y2) and its grads (dy1, dy2).
 
     Returns ``(x1, x2, dx1, dx2, param_grads)`` with `param_grads` aligned to `params` (None for a
     parameter no block used). `states` holds each block's `BlockState` (None: no RNG replay).
+    `monitor`: None, or ``(ReconstructionMonitor, samples)`` from a sampled forward: each rebuilt
+    input is compared with its sample (see `revkernels.check.monitor_reconstruction`).
     """
     index = {id(p): i for i, p in enumerate(params)}
     param_grads = [None] * len(params)
     autocast = autocast_state.enter if autocast_state is not None else contextlib.nullcontext
+    errors = [None] * len(blocks)
     for i in reversed(range(len(blocks))):
         block = blocks[i]
         with autocast():
             rec = block.recompute(y1, y2, None if states is None else states[i])
+        if monitor is not None:
+            errors[i] = monitor[0].error(monitor[1][i], rec.x1, rec.x2)
         grads = block.grads(rec, dy1, dy2)
         for p, grad in zip(grads.params, grads.param_grads):
             if grad is None:
@@ -36,6 +41,8 @@ def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None
         y1, y2 = rec.x1, rec.x2.detach()
         dy1, dy2 = grads.dx1, grads.dx2
         del rec, grads  # free this block's local graph before the next one is built
+    if monitor is not None:
+        monitor[0].report(errors)
     return y1, y2, dy1, dy2, param_grads
 
 
@@ -46,10 +53,17 @@ class ReversibleRun(torch.autograd.Function):
     @staticmethod
     def forward(ctx, seq, params, walker, x1, x2, *param_tensors):
         states = []
+        monitor = getattr(seq, "reconstruction_monitor", None)
+        if monitor is not None and (seq.engine == "graphs" or not monitor.begin_forward()):
+            monitor = None  # not a sampled step (graphs: replayed graphs cannot host-sync)
+        samples = []
         with torch.no_grad():
             for block in seq.blocks:
+                if monitor is not None:
+                    samples.append(monitor.sample(x1, x2))
                 x1, x2, state = block.forward_with_state(x1, x2, seq.preserve_rng_state)
                 states.append(state)
+        ctx.monitor = None if monitor is None else (monitor, samples)
         ctx.blocks = list(seq.blocks)
         ctx.states = states
         ctx.params = params
@@ -63,9 +77,9 @@ class ReversibleRun(torch.autograd.Function):
     def backward(ctx, dy1, dy2):
         y1, y2 = ctx.saved_tensors
         _, _, dx1, dx2, param_grads = ctx.walker(
-            ctx.blocks, ctx.states, y1, y2, dy1, dy2, ctx.params, ctx.autocast_state
+            ctx.blocks, ctx.states, y1, y2, dy1, dy2, ctx.params, ctx.autocast_state, monitor=ctx.monitor
         )
-        ctx.states = None
+        ctx.states = ctx.monitor = None
         return (None, None, None, dx1, dx2, *param_grads)
 
 

@@ -1,0 +1,136 @@
+"""torch.compile over reversible runs.
+
+The memory-saving engines cannot be traced (their backward rebuilds inputs in Python); under
+compile a `ReversibleSequential` runs each block with `torch.utils.checkpoint(use_reentrant=False)`
+instead, warning once per module, so every engine name compiles with ``fullgraph=True`` and gives
+the gradients of eager autograd. Most tests use the ``aot_eager`` backend (Dynamo and AOTAutograd
+trace exactly what inductor gets, without its code generation, which takes tens of seconds on a
+2-core machine); one test runs inductor itself (``mode="reduce-overhead"``).
+"""
+import copy
+import warnings
+
+import pytest
+import torch
+
+from revkernels.nn.reversible import ReversibleSequential
+from revkernels.nn.revvit import RevViTBlock
+from tests.helpers import assert_close_rel, make_seq, run_grads
+
+ENGINES = ["autograd", "sequential", "pareprop", "graphs"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _data(*shape, device="cpu"):
+    return [torch.randn(*shape, device=device) for _ in range(4)]
+
+
+def _compiled_vs_eager(seq, data, tol=1e-5, **compile_kwargs):
+    eager = _autograd_copy(seq)
+    compiled = torch.compile(lambda a, b: seq(a, b), fullgraph=True, **compile_kwargs)
+    # Copies right away: CUDA-graph outputs (mode="reduce-overhead" on a GPU) are overwritten by
+    # the next replay.
+    got = [None if t is None else t.clone() for t in run_grads(compiled, seq, *data)]
+    torch.compiler.cudagraph_mark_step_begin()
+    # the second call replays the compiled graph
+    again = [None if t is None else t.clone() for t in run_grads(compiled, seq, *data)]
+    expected = run_grads(eager, eager, *data)
+    names = ["y1", "y2", "dx1", "dx2"] + [f"grad {n}" for n, _ in seq.named_parameters()]
+    for a, b, c, name in zip(got, again, expected, names):
+        assert_close_rel(a, c, tol, name)
+        assert_close_rel(b, c, tol, name + " (second call)")
+
+
+def _autograd_copy(seq):
+    eager = copy.deepcopy(seq)
+    eager.engine = "autograd"
+    return eager
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_fullgraph_compile_every_engine_matches_eager_autograd(engine):
+    seq = make_seq(2, 8, engine=engine)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        _compiled_vs_eager(seq, _data(4, 8), backend="aot_eager")
+
+
+def test_fullgraph_compile_revvit_blocks():
+    # RevViTBlock's fused custom ops run only in its recompute; its forward traces as plain ops.
+    seq = ReversibleSequential(*[RevViTBlock(32, 4) for _ in range(2)], engine="sequential")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        _compiled_vs_eager(seq, _data(2, 5, 32), backend="aot_eager")
+
+
+def test_compile_warns_once_per_module_and_not_for_autograd():
+    seq = make_seq(1, 8, engine="sequential")
+    fn = torch.compile(lambda a, b: seq(a, b), fullgraph=True, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in (4, 4, 6):  # a new shape recompiles: still one warning
+            fn(torch.randn(batch, 8, requires_grad=True), torch.randn(batch, 8))[0].sum().backward()
+    messages = [str(w.message) for w in caught if "torch.compile" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert "engine='sequential'" in messages[0] and "checkpoint" in messages[0]
+
+    plain = make_seq(1, 8, engine="autograd")
+    fn = torch.compile(lambda a, b: plain(a, b), fullgraph=True, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn(torch.randn(4, 8, requires_grad=True), torch.randn(4, 8))[0].sum().backward()
+    assert not [w for w in caught if "revkernels" in str(w.message)]
+
+
+def test_compile_dropout_batchnorm_and_autocast():
+    # Compiled dropout does not replay eager's random numbers, but the checkpointed run draws the
+    # same numbers as the compiled autograd run and its recompute reuses them: with the same seed
+    # outputs, grads and BatchNorm running statistics (updated once) are identical.
+    seq = make_seq(2, 8, dropout=0.5, drop_path=0.3, norm="batch")
+    ref = _autograd_copy(seq)
+    data = _data(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        fn = torch.compile(lambda a, b: seq(a, b), fullgraph=True, backend="aot_eager")
+        ref_fn = torch.compile(lambda a, b: ref(a, b), fullgraph=True, backend="aot_eager")
+        got, expected = run_grads(fn, seq, *data, seed=5), run_grads(ref_fn, ref, *data, seed=5)
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b)
+        for a, b in zip(seq.buffers(), ref.buffers()):
+            assert torch.equal(a, b)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # streams stay fp32, F/G in bf16
+            y1, y2 = fn(torch.randn(4, 8, requires_grad=True), torch.randn(4, 8))
+        assert y1.dtype == y2.dtype == torch.float32
+        (y1.sum() + y2.sum()).backward()
+
+
+def test_reduce_overhead_inductor_runs_on_cpu():
+    # mode="reduce-overhead" adds CUDA graphs, which do not apply on CPU: it runs as inductor.
+    seq = make_seq(1, 8, engine="sequential")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        _compiled_vs_eager(seq, _data(4, 8), mode="reduce-overhead")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["autograd", "sequential"])
+def test_inductor_revvit_matches_eager(engine):
+    seq = ReversibleSequential(*[RevViTBlock(32, 4) for _ in range(2)], engine=engine)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        _compiled_vs_eager(seq, _data(2, 5, 32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["sequential", "graphs"])
+def test_reduce_overhead_cuda_graphs(engine):
+    seq = ReversibleSequential(*[RevViTBlock(32, 4) for _ in range(2)], engine=engine).cuda()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        _compiled_vs_eager(seq, _data(2, 5, 32, device="cuda"), tol=1e-4, mode="reduce-overhead")
