@@ -26,8 +26,8 @@ so optimizer steps are seen; replacing a parameter's storage triggers a new capt
 Where a graph cannot be used the call runs the pareprop engine eagerly (the sequential schedule
 on CPU), warning once per run and reason:
 
-- inputs not on a CUDA device (no warning), grad disabled (a plain forward), or torch.compile
-  tracing the call;
+- inputs not on a CUDA device (no warning) or grad disabled (a plain forward); under
+  torch.compile `ReversibleSequential` checkpoints each block instead of calling any engine;
 - active randomness (dropout or drop-path with p > 0 in training mode) with
   ``preserve_rng_state``: a captured recompute cannot redraw the forward's random numbers;
 - the previous forward of the same signature still awaits its backward (its static buffers are
@@ -290,8 +290,6 @@ def run_graphs(seq, x1, x2):
     needs_grad = torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad or params)
     if not (x1.is_cuda and needs_grad):
         return run_pareprop(seq, x1, x2)
-    if torch.compiler.is_compiling():
-        return run_reversible(seq, x1, x2, reverse_blocks)
     reason = None
     if seq.preserve_rng_state:
         random = _random_modules(seq)
