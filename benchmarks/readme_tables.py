@@ -82,6 +82,12 @@ def kernel_tables(rows):
     return lines
 
 
+def _revnet_cell(row):
+    transient = _num(row.get("transient_mib"))
+    memory = f"{_num(row['peak_mib']):.0f}" + (f" / {transient:.0f}" if transient == transient else "")
+    return f"{_num(row['images_per_s']):.0f} img/s, {memory} MiB"
+
+
 def train_tables(rows):
     lines = []
     throughput = [r for r in rows if r["kind"] == "throughput"]
@@ -101,21 +107,21 @@ def train_tables(rows):
     revnet = [r for r in rows if r["kind"] == "revnet"]
     if revnet:
         engines = list(dict.fromkeys(r["variant"] for r in revnet))
-        lines += ["", "RevNets (images/s; step peak / transient memory in MiB; ratios against `autograd` in the "
+        lines += ["", "RevNets (images/s; step peak [/ transient] memory in MiB; ratios against `autograd` in the "
                   "same run):", "",
                   "| model | batch | " + " | ".join(engines) + " | best engine speed vs autograd | "
                   "transient memory vs autograd |", "|---" * (len(engines) + 4) + "|"]
         for model, batch in dict.fromkeys((r["model"], r["batch"]) for r in revnet):
             mine = {r["variant"]: r for r in revnet if r["model"] == model and r["batch"] == batch}
-            cells = [f"{_num(mine[e]['images_per_s']):.0f} img/s, {_num(mine[e]['peak_mib']):.0f} / "
-                     f"{_num(mine[e].get('transient_mib')):.0f}" if e in mine else "" for e in engines]
+            cells = [_revnet_cell(mine[e]) if e in mine else "" for e in engines]
             others = [mine[e] for e in engines if e != "autograd" and e in mine and _num(mine[e]["ms"]) == _num(mine[e]["ms"])]
             base = mine.get("autograd")
             if base and others:
                 best = min(others, key=lambda r: _num(r["ms"]))
                 lean = min(others, key=lambda r: _num(r.get("transient_mib")))
                 speed = f"{_ratio(base['ms'], best['ms'])} ({best['variant']})"
-                memory = f"{_ratio(base.get('transient_mib'), lean.get('transient_mib'))} less ({lean['variant']})"
+                ratio = _ratio(base.get("transient_mib"), lean.get("transient_mib"))
+                memory = f"{ratio} less ({lean['variant']})" if ratio != "n/a" else "not measured"
             else:
                 speed = memory = "n/a"
             lines.append(f"| {model} | {batch} | " + " | ".join(cells) + f" | {speed} | {memory} |")
