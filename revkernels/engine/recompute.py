@@ -5,8 +5,11 @@ Like `torch.utils.checkpoint`, but with the engines' invariants: the parameters 
 autograd Function (grads reach `.grad` once, through the normal accumulation, and parameter hooks
 fire once), randomness is replayed from the forward's generator state, the forward's autocast mode
 is re-entered, and BatchNorm running statistics are not updated a second time by the recompute.
+Under torch.compile (which cannot trace this Function's backward) it is torch.utils.checkpoint,
+which the compiler handles, as `ReversibleSequential` does for its runs.
 """
 import torch
+import torch.utils.checkpoint
 from torch.func import functional_call
 
 from revkernels.engine.state import AutocastState, RngState, cuda_devices_of, frozen_batchnorm_stats, maybe_replay
@@ -50,5 +53,7 @@ def run_recomputed(module, *inputs):
     needs_grad = any(t.requires_grad for t in inputs) or names
     if not torch.is_grad_enabled() or not needs_grad:
         return module(*inputs)
+    if torch.compiler.is_compiling():
+        return torch.utils.checkpoint.checkpoint(module, *inputs, use_reentrant=False)
     out = _Recomputed.apply(module, names, len(inputs), *inputs, *(params[n] for n in names))
     return out if len(out) > 1 else out[0]

@@ -69,6 +69,24 @@ def test_fullgraph_compile_revvit_blocks():
         _compiled_vs_eager(seq, _data(2, 5, 32), backend="aot_eager")
 
 
+def test_fullgraph_compile_revnet_with_recomputed_stages():
+    # RevNet's stem and downsampling stages go through run_recomputed, checkpointed under compile.
+    import revkernels as rk
+
+    model = rk.models.revnet18(num_classes=10, stem="cifar", engine="sequential")
+    reference = rk.models.revnet18(num_classes=10, stem="cifar", engine="autograd")
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.compile(model, fullgraph=True, backend="aot_eager")(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_close_rel(p.grad, q.grad, 1e-5, name)
+    for (name, b), r in zip(model.named_buffers(), reference.buffers()):
+        assert torch.equal(b, r), name  # BatchNorm statistics counted once, as in eager autograd
+
+
 def test_compile_warns_once_per_module_and_not_for_autograd():
     seq = make_seq(1, 8, engine="sequential")
     fn = torch.compile(lambda a, b: seq(a, b), fullgraph=True, backend="aot_eager")
