@@ -24,11 +24,11 @@ batch_norm_act_bwd: (1) each program writes its chunk's per-channel sums of dy a
 kernel sums the chunks' partials in a fixed order and writes dweight, dbias and the unrounded sums;
 (3) each program writes dx over its chunk.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from revkernels.triton._device import sm_count
 
 TILE = 2048  # elements of a BLOCK_C x BLOCK_M tile
 MAX_BLOCK_C = 32  # channels of a tile when channels are adjacent in memory
@@ -38,26 +38,63 @@ FINALIZE_BLOCK_C = 64  # channels per program of the merge kernels
 
 
 @triton.jit
+def _channel_block(BLOCK_C: tl.constexpr, C):
+    """The channels of this program (grid axis 0) and their mask."""
+    chans = (tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    return chans, chans < C
+
+
+@triton.jit
+def _chunk_range(chunk_len, M):
+    """[m_begin, m_end): the reduction positions of this program's chunk (grid axis 1)."""
+    m_begin = tl.program_id(1).to(tl.int64) * chunk_len
+    return m_begin, tl.minimum(m_begin + chunk_len, M)
+
+
+@triton.jit
+def _tile_offsets(start, m_end, S, chans, cmask, sn, sc, ss, BLOCK_M: tl.constexpr):
+    """Element offsets (strides sn, sc, ss of the (N, C, S) view) and mask of the BLOCK_C x BLOCK_M
+    tile of positions [start, start + BLOCK_M)."""
+    ms = start + tl.arange(0, BLOCK_M)
+    n = ms // S
+    offs = chans[:, None] * sc + (n * sn + (ms - n * S) * ss)[None, :]
+    return offs, cmask[:, None] & (ms < m_end)[None, :]
+
+
+@triton.jit
+def _channel_affine(mean_ptr, rstd_ptr, w_ptr, b_ptr, chans, cmask, ACC_FP64: tl.constexpr):
+    acc_type = tl.float64 if ACC_FP64 else tl.float32
+    mean = tl.load(mean_ptr + chans, mask=cmask, other=0.0).to(acc_type)
+    rstd = tl.load(rstd_ptr + chans, mask=cmask, other=0.0).to(acc_type)
+    w = tl.load(w_ptr + chans, mask=cmask, other=0.0).to(acc_type)
+    b = tl.load(b_ptr + chans, mask=cmask, other=0.0).to(acc_type)
+    return mean, rstd, w, b
+
+
+@triton.jit
+def _xhat_and_masked_dy(x, dy, mean, rstd, w, b, RELU: tl.constexpr):
+    """xhat, and dy with the ReLU's mask (the pre-activation formed exactly as the forward's)."""
+    xhat = (x - mean[:, None]) * rstd[:, None]
+    if RELU:
+        dy = tl.where(xhat * w[:, None] + b[:, None] > 0, dy, 0.0)
+    return xhat, dy
+
+
+@triton.jit
 def _bn_fwd_stats_kernel(partial_ptr, x_ptr, xn, xc, xs, C, S, M, chunk_len, num_chunks,
                          ACC_FP64: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr):
     # partial: (2, num_chunks, C): this chunk's mean and M2 per channel.
     acc_type = tl.float64 if ACC_FP64 else tl.float32
     k = tl.program_id(1)
-    chans = (tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
-    cmask = chans < C
-    m_begin = k.to(tl.int64) * chunk_len
-    m_end = tl.minimum(m_begin + chunk_len, M)
+    chans, cmask = _channel_block(BLOCK_C, C)
+    m_begin, m_end = _chunk_range(chunk_len, M)
     count = tl.zeros((), dtype=acc_type)
     mean = tl.zeros((BLOCK_C,), dtype=acc_type)
     m2 = tl.zeros((BLOCK_C,), dtype=acc_type)
     for start in range(m_begin, m_end, BLOCK_M):
-        ms = start + tl.arange(0, BLOCK_M)
-        mmask = ms < m_end
-        n = ms // S
-        offs = chans[:, None] * xc + (n * xn + (ms - n * S) * xs)[None, :]
-        mask = cmask[:, None] & mmask[None, :]
+        offs, mask = _tile_offsets(start, m_end, S, chans, cmask, xn, xc, xs, BLOCK_M)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_type)
-        blk_count = tl.sum(mmask.to(acc_type), axis=0)
+        blk_count = tl.minimum(m_end - start, BLOCK_M).to(acc_type)
         blk_mean = tl.sum(x, axis=1) / blk_count
         diff = tl.where(mask, x - blk_mean[:, None], 0.0)
         total = count + blk_count
@@ -105,27 +142,17 @@ def _bn_fwd_apply_kernel(out_ptr, on, oc, os, mean_ptr, rstd_ptr, x_ptr, xn, xc,
                          chunk_len, RELU: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_C: tl.constexpr,
                          BLOCK_M: tl.constexpr):
     acc_type = tl.float64 if ACC_FP64 else tl.float32
-    k = tl.program_id(1)
-    chans = (tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
-    cmask = chans < C
-    mean = tl.load(mean_ptr + chans, mask=cmask, other=0.0).to(acc_type)
-    rstd = tl.load(rstd_ptr + chans, mask=cmask, other=0.0).to(acc_type)
-    w = tl.load(w_ptr + chans, mask=cmask, other=0.0).to(acc_type)
-    b = tl.load(b_ptr + chans, mask=cmask, other=0.0).to(acc_type)
-    m_begin = k.to(tl.int64) * chunk_len
-    m_end = tl.minimum(m_begin + chunk_len, M)
+    chans, cmask = _channel_block(BLOCK_C, C)
+    mean, rstd, w, b = _channel_affine(mean_ptr, rstd_ptr, w_ptr, b_ptr, chans, cmask, ACC_FP64)
+    m_begin, m_end = _chunk_range(chunk_len, M)
     for start in range(m_begin, m_end, BLOCK_M):
-        ms = start + tl.arange(0, BLOCK_M)
-        mmask = ms < m_end
-        n = ms // S
-        s = ms - n * S
-        mask = cmask[:, None] & mmask[None, :]
-        x = tl.load(x_ptr + chans[:, None] * xc + (n * xn + s * xs)[None, :], mask=mask, other=0.0).to(acc_type)
+        offs, mask = _tile_offsets(start, m_end, S, chans, cmask, xn, xc, xs, BLOCK_M)
+        out_offs, _ = _tile_offsets(start, m_end, S, chans, cmask, on, oc, os, BLOCK_M)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_type)
         y = (x - mean[:, None]) * rstd[:, None] * w[:, None] + b[:, None]
         if RELU:
             y = tl.where(y > 0, y, 0.0)
-        tl.store(out_ptr + chans[:, None] * oc + (n * on + s * os)[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -135,30 +162,19 @@ def _bn_bwd_sums_kernel(partial_ptr, d_ptr, dn, dc, ds, x_ptr, xn, xc, xs, w_ptr
     # partial: (2, num_chunks, C): this chunk's sums of dy and dy * xhat per channel.
     acc_type = tl.float64 if ACC_FP64 else tl.float32
     k = tl.program_id(1)
-    chans = (tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
-    cmask = chans < C
-    mean = tl.load(mean_ptr + chans, mask=cmask, other=0.0).to(acc_type)
-    rstd = tl.load(rstd_ptr + chans, mask=cmask, other=0.0).to(acc_type)
-    w = tl.load(w_ptr + chans, mask=cmask, other=0.0).to(acc_type)
-    b = tl.load(b_ptr + chans, mask=cmask, other=0.0).to(acc_type)
+    chans, cmask = _channel_block(BLOCK_C, C)
+    mean, rstd, w, b = _channel_affine(mean_ptr, rstd_ptr, w_ptr, b_ptr, chans, cmask, ACC_FP64)
     sum_dy = tl.zeros((BLOCK_C, BLOCK_M), dtype=acc_type)
     sum_dy_xhat = tl.zeros((BLOCK_C, BLOCK_M), dtype=acc_type)
-    m_begin = k.to(tl.int64) * chunk_len
-    m_end = tl.minimum(m_begin + chunk_len, M)
+    m_begin, m_end = _chunk_range(chunk_len, M)
     for start in range(m_begin, m_end, BLOCK_M):
-        ms = start + tl.arange(0, BLOCK_M)
-        mmask = ms < m_end
-        n = ms // S
-        s = ms - n * S
-        mask = cmask[:, None] & mmask[None, :]
-        x = tl.load(x_ptr + chans[:, None] * xc + (n * xn + s * xs)[None, :], mask=mask, other=0.0).to(acc_type)
-        dy = tl.load(d_ptr + chans[:, None] * dc + (n * dn + s * ds)[None, :], mask=mask, other=0.0).to(acc_type)
-        if RELU:
-            y = (x - mean[:, None]) * rstd[:, None] * w[:, None] + b[:, None]
-            dy = tl.where(y > 0, dy, 0.0)
-        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        offs, mask = _tile_offsets(start, m_end, S, chans, cmask, xn, xc, xs, BLOCK_M)
+        d_offs, _ = _tile_offsets(start, m_end, S, chans, cmask, dn, dc, ds, BLOCK_M)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_type)
+        dy = tl.load(d_ptr + d_offs, mask=mask, other=0.0).to(acc_type)
+        xhat, dy = _xhat_and_masked_dy(x, dy, mean, rstd, w, b, RELU)
         sum_dy += dy
-        sum_dy_xhat += dy * xhat
+        sum_dy_xhat += dy * xhat  # dy is 0 outside the mask
     tl.store(partial_ptr + k * C + chans, tl.sum(sum_dy, axis=1), mask=cmask)
     tl.store(partial_ptr + (num_chunks + k) * C + chans, tl.sum(sum_dy_xhat, axis=1), mask=cmask)
 
@@ -189,33 +205,21 @@ def _bn_bwd_apply_kernel(dx_ptr, dxn, dxc, dxs, sums_ptr, d_ptr, dn, dc, ds, x_p
                          mean_ptr, rstd_ptr, C, S, M, chunk_len, RELU: tl.constexpr, ACC_FP64: tl.constexpr,
                          BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr):
     acc_type = tl.float64 if ACC_FP64 else tl.float32
-    k = tl.program_id(1)
-    chans = (tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
-    cmask = chans < C
+    chans, cmask = _channel_block(BLOCK_C, C)
     mean_dy = tl.load(sums_ptr + chans, mask=cmask, other=0.0) / M
     mean_dy_xhat = tl.load(sums_ptr + C + chans, mask=cmask, other=0.0) / M
-    mean = tl.load(mean_ptr + chans, mask=cmask, other=0.0).to(acc_type)
-    rstd = tl.load(rstd_ptr + chans, mask=cmask, other=0.0).to(acc_type)
-    w = tl.load(w_ptr + chans, mask=cmask, other=0.0).to(acc_type)
-    b = tl.load(b_ptr + chans, mask=cmask, other=0.0).to(acc_type)
+    mean, rstd, w, b = _channel_affine(mean_ptr, rstd_ptr, w_ptr, b_ptr, chans, cmask, ACC_FP64)
     scale = rstd * w
-    m_begin = k.to(tl.int64) * chunk_len
-    m_end = tl.minimum(m_begin + chunk_len, M)
+    m_begin, m_end = _chunk_range(chunk_len, M)
     for start in range(m_begin, m_end, BLOCK_M):
-        ms = start + tl.arange(0, BLOCK_M)
-        mmask = ms < m_end
-        n = ms // S
-        s = ms - n * S
-        mask = cmask[:, None] & mmask[None, :]
-        x = tl.load(x_ptr + chans[:, None] * xc + (n * xn + s * xs)[None, :], mask=mask, other=0.0).to(acc_type)
-        dy = tl.load(d_ptr + chans[:, None] * dc + (n * dn + s * ds)[None, :], mask=mask, other=0.0).to(acc_type)
-        if RELU:
-            y = (x - mean[:, None]) * rstd[:, None] * w[:, None] + b[:, None]
-            dy = tl.where(y > 0, dy, 0.0)
-        xhat = (x - mean[:, None]) * rstd[:, None]
+        offs, mask = _tile_offsets(start, m_end, S, chans, cmask, xn, xc, xs, BLOCK_M)
+        d_offs, _ = _tile_offsets(start, m_end, S, chans, cmask, dn, dc, ds, BLOCK_M)
+        dx_offs, _ = _tile_offsets(start, m_end, S, chans, cmask, dxn, dxc, dxs, BLOCK_M)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_type)
+        dy = tl.load(d_ptr + d_offs, mask=mask, other=0.0).to(acc_type)
+        xhat, dy = _xhat_and_masked_dy(x, dy, mean, rstd, w, b, RELU)
         dx = scale[:, None] * (dy - mean_dy[:, None] - xhat * mean_dy_xhat[:, None])
-        tl.store(dx_ptr + chans[:, None] * dxc + (n * dxn + s * dxs)[None, :], dx.to(dx_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 def _is_channels_last(t):
@@ -236,11 +240,6 @@ def _view_strides(t):
     return c * s, 1, c
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index):
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _launch_config(x, c, m, block_m, chunks):
     """(BLOCK_C, BLOCK_M, chunk_len, num_chunks) for channels C and reduction length M."""
     _, xc, _ = _view_strides(x)
@@ -250,8 +249,7 @@ def _launch_config(x, c, m, block_m, chunks):
     channel_blocks = triton.cdiv(c, block_c)
     if chunks is None:
         if x.device.type == "cuda":
-            index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-            chunks = triton.cdiv(PROGRAMS_PER_SM * _sm_count(index), channel_blocks)
+            chunks = triton.cdiv(PROGRAMS_PER_SM * sm_count(x.device), channel_blocks)
         else:
             chunks = 4  # under the interpreter: a few, so the merge is exercised
     chunks = max(1, min(chunks, triton.cdiv(m, block_m)))

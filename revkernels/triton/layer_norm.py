@@ -26,11 +26,12 @@ bandwidth; the backward takes 8 warps (fewer for blocks under 1024) and 4 progra
 BLOCK_N 2048, else 2: 12608x768 93.9 -> 76.4 us, 25216x1024 170.5 -> 121.0 us, 32768x4096
 547 -> 341.8 us (3142 GB/s) against the former 2 programs per SM and forward warp counts.
 """
-import functools
 
 import torch
 import triton
 import triton.language as tl
+
+from revkernels.triton._device import sm_count
 
 MAX_FUSED_N = 8192  # widest row kept whole in registers by the forward
 MAX_FUSED_N_BWD = 4096  # widest row kept whole by the backward (BLOCK_N 8192 spills registers)
@@ -228,16 +229,10 @@ def _bwd_programs_per_sm(block_n):
     return 4 if block_n <= 2048 else 2
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index):
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _num_row_programs(rows, device, per_sm):
     """Programs of the backward: per_sm per SM on a GPU, a few under the interpreter."""
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return min(rows, per_sm * _sm_count(index))
+        return min(rows, per_sm * sm_count(device))
     return min(rows, 4)
 
 

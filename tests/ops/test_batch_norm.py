@@ -387,12 +387,13 @@ def test_cuda_bf16_within_2x_of_torch(shape, layout):
 @pytest.mark.gpu
 def test_cuda_reduction_is_split_over_programs():
     # C = 64 channels of 256*56*56 elements each: the grid has several programs per SM, not 64.
-    from revkernels.triton.batch_norm import _launch_config, _sm_count
+    from revkernels.triton._device import sm_count
+    from revkernels.triton.batch_norm import _launch_config
 
     x = torch.empty(256, 64, 56, 56, device="cuda", dtype=torch.bfloat16)
     for t in (x, x.contiguous(memory_format=torch.channels_last)):
         block_c, _, _, chunks = _launch_config(t, 64, 256 * 56 * 56, None, None)
-        assert (64 // block_c) * chunks >= 4 * _sm_count(torch.cuda.current_device())
+        assert (64 // block_c) * chunks >= 4 * sm_count(t.device)
 
 
 @pytest.mark.gpu

@@ -524,7 +524,7 @@ def test_triton_backward_tuning(monkeypatch):
     assert [L._bwd_num_warps(b) for b in (1, 64, 128, 256, 512, 1024, 2048, 4096)] == [1, 1, 1, 2, 4, 8, 8, 8]
     assert [L._num_warps(b) for b in (1024, 4096, 8192)] == [4, 16, 16]  # the forward's, unchanged
     assert [L._bwd_programs_per_sm(b) for b in (64, 1024, 2048, 4096, 8192, 16384)] == [4, 4, 4, 2, 2, 2]
-    monkeypatch.setattr(L, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(L, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
     assert L._num_row_programs(12608, cuda, 4) == 528 and L._num_row_programs(32768, cuda, 2) == 264
     assert L._num_row_programs(100, cuda, 4) == 100

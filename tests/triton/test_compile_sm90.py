@@ -22,7 +22,8 @@ import time
 import warnings
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MODULES = ("revkernels.triton.coupling", "revkernels.triton.layer_norm", "revkernels.triton.bias_gelu")
+MODULES = ("revkernels.triton.coupling", "revkernels.triton.layer_norm", "revkernels.triton.bias_gelu",
+           "revkernels.triton.batch_norm")
 ARCH = 90
 FLOAT_DTYPES = ("fp32", "bf16", "fp16", "fp64")
 WIDTHS = (1, 33, 1000, 4096, 4097, 8192)  # LayerNorm widths: fused forward; fused backward up to MAX_FUSED_N_BWD
@@ -42,7 +43,7 @@ def _cases():
     launch config. Other ints are i32 (sizes and strides), float scalars fp32 (Python floats)."""
     import triton
 
-    from revkernels.triton import bias_gelu, coupling, layer_norm
+    from revkernels.triton import batch_norm, bias_gelu, coupling, layer_norm
 
     cases = []
 
@@ -134,6 +135,27 @@ def _cases():
     for b, acc in (("fp32", "fp32"), ("bf16", "fp32"), ("fp16", "fp32"), ("fp64", "fp64"), ("fp32", "fp64")):
         add(bias_gelu, "_reduce_partials_kernel", dict(dbias_ptr=b, partial_ptr=acc),
             dict(ACC_FP64=acc == "fp64", BLOCK=bias_gelu.REDUCE_BLOCK))
+
+    # batch_norm_act(x, w, b) / _bwd: out, dx in x's dtype, statistics in acc; tiles as _launch_config
+    # makes them: one channel x TILE positions (NCHW) and MAX_BLOCK_C channels (channels_last); the
+    # launches use the default 4 warps. ReLU off only for fp32 (it changes one where()).
+    tiles = [(1, batch_norm.TILE), (batch_norm.MAX_BLOCK_C, batch_norm.TILE // batch_norm.MAX_BLOCK_C)]
+    for x, w in [(d, d) for d in FLOAT_DTYPES] + [("bf16", "fp32"), ("fp16", "fp32")]:
+        acc = _acc(x)
+        stats = dict(mean_ptr=acc, rstd_ptr=acc)
+        for block_c, block_m in tiles:
+            cx = dict(ACC_FP64=acc == "fp64", BLOCK_C=block_c, BLOCK_M=block_m)
+            add(batch_norm, "_bn_fwd_stats_kernel", dict(partial_ptr=acc, x_ptr=x), cx)
+            for relu in (True, False) if (x, w) == ("fp32", "fp32") else (True,):
+                add(batch_norm, "_bn_fwd_apply_kernel", dict(out_ptr=x, x_ptr=x, w_ptr=w, b_ptr=w, **stats),
+                    dict(cx, RELU=relu))
+                add(batch_norm, "_bn_bwd_sums_kernel", dict(partial_ptr=acc, d_ptr=x, x_ptr=x, w_ptr=w, b_ptr=w, **stats),
+                    dict(cx, RELU=relu))
+                add(batch_norm, "_bn_bwd_apply_kernel",
+                    dict(dx_ptr=x, sums_ptr=acc, d_ptr=x, x_ptr=x, w_ptr=w, b_ptr=w, **stats), dict(cx, RELU=relu))
+        finalize = dict(BLOCK_C=batch_norm.FINALIZE_BLOCK_C, BLOCK_P=batch_norm.PARTIAL_BLOCK_P)
+        add(batch_norm, "_bn_fwd_finalize_kernel", dict(partial_ptr=acc, **stats), dict(finalize, ACC_FP64=acc == "fp64"))
+        add(batch_norm, "_bn_bwd_finalize_kernel", dict(sums_ptr=acc, dw_ptr=w, db_ptr=w, partial_ptr=acc), finalize)
     return cases
 
 
@@ -252,6 +274,8 @@ else:
                                          "_layer_norm_bwd_row_stats_kernel", "_sub_layer_norm_fwd_chunked_kernel",
                                          "_sub_layer_norm_fwd_kernel", "_sum_partials_kernel"],
         "revkernels.triton.bias_gelu": ["_bias_gelu_bwd_kernel", "_bias_gelu_kernel", "_reduce_partials_kernel"],
+        "revkernels.triton.batch_norm": ["_bn_bwd_apply_kernel", "_bn_bwd_finalize_kernel", "_bn_bwd_sums_kernel",
+                                         "_bn_fwd_apply_kernel", "_bn_fwd_finalize_kernel", "_bn_fwd_stats_kernel"],
     }
 
     def _describe(case):
