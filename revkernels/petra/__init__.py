@@ -7,14 +7,17 @@
     trainer.flush()                                # drain the pending backwards
 
 `partition` (stages that rebuild or buffer their inputs), `simulate` (the exact one-process,
-tick-by-tick runtime, with the backprop and reversible-backprop baselines; ``groups=R`` runs R groups
-of consecutive stages as R workers), `distributed` (one process per worker over torch.distributed,
-bit-identical to the simulator: ``torchrun --nproc-per-node R -m revkernels.petra.train --runtime
-distributed``, or ``--nproc R``). See /PETRA.md.
+tick-by-tick runtime, with the backprop, reversible-backprop and delayed-gradient (input + parameter
+buffers) baselines; ``groups=R`` runs R groups of consecutive stages as R workers; ``analyze_every=N``
+compares each method's applied gradient with the end-to-end one; ``state_dict`` / ``load_state_dict``
+checkpoint the whole in-flight pipeline), `distributed` (one process per worker over torch.distributed,
+bit-identical to the simulator, petra and delayed: ``torchrun --nproc-per-node R -m revkernels.petra.train
+--runtime distributed``, or ``--nproc R``), `data` (digits, synthetic, image folders, CIFAR-10 batches).
+See /PETRA.md.
 """
 from revkernels.petra import simulate
 from revkernels.petra.partition import Stage, partition
-from revkernels.petra.simulate import METHODS, Trainer, Worker, make_optimizer, param_groups, split_groups
+from revkernels.petra.simulate import METHODS, PIPELINED, Trainer, Worker, make_optimizer, param_groups, split_groups
 
-__all__ = ["partition", "Stage", "simulate", "Trainer", "Worker", "METHODS", "make_optimizer", "param_groups",
+__all__ = ["partition", "Stage", "simulate", "Trainer", "Worker", "METHODS", "PIPELINED", "make_optimizer", "param_groups",
            "split_groups"]

@@ -13,6 +13,10 @@ rank 0 uses the images, the last rank the labels; no labels cross the wire).
 Backend: NCCL when CUDA is available with at least one device per rank (rank r on ``cuda:r``; the
 control messages still use a gloo group), else gloo on CPU.
 
+Methods: ``petra`` and ``delayed`` (the delayed-gradient baseline of `simulate`: same step, same
+messages; its stages also buffer inputs and parameter copies). The gradient analysis and checkpoints
+(``--analyze-every``, ``--checkpoint-every``/``--resume``) are simulator-only.
+
 Stages and ranks. The model's J stages are split into R contiguous groups (`simulate.split_groups`;
 default R = world size, and R = J gives one stage per rank); rank w runs group w as one `simulate.Worker`,
 the same per-tick step the simulator runs (``Trainer(..., groups=R)`` simulates the same grouping).
@@ -58,7 +62,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from revkernels.petra.simulate import Trainer
+from revkernels.petra.simulate import PIPELINED, Trainer
 
 FAULT_ENV = "REVKERNELS_PETRA_FAULT_AFTER"
 _FWD, _BWD = 0, 1
@@ -119,7 +123,10 @@ class PipelineRank:
         device: where this rank computes (default: the one `init` picked).
         batched: post each tick's receives and sends as one `batch_isend_irecv` group (default: under
             NCCL only; gloo posts the receives before the compute).
-        trainer_kwargs: `simulate.Trainer`'s (accum_k, base_lr, warmup_steps, milestones, ...).
+        method: "petra" or "delayed" (the delayed-gradient baseline: the same `Worker.step`, its stages
+            buffer inputs and parameter copies; the messages are the same).
+        trainer_kwargs: `simulate.Trainer`'s (accum_k, base_lr, warmup_steps, milestones, ...); not
+            ``analyze_every`` (the analysis needs the whole model in one process: simulate only).
 
     `train_step(images, labels)`, `advance()`, `flush()`, `pending()` as `simulate.Trainer`'s (a
     collective sequence: every rank makes the same calls); the loss is reported by the last rank.
@@ -128,7 +135,11 @@ class PipelineRank:
     `close()` (collective): stops the watchdog, waits for all ranks and leaves the group.
     """
 
-    def __init__(self, model, groups=None, timeout=30.0, device=None, batched=None, **trainer_kwargs):
+    def __init__(self, model, groups=None, timeout=30.0, device=None, batched=None, method="petra", **trainer_kwargs):
+        if method not in PIPELINED:
+            raise ValueError(f"revkernels: the distributed runtime runs methods {list(PIPELINED)}, got {method!r}")
+        if trainer_kwargs.get("analyze_every"):
+            raise ValueError("revkernels: the gradient analysis (analyze_every) runs in the simulator only")
         if not dist.is_initialized():
             raise RuntimeError("revkernels: call revkernels.petra.distributed.init() first (or launch with torchrun)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -137,7 +148,7 @@ class PipelineRank:
             torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
         model.to(self.device)
         groups = self.world_size if groups is None else groups
-        self.trainer = Trainer(model, "petra", groups=groups, **trainer_kwargs)
+        self.trainer = Trainer(model, method, groups=groups, **trainer_kwargs)
         self.model = model
         if len(self.trainer.workers) != self.world_size:
             raise ValueError(f"revkernels: {len(self.trainer.workers)} stage groups but {self.world_size} ranks: "

@@ -15,6 +15,12 @@ parameters possibly updated in between; the backward always uses the *current* p
 - last stage (head + loss): forward, cross-entropy with the batch's labels and backward in the
   same call (`Stage.forward_backward`); keeps nothing.
 
+Delayed gradients (``delayed=True``, the PipeDream-like baseline, "weight stashing"): every stage but
+the last, reversible or not, pushes (its input, a copy of the parameters its forward used) onto its
+FIFO; its backward pops both, recomputes ``F(x; theta_then)`` under autograd with the *stored*
+parameters (swapped in for the call, then swapped back) and adds that stale gradient into ``.grad``,
+which the optimizer then applies to the *current* parameters. It returns the stored input as x.
+
 The first stage receives the image (its input grad is not computed); every other stage receives
 the previous stage's outputs (a tuple of tensors). Outputs are always tuples of tensors except the
 last stage's logits.
@@ -48,10 +54,12 @@ class Stage:
         kind: "stem" | "reversible" | "down" | "head" (the module's ``kind`` if it has one).
         reversible: True for a `ReversibleBlock` stage (rebuilds its input, stores nothing).
         is_first, is_last: position flags; the last stage computes the loss.
-        peak_buffer_bytes: the most bytes the FIFO has held at once.
+        delayed: True for the delayed-gradient baseline (see the module docstring): the FIFO also
+            holds a parameter copy per pending batch, and reversible stages buffer their inputs too.
+        peak_buffer_bytes: the most bytes the FIFO (inputs and parameter copies) has held at once.
     """
 
-    def __init__(self, module, index, num_stages):
+    def __init__(self, module, index, num_stages, delayed=False):
         if not isinstance(module, nn.Module):
             raise TypeError(f"revkernels: stage {index} must be a torch.nn.Module, got {type(module).__name__}")
         self.module = module
@@ -69,7 +77,9 @@ class Stage:
         self.kind = getattr(module, "kind", default)
         # A one-block run whose `reverse` rebuilds the input and adds the parameter grads into .grad.
         self._run = ReversibleSequential(module, engine="sequential") if reversible else None
-        self._fifo = deque()  # (batch id, input tuple) of the forwards whose backward is pending
+        self.delayed = bool(delayed)
+        # (batch id, input tuple, parameter copies or None) of the forwards whose backward is pending
+        self._fifo = deque()
         self.peak_buffer_bytes = 0
 
     def __repr__(self):
@@ -79,23 +89,42 @@ class Stage:
 
     @property
     def buffered_inputs(self):
-        """Number of inputs (batches) held in the FIFO; always 0 for reversible stages and the head."""
+        """Number of inputs (batches) held in the FIFO; always 0 for reversible stages (unless delayed)
+        and the head."""
         return len(self._fifo)
 
     @property
     def buffer_tensors(self):
-        """Number of tensors held in the FIFO."""
-        return sum(len(x) for _, x in self._fifo)
+        """Number of tensors held in the FIFO (inputs and parameter copies)."""
+        return sum(len(x) + len(p or ()) for _, x, p in self._fifo)
+
+    @property
+    def input_bytes(self):
+        """Bytes of the inputs held in the FIFO."""
+        return sum(t.numel() * t.element_size() for _, x, _ in self._fifo for t in x)
+
+    @property
+    def param_bytes(self):
+        """Bytes of the parameter copies held in the FIFO (delayed gradients only; else 0)."""
+        return sum(t.numel() * t.element_size() for _, _, p in self._fifo for t in (p or ()))
 
     @property
     def buffer_bytes(self):
-        """Bytes of the tensors held in the FIFO."""
-        return sum(t.numel() * t.element_size() for _, x in self._fifo for t in x)
+        """Bytes of the tensors held in the FIFO (inputs + parameter copies)."""
+        return self.input_bytes + self.param_bytes
 
     @property
     def buffered_batches(self):
         """Batch ids whose inputs the FIFO holds, oldest first."""
-        return [b for b, _ in self._fifo]
+        return [b for b, _, _ in self._fifo]
+
+    def fifo_state(self):
+        """The FIFO's entries ``[(batch, inputs, parameter copies or None)]`` (for checkpoints)."""
+        return list(self._fifo)
+
+    def load_fifo_state(self, entries, peak_buffer_bytes=0):
+        self._fifo = deque((b, tuple(x), None if p is None else tuple(p)) for b, x, p in entries)
+        self.peak_buffer_bytes = int(peak_buffer_bytes)
 
     def parameters(self):
         return [p for p in self.module.parameters() if p.requires_grad]
@@ -111,8 +140,11 @@ class Stage:
         if self.is_last:
             raise RuntimeError("revkernels: the last stage runs forward and backward together: call forward_backward")
         x = tuple(t.detach() for t in _as_tuple(x))
-        if not self.reversible:
-            self._fifo.append((batch, x))
+        if self.delayed:
+            self._fifo.append((batch, x, tuple(p.detach().clone() for p in self.parameters())))
+            self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
+        elif not self.reversible:
+            self._fifo.append((batch, x, None))
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
         with torch.no_grad():
             out = self.module(*x)
@@ -130,18 +162,28 @@ class Stage:
         y, dy = _as_tuple(y, "y"), _as_tuple(dy, "dy")
         if len(y) != len(dy):
             raise ValueError(f"revkernels: y and dy must have as many tensors, got {len(y)} and {len(dy)}")
-        if self.reversible:
+        if self.reversible and not self.delayed:
             if len(y) != 2:
                 raise ValueError(f"revkernels: a reversible stage's output has two streams, got {len(y)} tensors")
             x1, x2, dx1, dx2 = self._run.reverse(y[0].detach(), y[1].detach(), dy[0], dy[1])
             return (x1, x2), (None if self.is_first else (dx1, dx2))
         if not self._fifo:
             raise RuntimeError(f"revkernels: stage {self.index} has no pending input for a backward")
-        stored_batch, x = self._fifo.popleft()
+        stored_batch, x, stored_params = self._fifo.popleft()
         if batch is not None and stored_batch is not None and batch != stored_batch:
             raise RuntimeError(f"revkernels: stage {self.index} backward of batch {batch} but its oldest input "
                                f"is batch {stored_batch}")
-        dx = self._vjp(x, y, dy)
+        if stored_params is None:
+            return x, self._vjp(x, y, dy)
+        params = self.parameters()
+        current = [p.data for p in params]
+        for p, old in zip(params, stored_params):  # the forward's (stale) parameters for the recompute
+            p.data = old
+        try:
+            dx = self._vjp(x, y, dy)
+        finally:
+            for p, now in zip(params, current):
+                p.data = now
         return x, dx
 
     def _leaves(self, x):
@@ -183,8 +225,9 @@ class Stage:
         return loss.detach(), logits.detach(), x, dx
 
 
-def partition(model):
-    """The PETRA stages of `model`: one `Stage` per entry of ``model.stages``, in order.
+def partition(model, delayed=False):
+    """The PETRA stages of `model`: one `Stage` per entry of ``model.stages``, in order
+    (``delayed=True``: the delayed-gradient baseline's stages, see the module docstring).
 
     `model` may also be a list/tuple/ModuleList of stage modules, or a module without ``stages``
     (one stage: J = 1, i.e. plain backprop; pass ``[model]`` to run a model that has ``stages`` as
@@ -205,4 +248,4 @@ def partition(model):
         if id(m) in seen:
             raise ValueError(f"revkernels: stage {i} repeats a module already used by another stage")
         seen.add(id(m))
-    return [Stage(m, i, len(modules)) for i, m in enumerate(modules)]
+    return [Stage(m, i, len(modules), delayed=delayed) for i, m in enumerate(modules)]

@@ -26,11 +26,37 @@ backward steps, one step every k. Learning rate after s optimizer steps (`lr_at`
 
 Methods (`Trainer(method=...)`):
     petra        the pipeline above; one optimizer per stage, each counting its own steps.
+    delayed      delayed gradients with input and parameter buffers (PipeDream-like "weight
+                 stashing"): the same pipeline and timing as petra, but every stage j < J, reversible
+                 or not, pushes (x_in, a copy of theta_j) at its forward and its backward pops them and
+                 takes the vjp at the stored input with the *stored* parameters; the gradient is then
+                 applied to the current parameters. Stage j holds 2(J - j) inputs and parameter copies
+                 between ticks (`buffer_stats`: ``input_bytes`` + ``param_bytes``). Runs on the
+                 distributed runtime too (the same `Worker.step`).
     backprop     end-to-end backprop: the stages called in order under ordinary autograd.
     revbackprop  reversible backprop: each run of consecutive reversible stages in one
                  `ReversibleSequential` on the sequential engine (rebuilds, stores only outputs),
                  no pipelining.
 The baselines record forward and backward of batch b at tick b in every stage.
+
+Gradient analysis (``analyze_every=N``). At every N-th optimizer step of each optimizer (its steps
+N, 2N, ...; one per stage for petra/delayed, one for the whole model for the baselines), just before
+the step, and for each stage i it covers: g = the averaged gradient about to be applied (``.grad / k``,
+before weight decay and momentum) and g* = the end-to-end backprop gradient of the *same* k batches
+(the optimizer's accumulation window) at the model's parameters at that moment (every stage's current
+parameters, in the simulator's in-tick order), averaged alike. g* is computed with the run's grads set
+aside, BatchNorm running statistics frozen (buffers restored) and under `torch.random.fork_rng`, so no
+parameter, grad, BatchNorm running statistic or RNG state of the run changes. ``analysis`` gets one
+record per stage: ``{"method", "stage", "step" (the optimizer's step count after this step, 1-based),
+"tick", "batches", "cosine" = <g, g*>/(|g||g*|), "norm_ratio" = |g|/|g*|, "grad_norm", "e2e_norm"}``
+(float64 reductions). For backprop, and for petra/delayed with J = 1, g = g* (cosine 1, ratio 1).
+Costs one end-to-end forward/backward of k batches per stage analysed (simulate only).
+
+Checkpoints. `state_dict()` holds everything a run needs to continue bit for bit: the stages' module
+states, every optimizer's state (momentum), step counters and partially accumulated ``.grad``, the
+in-flight pipeline (messages between workers, labels not yet used, every stage's FIFO with its
+parameter copies), the analysis inputs and records, tick and batch counters. `load_state_dict` into a
+`Trainer` built with the same model and arguments. (``events``/``schedule`` restart empty.)
 
 Workers and groups. A tick is run by `Worker`s: by default one per stage; ``groups=R`` (or a list of
 group sizes) puts R contiguous groups of stages on R workers, each running its group as one stage
@@ -40,16 +66,19 @@ worker w (1-based, of R) runs a batch's backward 2(R - w) ticks after its forwar
 the per-tick step that every runtime runs (`revkernels.petra.distributed` runs one worker per process);
 the messages it returns are contiguous tensors, so both runtimes compute on identical inputs.
 """
+import copy
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from revkernels.engine.state import frozen_batchnorm_stats
 from revkernels.nn.reversible import ReversibleSequential
 from revkernels.petra.partition import partition
 
-METHODS = ("petra", "backprop", "revbackprop")
+METHODS = ("petra", "delayed", "backprop", "revbackprop")
+PIPELINED = ("petra", "delayed")  # the methods that run the tick-by-tick pipeline (workers, groups)
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 
 
@@ -97,13 +126,39 @@ class _StageOptimizer:
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.backward_steps = 0
         self.steps = 0
+        self.window = []  # batch ids of the backward steps accumulated since the last step
 
-    def after_backward(self):
-        """Counts one backward step; every k-th one, averages the grads and steps. True if stepped."""
+    @property
+    def stage_indices(self):
+        ids = {id(m) for m in self.modules}
+        return [s.index for s in self.trainer.stages if id(s.module) in ids]
+
+    def state_dict(self):
+        return {"optimizer": self.optimizer.state_dict(), "backward_steps": self.backward_steps, "steps": self.steps,
+                "window": list(self.window),
+                "grads": [None if p.grad is None else p.grad.detach().clone() for p in self.params]}
+
+    def load_state_dict(self, state):
+        if len(state["grads"]) != len(self.params):
+            raise ValueError("revkernels: the checkpoint's optimizer has a different number of parameters")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.backward_steps, self.steps = int(state["backward_steps"]), int(state["steps"])
+        self.window = list(state["window"])
+        for p, g in zip(self.params, state["grads"]):
+            p.grad = None if g is None else g.detach().clone().to(p.device)
+
+    def after_backward(self, batch=None):
+        """Counts one backward step (of batch id `batch`); every k-th one, averages the grads and steps
+        (analysing them first when due). True if stepped."""
         self.backward_steps += 1
+        self.window.append(batch)
         if self.backward_steps % self.trainer.accum_k:
             return False
         k = self.trainer.accum_k
+        n = self.trainer.analyze_every
+        if n and (self.steps + 1) % n == 0:
+            self.trainer._analyze(self)
+        self.window = []
         lr = self.trainer.lr_at(self.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -180,7 +235,7 @@ class Worker:
             for s, opt in reversed(stages):
                 events.append((s.index, "backward", batch))
                 y, dy = s.backward(y, dy, batch)
-                if opt.after_backward():
+                if opt.after_backward(batch):
                     res["stepped"].append(s.index)
             return y, dy
 
@@ -196,7 +251,7 @@ class Worker:
             events.append((head.index, "forward", batch))
             loss, _, x, dx = head.forward_backward(x, labels(batch))
             events.append((head.index, "backward", batch))
-            if head_opt.after_backward():
+            if head_opt.after_backward(batch):
                 res["stepped"].append(head.index)
             if len(pairs) > 1:
                 x, dx = backward_through(pairs[:-1], batch, x, dx)
@@ -221,7 +276,7 @@ class Worker:
 
 
 class Trainer:
-    """Trains `model` by `method` ("petra", "backprop" or "revbackprop") one batch at a time.
+    """Trains `model` by `method` ("petra", "delayed", "backprop" or "revbackprop") one batch at a time.
 
     Args:
         model: a model with ``stages`` (e.g. `revkernels.models.revnet18`), a list of stage
@@ -234,8 +289,10 @@ class Trainer:
         weight_decay: applied to every parameter but norm-layer parameters and biases.
         gamma, momentum: step-decay factor and Nesterov momentum.
         batch_size: the per-step batch for the lr scaling; None takes the first batch's size.
-        groups: petra only: None (one worker per stage) or the stage grouping of `split_groups`
+        groups: petra/delayed only: None (one worker per stage) or the stage grouping of `split_groups`
             (an int R or a list of group sizes); each group runs as one worker (``workers``).
+        analyze_every: None, or N: the gradient analysis at every N-th optimizer step (module
+            docstring); records in ``analysis``.
 
     `train_step(images, labels)` runs one tick (petra) or one forward/backward (baselines) and
     returns a dict: ``loss`` (float, or None while the pipeline fills: petra's loss is the one its
@@ -249,7 +306,7 @@ class Trainer:
     """
 
     def __init__(self, model, method="petra", accum_k=1, base_lr=0.1, warmup_steps=0, milestones=(),
-                 weight_decay=5e-4, gamma=0.1, momentum=0.9, batch_size=None, groups=None):
+                 weight_decay=5e-4, gamma=0.1, momentum=0.9, batch_size=None, groups=None, analyze_every=None):
         if not isinstance(method, str) or method not in METHODS:
             raise ValueError(f"revkernels: method must be one of {list(METHODS)}, got {method!r}")
         _check_int(accum_k, "accum_k", 1)
@@ -266,6 +323,11 @@ class Trainer:
         _check_number(momentum, "momentum", 0.0)
         if batch_size is not None:
             _check_int(batch_size, "batch_size", 1)
+        if analyze_every is not None:
+            _check_int(analyze_every, "analyze_every", 1)
+        self.analyze_every = analyze_every
+        self.analysis = []  # gradient-analysis records
+        self._inputs = {}  # batch id -> (images, labels), kept for the analysis while some window needs it
         self.method = method
         self.accum_k = accum_k
         self.base_lr = float(base_lr)
@@ -276,14 +338,14 @@ class Trainer:
         self.momentum = float(momentum)
         self.batch_size = batch_size
 
-        self.stages = partition(model)
+        self.stages = partition(model, delayed=method == "delayed")
         for stage in self.stages:
             stage.module.train()
         self.num_stages = len(self.stages)
-        if groups is not None and method != "petra":
-            raise ValueError(f"revkernels: groups applies to method 'petra' only, got method {method!r}")
+        if groups is not None and method not in PIPELINED:
+            raise ValueError(f"revkernels: groups applies to methods {list(PIPELINED)} only, got method {method!r}")
         self.groups = split_groups(self.num_stages, groups)
-        if method == "petra":
+        if method in PIPELINED:
             self.optimizers = [_StageOptimizer(self, [s.module]) for s in self.stages]
             self.workers = [Worker(w, [self.stages[i] for i in g], [self.optimizers[i] for i in g])
                             for w, g in enumerate(self.groups)]
@@ -317,10 +379,12 @@ class Trainer:
         return peak * self.gamma ** sum(1 for m in self.milestones if m <= step)
 
     def buffer_stats(self):
-        """Per stage: ``{"index", "kind", "reversible", "inputs", "tensors", "bytes", "peak_bytes"}``
-        of its input FIFO right now."""
+        """Per stage: ``{"index", "kind", "reversible", "inputs", "tensors", "bytes", "input_bytes",
+        "param_bytes", "peak_bytes"}`` of its FIFO right now (``bytes`` = inputs + parameter copies; the
+        latter only under delayed gradients)."""
         return [{"index": s.index, "kind": s.kind, "reversible": s.reversible, "inputs": s.buffered_inputs,
-                 "tensors": s.buffer_tensors, "bytes": s.buffer_bytes, "peak_bytes": s.peak_buffer_bytes}
+                 "tensors": s.buffer_tensors, "bytes": s.buffer_bytes, "input_bytes": s.input_bytes,
+                 "param_bytes": s.param_bytes, "peak_bytes": s.peak_buffer_bytes}
                 for s in self.stages]
 
     def _record(self, stage, what, batch):
@@ -340,20 +404,121 @@ class Trainer:
             self.batch_size = int(images.shape[0])
         batch = self.batches_in
         self.batches_in += 1
-        if self.method == "petra":
+        if self.analyze_every:
+            self._inputs[batch] = (images, labels)
+        if self.method in PIPELINED:
             self._labels[batch] = labels
-            return self._tick((batch, images))
-        return self._baseline_step(batch, images, labels)
+            out = self._tick((batch, images))
+        else:
+            out = self._baseline_step(batch, images, labels)
+        self._prune_inputs()
+        return out
 
     def pending(self):
-        """True while some batch's backward has not run everywhere (petra)."""
-        return self.method == "petra" and bool(self._fwd_msgs or self._bwd_msgs)
+        """True while some batch's backward has not run everywhere (petra, delayed)."""
+        return self.method in PIPELINED and bool(self._fwd_msgs or self._bwd_msgs)
 
     def advance(self):
         """One tick without new input (draining the pipeline); its dict, or None if nothing is pending."""
-        if self.method != "petra" or not self.pending():
+        if self.method not in PIPELINED or not self.pending():
             return None
-        return self._tick(None)
+        out = self._tick(None)
+        self._prune_inputs()
+        return out
+
+    # --- gradient analysis ------------------------------------------------------------------------
+
+    def _prune_inputs(self):
+        """Drops the analysis inputs no optimizer can need any more (every stage sees batches in order:
+        an optimizer needs its window and the batches it has not run backward on yet)."""
+        if not self._inputs:
+            return
+        low = min((opt.window[0] if opt.window and opt.window[0] is not None else opt.backward_steps)
+                  for opt in self.optimizers)
+        for b in [b for b in self._inputs if b < low]:
+            del self._inputs[b]
+
+    def end_to_end_grads(self, batch_ids):
+        """Per stage, the list of its parameters' end-to-end backprop gradients (zeros where unused)
+        averaged over `batch_ids` (kept inputs) at the current parameters. Runs the stage modules in place with their grads set
+        aside, BatchNorm running statistics frozen (and every buffer restored), under
+        `torch.random.fork_rng`: the run's parameters, grads, buffers and RNG are untouched."""
+        modules = [s.module for s in self.stages]
+        params = [[p for p in m.parameters() if p.requires_grad] for m in modules]
+        saved_grads = [[p.grad for p in ps] for ps in params]
+        buffers = [(b, b.clone()) for m in modules for b in m.buffers()]
+        for ps in params:
+            for p in ps:
+                p.grad = None
+        try:
+            with torch.random.fork_rng(devices=[]), torch.enable_grad(), frozen_batchnorm_stats(*modules):
+                for b in batch_ids:
+                    images, labels = self._inputs[b]
+                    out = modules[0](images)
+                    for m in modules[1:]:
+                        out = m(*(out if isinstance(out, tuple) else (out,)))
+                    F.cross_entropy(out, labels).backward()
+            n = len(batch_ids)
+            return [[(p.grad if p.grad is not None else torch.zeros_like(p)) / n for p in ps] for ps in params]
+        finally:
+            for ps, gs in zip(params, saved_grads):
+                for p, g in zip(ps, gs):
+                    p.grad = g
+            with torch.no_grad():
+                for buf, old in buffers:
+                    buf.copy_(old)
+
+    def _analyze(self, opt):
+        """Compares `opt`'s about-to-be-applied gradient with the end-to-end one (module docstring)."""
+        if any(b is None or b not in self._inputs for b in opt.window):
+            raise RuntimeError("revkernels: the gradient analysis lost the inputs of an accumulation window")
+        e2e = self.end_to_end_grads(opt.window)
+        k = self.accum_k
+        for i in opt.stage_indices:
+            dot = gg = rr = 0.0
+            for p, ref in zip(self.stages[i].parameters(), e2e[i]):
+                if p.grad is None:
+                    rr += ref.double().square().sum().item()
+                    continue
+                g, r = p.grad.double() / k, ref.double()
+                dot, gg, rr = dot + (g * r).sum().item(), gg + g.square().sum().item(), rr + r.square().sum().item()
+            gn, rn = math.sqrt(gg), math.sqrt(rr)
+            cos = dot / (gn * rn) if gn > 0 and rn > 0 else float("nan")
+            self.analysis.append({"method": self.method, "stage": i, "step": opt.steps + 1, "tick": self.tick,
+                                  "batches": list(opt.window), "cosine": cos,
+                                  "norm_ratio": gn / rn if rn > 0 else float("nan"), "grad_norm": gn,
+                                  "e2e_norm": rn})
+
+    # --- checkpoints ------------------------------------------------------------------------------
+
+    def state_dict(self):
+        """Everything needed to continue this run exactly (module docstring); a deep copy."""
+        state = {"version": 1, "method": self.method, "num_stages": self.num_stages, "groups": self.groups,
+                 "accum_k": self.accum_k, "tick": self.tick, "batches_in": self.batches_in,
+                 "batch_size": self.batch_size,
+                 "modules": [s.module.state_dict() for s in self.stages],
+                 "optimizers": [opt.state_dict() for opt in self.optimizers],
+                 "fifos": [(s.fifo_state(), s.peak_buffer_bytes) for s in self.stages],
+                 "fwd_msgs": self._fwd_msgs, "bwd_msgs": self._bwd_msgs, "labels": self._labels,
+                 "inputs": self._inputs, "analysis": self.analysis}
+        return copy.deepcopy(state)
+
+    def load_state_dict(self, state):
+        """Restores `state_dict()`'s output into this trainer (same model architecture and arguments)."""
+        for key in ("method", "num_stages", "groups", "accum_k"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"revkernels: the checkpoint's {key} is {state[key]!r}, this trainer's "
+                                 f"{getattr(self, key)!r}")
+        state = copy.deepcopy(state)
+        for s, module_state in zip(self.stages, state["modules"]):
+            s.module.load_state_dict(module_state)
+        for opt, opt_state in zip(self.optimizers, state["optimizers"]):
+            opt.load_state_dict(opt_state)
+        for s, (fifo, peak) in zip(self.stages, state["fifos"]):
+            s.load_fifo_state(fifo, peak)
+        self.tick, self.batches_in, self.batch_size = state["tick"], state["batches_in"], state["batch_size"]
+        self._fwd_msgs, self._bwd_msgs = state["fwd_msgs"], state["bwd_msgs"]
+        self._labels, self._inputs, self.analysis = state["labels"], state["inputs"], state["analysis"]
 
     def flush(self):
         """Runs ticks without new input until the pipeline is empty; returns each tick's dict."""
@@ -404,7 +569,7 @@ class Trainer:
         loss.backward()
         for i in reversed(range(self.num_stages)):
             self._record(i, "backward", batch)
-        stepped = self.optimizers[0].after_backward()
+        stepped = self.optimizers[0].after_backward(batch)
         result = {"loss": loss.item(), "batch": batch, "tick": self.tick,
                   "stepped": list(range(self.num_stages)) if stepped else []}
         self.tick += 1

@@ -15,15 +15,55 @@ PETRA pipeline, or the backprop / reversible-backprop baselines) and writes to `
 - ``summary.json``: the last epoch's metrics and the final test accuracy.
 
 Schedule: warm-up and milestones are given in epochs and converted to optimizer steps
-(``batches per epoch / accum``); the peak lr is ``lr * batch * accum / 256``. PETRA's pipeline keeps
+(``batches per epoch / accum``); the peak lr is ``lr * batch * accum / 256``.
+
+Recipe defaults (why). The paper's base lr 0.1 (peak 0.025 at batch 64, or at batch 32 with k = 2)
+suits CIFAR/ImageNet, where RevNet-18's 10-stage pipeline delays the stem's gradient by 18 ticks, ~2%
+of a CIFAR epoch. On digits (1,437 training images: 44 batches of 32) 18 ticks are 40% of an epoch and
+the network changes fast: the gradient analysis shows the early stages' applied gradients nearly
+orthogonal to the end-to-end ones within the first optimizer steps (cosine ~0.1 at the stem at a peak
+lr of only 0.0025), for PETRA and for delayed gradients alike (so it is staleness, not PETRA's input
+reconstruction nor BatchNorm: delayed recomputes at the exact stored input with the stashed parameters
+and diverges the same way; the train loss diverges too, not just the eval-mode statistics). PETRA then
+diverges on digits once the lr reaches ~0.0125-0.025 whatever the warm-up (1, 2 or 5 epochs: the
+paper's 5-epoch warm-up only postpones it to when the lr gets there), and the linear lr scaling with k does
+not help (k = 4 at base 0.1, peak 0.05, also diverged: the parameter drift per tick is the same).
+What matters is how far the
+stale stages' parameters move during the delay, ~ the peak lr / k per tick: at a fixed peak lr a larger
+k (the paper: the gap shrinks as k grows) moves them half as far. Base lr 0.02 with batch 32 and k = 2
+(peak 0.005) still oscillated during its constant-lr phase (train loss stuck at ~0.3), base 0.01 with
+k = 4 (the same peak, half the drift per tick) trained smoothly. So on the small datasets the default
+base lr is 0.01 (peak 0.0025 at the default batch 64, k = 1; the benchmark uses batch 32, k = 4), and
+every dataset gets a x``gamma`` step decay at 50% and 75% of training by default (the paper's 150/225 of
+300 epochs): at a decayed lr the drift during the delay is small and the stale gradients realign with
+the end-to-end ones (``benchmarks/bench_petra_accuracy.py`` has the accuracy and cosine numbers). PETRA's pipeline keeps
 running across epoch boundaries (evaluation uses the current parameters and does not drain it);
 it is flushed once at the end of training, before the final evaluation. A train loss is averaged
 over the losses the head computed during the epoch (for PETRA that excludes the fill ticks).
 
 ``--max-steps`` caps the number of training batches over the whole run (for smoke tests).
 
+Methods: ``petra``, ``delayed`` (delayed gradients with input and parameter buffers, the
+PipeDream-like baseline), ``backprop``, ``revbackprop`` (`revkernels.petra.simulate`).
+
+Gradient analysis (``--analyze-every N``, simulate only): at every N-th optimizer step of each
+optimizer, per stage, the cosine similarity and norm ratio of the gradient the method applies against
+the end-to-end backprop gradient of the same batches at the current parameters
+(`simulate.Trainer`'s ``analysis``); written, one record per stage per analysis step, to
+``analysis.jsonl`` and ``analysis.csv`` (method, stage, step, tick, cosine, norm_ratio, grad_norm,
+e2e_norm, epoch), and each epoch's record gets ``mean_cosine`` / ``mean_norm_ratio`` over the
+epoch's analysis records.
+
+Checkpoints (simulate only). ``--checkpoint-every N`` writes ``checkpoint.pt`` in ``--out`` (replaced
+atomically) after every N-th training batch, before any drain: the trainer's `state_dict` (model,
+every stage's optimizer and lr-schedule step counters, partially accumulated grads, the in-flight
+pipeline: messages, FIFOs with their parameter copies, unused labels), the data-order generator's
+state at the start of the epoch with the position in it, the torch RNG state and the epoch's running
+sums. ``--resume PATH`` loads it into fresh objects (same model/data/method/recipe arguments, checked)
+and continues: the run is bit-identical to an uninterrupted one; the logs in ``--out`` are appended to.
+
 Runtimes. ``--runtime simulate`` (default): the exact one-process simulator (any method).
-``--runtime distributed`` (PETRA only): one process per worker, torch.distributed point-to-point
+``--runtime distributed`` (``petra`` and ``delayed``): one process per worker, torch.distributed point-to-point
 (`revkernels.petra.distributed`; gloo on CPU, NCCL with one GPU per rank), bit-identical to the
 simulator with the same grouping::
 
@@ -49,9 +89,10 @@ import torch
 import torch.nn.functional as F
 
 from revkernels.petra.data import DATASETS, batches, load_dataset
-from revkernels.petra.simulate import METHODS, Trainer, split_groups
+from revkernels.petra.simulate import METHODS, PIPELINED, Trainer, split_groups
 
 MODELS = ("revnet18", "revnet34", "revnet50")
+SMALL_DATA_LR = 0.01  # the default base lr on digits / synthetic (module docstring: "Recipe defaults")
 RUNTIMES = ("simulate", "distributed")
 
 
@@ -73,6 +114,9 @@ def make_parser():
     p.add_argument("--model", default="revnet18", help=f"one of {', '.join(MODELS)}")
     p.add_argument("--stem", default="cifar", help="RevNet stem: cifar (3x3/1 conv) or imagenet")
     p.add_argument("--dataset", default="digits", help=f"one of {', '.join(DATASETS)}")
+    p.add_argument("--data", default=None,
+                   help="imagefolder: a folder of class subfolders (or train/ and test/ of them); cifar10: the folder "
+                        "of the python batches (data_batch_1..5, test_batch)")
     p.add_argument("--method", default="petra", help=f"one of {', '.join(METHODS)}")
     p.add_argument("--runtime", default="simulate",
                    help="simulate (one process, any method) or distributed (PETRA, one process per rank: launch "
@@ -87,9 +131,13 @@ def make_parser():
     p.add_argument("--accum", type=int, default=1, help="backward steps per optimizer step (k)")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=0.1, help="base lr for a batch of 256 (peak = lr*batch*accum/256)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="base lr for a batch of 256 (peak = lr*batch*accum/256); default 0.01 on digits/synthetic, "
+                        "0.1 (the paper's) on cifar10/imagefolder")
     p.add_argument("--warmup-epochs", type=float, default=1.0)
-    p.add_argument("--milestones", type=float, nargs="*", default=[], help="epochs at which the lr is x gamma")
+    p.add_argument("--milestones", type=float, nargs="*", default=None,
+                   help="epochs at which the lr is x gamma (default: 50%% and 75%% of --epochs, as the paper's "
+                        "150/225 of 300; give the flag with no value for none)")
     p.add_argument("--gamma", type=float, default=0.1)
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--image-size", type=int, default=None, help="image side S (default 16)")
@@ -101,10 +149,19 @@ def make_parser():
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for this run (default: torch's); 1 avoids oversubscription on busy machines")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument("--analyze-every", type=int, default=None,
+                   help="gradient analysis every N optimizer steps (simulate): analysis.jsonl / analysis.csv")
+    p.add_argument("--checkpoint-every", type=int, default=None,
+                   help="write <out>/checkpoint.pt every N training batches (simulate)")
+    p.add_argument("--resume", default=None, help="continue exactly from a checkpoint.pt (simulate)")
     return p
 
 
 def _check_args(args):
+    if args.lr is None:  # the recipe defaults: see the module docstring
+        args.lr = SMALL_DATA_LR if args.dataset in ("digits", "synthetic") else 0.1
+    if args.milestones is None:
+        args.milestones = [0.5 * args.epochs, 0.75 * args.epochs]
     for name, value in (("--model", args.model), ("--dataset", args.dataset), ("--method", args.method)):
         choices = {"--model": MODELS, "--dataset": DATASETS, "--method": METHODS}[name]
         if value not in choices:
@@ -113,10 +170,20 @@ def _check_args(args):
         raise ValueError(f"revkernels: --stem must be 'cifar' or 'imagenet', got {args.stem!r}")
     if args.runtime not in RUNTIMES:
         raise ValueError(f"revkernels: --runtime must be one of {list(RUNTIMES)}, got {args.runtime!r}")
-    if args.runtime == "distributed" and args.method != "petra":
-        raise ValueError(f"revkernels: --runtime distributed runs --method petra only, got {args.method!r}")
-    if args.ranks is not None and args.method != "petra":
-        raise ValueError(f"revkernels: --ranks applies to --method petra only, got {args.method!r}")
+    if args.runtime == "distributed" and args.method not in PIPELINED:
+        raise ValueError(f"revkernels: --runtime distributed runs --method petra or delayed only, got {args.method!r}")
+    if args.ranks is not None and args.method not in PIPELINED:
+        raise ValueError(f"revkernels: --ranks applies to --method petra or delayed only, got {args.method!r}")
+    for name in ("analyze_every", "checkpoint_every", "resume"):
+        if getattr(args, name) is not None and args.runtime == "distributed":
+            raise ValueError(f"revkernels: --{name.replace('_', '-')} runs with --runtime simulate only")
+    for name in ("analyze_every", "checkpoint_every"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"revkernels: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.resume is not None and not os.path.isfile(args.resume):
+        raise ValueError(f"revkernels: --resume {args.resume!r} is not a file")
+    if args.dataset in ("imagefolder", "cifar10") and not args.data:
+        raise ValueError(f"revkernels: --dataset {args.dataset} needs --data PATH")
     for name, value in (("--ranks", args.ranks), ("--nproc", args.nproc)):
         if value is not None and value < 1:
             raise ValueError(f"revkernels: {name} must be >= 1, got {value}")
@@ -136,6 +203,8 @@ def _check_args(args):
         raise ValueError(f"revkernels: --threads must be >= 1, got {args.threads}")
     if args.max_steps is not None and args.max_steps < 1:
         raise ValueError(f"revkernels: --max-steps must be >= 1, got {args.max_steps}")
+    if not math.isfinite(args.lr) or args.lr <= 0:
+        raise ValueError(f"revkernels: --lr must be > 0, got {args.lr}")
     if not math.isfinite(args.warmup_epochs) or args.warmup_epochs < 0:
         raise ValueError(f"revkernels: --warmup-epochs must be >= 0, got {args.warmup_epochs}")
     if any(not math.isfinite(m) or m < 0 for m in args.milestones) or args.milestones != sorted(args.milestones):
@@ -159,19 +228,37 @@ def evaluate(model, images, labels, batch_size, device=None):
     return loss_sum / n, correct / n
 
 
-class _Logger:
-    """metrics.jsonl and metrics.csv in `out`."""
+ANALYSIS_FIELDS = ["epoch", "method", "stage", "step", "tick", "cosine", "norm_ratio", "grad_norm", "e2e_norm"]
 
-    def __init__(self, out, num_stages):
+
+class _Logger:
+    """metrics.jsonl and metrics.csv in `out` (appended to when `append`)."""
+
+    def __init__(self, out, num_stages, append=False):
         self.jsonl = os.path.join(out, "metrics.jsonl")
         self.csv = os.path.join(out, "metrics.csv")
         self.fields = (["epoch", "step", "optimizer_steps", "lr", "train_loss", "test_loss", "test_acc",
-                        "images_per_s", "epoch_time_s"]
+                        "images_per_s", "epoch_time_s", "mean_cosine", "mean_norm_ratio"]
                        + [f"buffer_bytes_stage{i}" for i in range(num_stages)]
                        + [f"peak_buffer_bytes_stage{i}" for i in range(num_stages)])
-        open(self.jsonl, "w").close()
-        with open(self.csv, "w", newline="") as f:
-            csv.writer(f).writerow(self.fields)
+        self.analysis_jsonl = os.path.join(out, "analysis.jsonl")
+        self.analysis_csv = os.path.join(out, "analysis.csv")
+        for path, fields in ((self.jsonl, None), (self.csv, self.fields), (self.analysis_jsonl, None),
+                             (self.analysis_csv, ANALYSIS_FIELDS)):
+            if append and os.path.exists(path):
+                continue
+            with open(path, "w", newline="") as f:
+                if fields:
+                    csv.writer(f).writerow(fields)
+
+    def log_analysis(self, records, epoch):
+        with open(self.analysis_jsonl, "a") as f:
+            for r in records:
+                f.write(json.dumps(dict(r, epoch=epoch)) + "\n")
+        with open(self.analysis_csv, "a", newline="") as f:
+            w = csv.DictWriter(f, ANALYSIS_FIELDS, extrasaction="ignore")
+            for r in records:
+                w.writerow(dict(r, epoch=epoch))
 
     def log(self, record):
         with open(self.jsonl, "a") as f:
@@ -220,7 +307,7 @@ def main(argv=None):
 def _run(args):
     from tqdm import tqdm
 
-    data = load_dataset(args.dataset, args.image_size, split_seed=args.split_seed)
+    data = load_dataset(args.dataset, args.image_size, split_seed=args.split_seed, path=args.data)
     torch.manual_seed(args.seed)
     model = build_model(args.model, data.num_classes, args.stem)
     batches_per_epoch = data.train_images.shape[0] // args.batch_size
@@ -233,6 +320,8 @@ def _run(args):
                   milestones=[int(round(m * opt_steps_per_epoch)) for m in args.milestones],
                   weight_decay=args.weight_decay, gamma=args.gamma, batch_size=args.batch_size)
     device, pipe = None, None
+    if args.runtime == "distributed":
+        kwargs["method"] = args.method
     if args.runtime == "distributed":
         from revkernels.petra import distributed
 
@@ -248,8 +337,32 @@ def _run(args):
 
             traceback.print_exc()
             pipe.fail(pipe.rank, f"{type(e).__name__}: {e}")
-    trainer = Trainer(model, method=args.method, groups=args.ranks, **kwargs)
+    trainer = Trainer(model, method=args.method, groups=args.ranks, analyze_every=args.analyze_every, **kwargs)
     return _train(args, data, model, trainer, None, True, None, batches_per_epoch, tqdm)
+
+
+# Arguments a resumed run must share with the checkpoint's (the rest, e.g. --epochs, --max-steps, --out,
+# --checkpoint-every, --threads, may differ).
+_RESUME_SAME = ("model", "stem", "dataset", "data", "method", "ranks", "accum", "batch_size", "lr", "warmup_epochs",
+                "milestones", "gamma", "weight_decay", "image_size", "seed", "split_seed", "analyze_every")
+
+
+def _save_checkpoint(path, state):
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _load_checkpoint(args, trainer):
+    ckpt = torch.load(args.resume, map_location="cpu", weights_only=False)
+    if not isinstance(ckpt, dict) or ckpt.get("kind") != "revkernels.petra.train checkpoint":
+        raise ValueError(f"revkernels: --resume {args.resume!r} is not a revkernels.petra.train checkpoint")
+    diff = [k for k in _RESUME_SAME if ckpt["args"].get(k) != getattr(args, k)]
+    if diff:
+        raise ValueError("revkernels: --resume: the checkpoint was made with other " + ", ".join(
+            f"--{k.replace('_', '-')} ({ckpt['args'].get(k)!r}, not {getattr(args, k)!r})" for k in diff))
+    trainer.load_state_dict(ckpt["trainer"])
+    return ckpt
 
 
 def _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tqdm):
@@ -260,6 +373,14 @@ def _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tq
     total_steps = args.epochs * batches_per_epoch
     if args.max_steps is not None:
         total_steps = min(total_steps, args.max_steps)
+    gen = torch.Generator().manual_seed(args.seed)
+    step, record, start_epoch, skip, carried = 0, None, 1, 0, None
+    if args.resume:
+        ckpt = _load_checkpoint(args, trainer)
+        step, start_epoch, skip = ckpt["step"], ckpt["epoch"], ckpt["step_in_epoch"]
+        gen.set_state(ckpt["epoch_generator_state"])
+        torch.set_rng_state(ckpt["torch_rng_state"])
+        carried = ckpt["epoch_sums"]
     if logs:
         os.makedirs(out, exist_ok=True)
         config = dict(vars(args), out=out, image_size=data.image_size, num_stages=trainer.num_stages,
@@ -271,24 +392,41 @@ def _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tq
                       milestone_steps=list(trainer.milestones), normalisation={"mean": data.mean, "std": data.std})
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
-        logger = _Logger(out, trainer.num_stages)
+        logger = _Logger(out, trainer.num_stages, append=bool(args.resume))
+    analysed = len(trainer.analysis)
 
-    gen = torch.Generator().manual_seed(args.seed)
-    step, record = 0, None
-    bar = tqdm(total=total_steps, desc=f"{args.method} {args.model}", unit="step",
+    bar = tqdm(total=total_steps, initial=step, desc=f"{args.method} {args.model}", unit="step",
                disable=args.no_progress or not logs, file=sys.stderr)
-    for epoch in range(1, args.epochs + 1):
-        losses, n_images, t0 = [], 0, time.perf_counter()
-        for images, labels in batches(data.train_images, data.train_labels, args.batch_size, gen):
+    for epoch in range(start_epoch, args.epochs + 1):
+        epoch_state = gen.get_state()  # the epoch's batch order is drawn from this state
+        losses, n_images, in_epoch, t0 = [], 0, 0, time.perf_counter()
+        epoch_analysis_start = analysed
+        if carried is not None:  # the resumed epoch's running sums
+            losses, n_images, in_epoch = list(carried["losses"]), carried["n_images"], skip
+            epoch_analysis_start = carried["analysis_start"]
+            t0 -= carried["train_time"]
+            carried = None
+        for i, (images, labels) in enumerate(batches(data.train_images, data.train_labels, args.batch_size, gen)):
+            if i < skip:
+                continue
             if step >= total_steps:
                 break
             result = step_fn.train_step(images, labels)
             step += 1
+            in_epoch += 1
             n_images += images.shape[0]
             if result["loss"] is not None:
                 losses.append(result["loss"])
                 bar.set_postfix(loss=f"{result['loss']:.3f}", refresh=False)
             bar.update(1)
+            if args.checkpoint_every and step % args.checkpoint_every == 0:
+                _save_checkpoint(os.path.join(out, "checkpoint.pt"), {
+                    "kind": "revkernels.petra.train checkpoint", "args": vars(args), "trainer": trainer.state_dict(),
+                    "step": step, "epoch": epoch, "step_in_epoch": in_epoch, "epoch_generator_state": epoch_state,
+                    "torch_rng_state": torch.get_rng_state(),
+                    "epoch_sums": {"losses": losses, "n_images": n_images, "analysis_start": epoch_analysis_start,
+                                   "train_time": time.perf_counter() - t0}})
+        skip = 0
         last = epoch == args.epochs or step >= total_steps
         stats = step_fn.buffer_stats()  # the in-flight buffers, before any drain (collective if distributed)
         if last:
@@ -305,6 +443,10 @@ def _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tq
             if last:
                 break
             continue
+        new = trainer.analysis[analysed:]
+        logger.log_analysis(new, epoch)
+        analysed = len(trainer.analysis)
+        epoch_recs = trainer.analysis[epoch_analysis_start:]
         test_loss, test_acc = evaluate(model, data.test_images, data.test_labels, args.eval_batch_size, device)
         record = {"epoch": epoch, "step": step, "optimizer_steps": opt_steps,
                   "lr": trainer.lr_at(max(opt_steps - 1, 0)),
@@ -312,6 +454,8 @@ def _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tq
                   "test_loss": test_loss, "test_acc": test_acc,
                   "images_per_s": n_images / train_time if train_time > 0 else None,
                   "epoch_time_s": train_time,
+                  "mean_cosine": _mean(r["cosine"] for r in epoch_recs),
+                  "mean_norm_ratio": _mean(r["norm_ratio"] for r in epoch_recs),
                   "buffer_bytes": [s["bytes"] for s in stats],
                   "peak_buffer_bytes": peak}
         logger.log(record)
@@ -325,13 +469,20 @@ def _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tq
     if not logs:
         return None
     summary = dict(record, model=args.model, dataset=args.dataset, method=args.method, accum=args.accum,
-                   runtime=args.runtime, seed=args.seed, final_test_acc=record["test_acc"])
+                   runtime=args.runtime, seed=args.seed, final_test_acc=record["test_acc"],
+                   analysis_mean_cosine=_mean(r["cosine"] for r in trainer.analysis),
+                   analysis_mean_norm_ratio=_mean(r["norm_ratio"] for r in trainer.analysis))
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(f"final: model={args.model} dataset={args.dataset} method={args.method} accum={args.accum} "
           f"runtime={args.runtime} epochs={record['epoch']} steps={step} train_loss={record['train_loss']} "
           f"test_acc={record['test_acc']:.4f} out={out}", flush=True)
     return summary
+
+
+def _mean(values):
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(values) / len(values) if values else None
 
 
 def cli(argv=None):

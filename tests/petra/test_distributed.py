@@ -21,12 +21,12 @@ KW = dict(accum_k=2, base_lr=0.5, warmup_steps=1, weight_decay=1e-3)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _train_rank(layout, groups, n_steps, timeout=20.0, batched=None):
+def _train_rank(layout, groups, n_steps, timeout=20.0, batched=None, method="petra"):
     """One rank: the model from seed 0, N steps, flush; returns this rank's stage states and stats."""
     torch.manual_seed(0)
     model = synthetic_stages(layout)
     init(timeout=timeout)
-    pr = PipelineRank(model, groups=groups, timeout=timeout, batched=batched, **KW)
+    pr = PipelineRank(model, groups=groups, timeout=timeout, batched=batched, method=method, **KW)
     own = pr.trainer.groups[pr.rank]
     peak_rev = 0
     losses = []
@@ -44,13 +44,13 @@ def _train_rank(layout, groups, n_steps, timeout=20.0, batched=None):
             "schedule": schedule, "ticks": pr.tick}
 
 
-def _simulate(layout, groups, n_steps):
+def _simulate(layout, groups, n_steps, method="petra"):
     torch.manual_seed(0)
     model = synthetic_stages(layout)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        trainer = Trainer(model, "petra", groups=groups, **KW)
+        trainer = Trainer(model, method, groups=groups, **KW)
         losses = [trainer.train_step(x, y)["loss"] for x, y in _batches(n_steps)]
         losses += [r["loss"] for r in trainer.flush()]
     finally:
@@ -140,7 +140,7 @@ def test_split_groups_and_grouped_simulator_schedule():
     for bad in (0, 11, [2, 2], [5, 0, 5], "3"):
         with pytest.raises(ValueError, match="groups"):
             split_groups(10, bad)
-    with pytest.raises(ValueError, match="method .petra. only"):
+    with pytest.raises(ValueError, match="methods .'petra', 'delayed'. only"):
         Trainer(synthetic_stages("S r H"), "backprop", groups=2)
     # Worker w (0-based, of R) runs batch b's forward at tick b + w and its backward 2(R - 1 - w) ticks later,
     # every stage of a group at its group's ticks; a group of stages holds the inputs of its non-reversible ones.
@@ -157,3 +157,21 @@ def test_split_groups_and_grouped_simulator_schedule():
     peaks = [s["peak_bytes"] for s in trainer.buffer_stats()]
     assert peaks[0] > 0 and peaks[2] > 0 and peaks[1] == peaks[3] == peaks[4] == peaks[5] == 0
     assert [o.steps for o in trainer.optimizers] == [n // 2] * 6
+
+
+@pytest.mark.slow
+def test_distributed_delayed_equals_simulator(tmp_path):
+    """The delayed-gradient baseline runs on the same Worker.step: 3 ranks, bit-identical to the simulator
+    (slow: about 15 s on a busy 2-core machine)."""
+    n = 6
+    results = launch(_train_rank, 3, ("S r D r r H", 3, n, 20.0, None, "delayed"), log_dir=str(tmp_path), timeout=120)
+    model, trainer, sim_losses = _simulate("S r D r r H", 3, n, "delayed")
+    for r, res in enumerate(results):
+        assert res is not None, open(tmp_path / f"rank{r}.err").read()
+        for i, state in res["state"].items():
+            for name, t in trainer.stages[i].module.state_dict().items():
+                assert torch.equal(state[name], t), f"rank {r} stage {i} {name}"
+    assert results[-1]["losses"] == sim_losses
+    stats = results[0]["stats"]
+    assert [s["peak_bytes"] for s in stats] == [s["peak_bytes"] for s in trainer.buffer_stats()]
+    assert all(s["peak_bytes"] > 0 for s in stats[:-1]) and all(res["peak_rev"] > 0 for res in results[:-1])

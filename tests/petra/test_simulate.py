@@ -334,7 +334,7 @@ def test_lr_schedule_linear_scaling_warmup_and_steps():
 def test_bad_arguments():
     stages = synthetic_stages("S r H")
     with pytest.raises(ValueError, match="method must be one of"):
-        Trainer(stages, "delayed")
+        Trainer(stages, "pipedream")
     for kwargs, name in [({"accum_k": 0}, "accum_k"), ({"base_lr": -1.0}, "base_lr"), ({"warmup_steps": -1}, "warmup_steps"),
                          ({"milestones": (5, 2)}, "milestones"), ({"weight_decay": -1e-4}, "weight_decay"),
                          ({"batch_size": 0}, "batch_size")]:
@@ -349,7 +349,7 @@ def test_bad_arguments():
         partition([Split(8), _rev()])
     with pytest.raises(TypeError, match="not a revkernels.nn.ReversibleBlock"):
         partition([type("Fake", (nn.Linear,), {"reversible": True})(2, 2), TwoStreamHead(2)])
-    assert METHODS == ("petra", "backprop", "revbackprop")
+    assert METHODS == ("petra", "delayed", "backprop", "revbackprop")
 
 
 # --- smoke: PETRA learns ------------------------------------------------------------------------------
