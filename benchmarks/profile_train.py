@@ -1,4 +1,5 @@
-"""Where a train step's time goes: torch.profiler over a few steps of one bench_train variant.
+"""Where a train step's time goes: torch.profiler over a few steps of one variant of the train benchmark
+(`revkernels.bench.train`).
 
     python benchmarks/profile_train.py --variant revkernels_sequential --model vit_b --batch 32
 
@@ -14,9 +15,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_train import MODELS, TOKENS, build  # noqa: E402
+from revkernels.bench.train import MODELS, TOKENS, build  # noqa: E402
 
 
 def main(argv=None):

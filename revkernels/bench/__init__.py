@@ -1,6 +1,13 @@
 """`python -m revkernels.bench`: what reversible training costs and saves on this machine.
 
-For now: a train step (forward, backward, SGD) of a stack of reversible MLP blocks with the
-`autograd` engine (stores activations) against the `sequential` engine (rebuilds them), at several
-depths: median step time, activation memory saved for backward, and peak memory.
+The benchmark suite (`__main__`) runs these parts, each also a module with its own command line
+(``python -m revkernels.bench.<part>``) and a ``run(args) -> rows`` beside its ``main``:
+
+    memory   train step of reversible MLP stacks, autograd engine vs sequential engine: time,
+             activation memory saved for backward, peak memory (`train_step`, `report` do the work)
+    kernels  every fused op against the eager composition it replaces
+    train    transformer and RevNet train steps: standard backprop vs reversible training
+    petra    the PETRA distributed runtime vs single-process reversible backprop
+
+`benchmarks/bench_{kernels,train,petra}.py` in a checkout are thin entry points over the modules.
 """

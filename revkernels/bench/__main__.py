@@ -1,77 +1,195 @@
-"""python -m revkernels.bench [--quick] [--device cpu|cuda] [--out DIR]"""
+"""python -m revkernels.bench: the benchmark suite, one command for what reversible training costs and
+saves on this machine.
+
+Parts (each also runs alone as ``python -m revkernels.bench.<part>`` with more flags, and writes its
+own CSV and PNG under --out):
+  memory   a train step of reversible MLP stacks, autograd engine (stores activations) against the
+           sequential engine (rebuilds them): time, activations saved for backward, peak memory
+           (train_step_<device>.csv)
+  kernels  every fused op against the eager composition it replaces (and torch.compile and both GPU
+           backends on CUDA) (kernels_<device>.csv)
+  train    transformer and RevNet train steps: standard backprop, checkpointing, plain reversible
+           blocks and revkernels' engines (train_<device>.csv)
+  petra    the PETRA distributed runtime (2 CPU processes over gloo) against single-process
+           reversible backprop (petra_cpu.csv); always on CPU
+
+On CPU the suite runs train and petra in their quick modes (their full shapes are GPU-sized or take
+long on a few cores); memory and kernels run their CPU defaults, or quick modes with --quick.
+On CUDA every part but petra runs by default (petra measures CPU processes; name it in --parts to run
+it): memory and kernels with their full CUDA defaults, train with a selection that fits the suite's
+time: ViT-B at batch 32 and 128, CIFAR RevNet-18 at 256 and ImageNet RevNet-50 at 64, the depth sweep
+12/24/48, and a time budget: once the suite has run 360 s, train starts no new configuration (its
+first, ViT-B at batch 32 with every variant, always runs). Estimate for an H200 (not yet measured):
+memory ~40 s; kernels ~3 min (72 timings of ~1.3 s each: do_bench, then 10 CUDA-graph replays of
+100 ms; 18 torch.compile builds); train up to the budget plus the configuration in flight (~1 min);
+about 7 to 7.5 minutes in all. --quick: kernels keeps the CUDA sizes with fewer repetitions, about 3
+minutes in all.
+"""
 import argparse
+import importlib
+import math
 import os
 import sys
+import time
 
 import torch
 from tqdm import tqdm
 
-from revkernels.bench.report import plot_train_step, provenance, write_csv
-from revkernels.bench.train_step import TrainStepConfig, median_step_ms, peak_bytes, saved_bytes
+from revkernels.bench.report import DEFAULT_OUT
 
-ENGINES = ("autograd", "sequential")
+PARTS = ("memory", "kernels", "train", "petra")
+# On CUDA without --quick: the train part starts no new configuration once the whole run has taken this
+# long (it measures the most important points first), so the suite ends within about 8 minutes.
+CUDA_BUDGET_S = 360
+CUDA_TRAIN_SELECTION = ["--models", "vit_b", "--batches", "32", "128",
+                        "--revnets", "revnet18:cifar:256", "revnet50:imagenet:64", "--depth-sweep", "12", "24", "48"]
 
 
 def _parse(argv):
-    parser = argparse.ArgumentParser(prog="python -m revkernels.bench", description=__doc__.splitlines()[0] + "\n\n"
-                                     + "Train-step time and memory of reversible stacks: autograd engine vs sequential engine.")
+    parser = argparse.ArgumentParser(prog="python -m revkernels.bench", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device to run on (default: cuda if available, else cpu)")
-    parser.add_argument("--quick", action="store_true", help="fewer depths and steps (about a minute on a 2-core CPU)")
-    parser.add_argument("--depths", type=int, nargs="+", help="stack depths (default: 4 8 16 on CPU, 12 24 48 on CUDA)")
-    parser.add_argument("--width", type=int, help="model width (default: 256 on CPU, 768 on CUDA)")
-    parser.add_argument("--rows", type=int, help="batch x tokens per step (default: 1024 on CPU, 32*197 on CUDA)")
-    parser.add_argument("--steps", type=int, help="timed steps per point (median reported; default 10, 3 with --quick)")
-    parser.add_argument("--out", default="revkernels-bench", help="folder for CSV and PNG (default: ./revkernels-bench)")
+    parser.add_argument("--quick", action="store_true",
+                        help="every part's quick mode (under 2 minutes in all on a 2-core CPU)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, metavar="PART",
+                        help=f"parts to run, from {', '.join(PARTS)} (default: all; on CUDA all but petra)")
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"folder for CSV and PNG (default: ./{DEFAULT_OUT})")
     args = parser.parse_args(argv)
-    cuda = torch.device(args.device).type == "cuda"
-    if cuda and not torch.cuda.is_available():
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available")
-    args.depths = args.depths or ([12, 24] if args.quick else [12, 24, 48]) if cuda else args.depths or ([2, 8] if args.quick else [4, 8, 16])
-    args.width = args.width or (768 if cuda else 256)
-    args.rows = args.rows or (32 * 197 if cuda else (512 if args.quick else 1024))
-    args.steps = args.steps or (3 if args.quick else 10)
-    for name in ("width", "rows", "steps"):
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name} must be positive")
-    if any(d <= 0 for d in args.depths):
-        parser.error("--depths must be positive")
     return args
+
+
+def part_argv(part, args, elapsed_s=0.0):
+    """The command-line arguments the suite gives one part."""
+    cuda = torch.device(args.device).type == "cuda"
+    argv = ["--out", args.out]
+    if part != "petra":
+        argv += ["--device", args.device]
+    if args.quick or (not cuda and part in ("train", "petra")):
+        return argv + ["--quick"]
+    if cuda and part == "train":
+        return argv + CUDA_TRAIN_SELECTION + ["--budget-s", str(round(max(0.0, CUDA_BUDGET_S - elapsed_s)))]
+    return argv
+
+
+def _x(a, b):
+    """a / b as 'N.NNx', or 'n/a' where either is missing or nan."""
+    try:
+        a, b = float(a), float(b)
+    except (TypeError, ValueError):
+        return "n/a"
+    return f"{a / b:.2f}x" if math.isfinite(a) and math.isfinite(b) and b > 0 else "n/a"
+
+
+def _summary_memory(rows):
+    deepest = max(r["depth"] for r in rows)
+    by = {r["engine"]: r for r in rows if r["depth"] == deepest}
+    auto, seq = by["autograd"], by["sequential"]
+    return [f"depth {deepest}: saved for backward autograd/sequential {_x(auto['saved_mib'], seq['saved_mib'])}, "
+            f"step peak autograd/sequential {_x(auto['peak_mib'], seq['peak_mib'])}, "
+            f"step time sequential/autograd {_x(seq['step_ms'], auto['step_ms'])}"]
+
+
+def _summary_kernels(rows):
+    largest = max((r["rows"] * r["width"], r["rows"], r["width"]) for r in rows)[1:]
+    at = [r for r in rows if (r["rows"], r["width"]) == largest]
+    fused = [i for i in dict.fromkeys(r["impl"] for r in at) if i not in ("eager", "compile")]
+    cells = []
+    for op in dict.fromkeys(r["op"] for r in at):
+        mine = {r["impl"]: r for r in at if r["op"] == op}
+        best = min(fused, key=lambda i: mine[i]["ms"])
+        cell = f"{op} {_x(mine['eager']['ms'], mine[best]['ms'])}"
+        if "compile" in mine:
+            cell += f" (vs compile {_x(mine['compile']['ms'], mine[best]['ms'])})"
+        cells.append(cell)
+    return [f"best fused ({'/'.join(fused)}) speed vs eager at {largest[0]}x{largest[1]}:", "  " + ", ".join(cells)]
+
+
+def _summary_train(rows):
+    lines = []
+    throughput = [r for r in rows if r["kind"] == "throughput" and math.isfinite(float(r["ms"]))]
+    if throughput:
+        model, batch = throughput[0]["model"], throughput[0]["batch"]  # the first point measured: the main one
+        mine = {r["variant"]: r for r in throughput if (r["model"], r["batch"]) == (model, batch)}
+        ours = [v for v in mine if v.startswith("revkernels_")]
+        if ours:
+            best = min(ours, key=lambda v: mine[v]["ms"])
+            lines.append(f"{model} batch {batch}: {best} (fastest engine) speed vs standard "
+                         f"{_x(mine.get('standard', {}).get('ms'), mine[best]['ms'])}, vs reversible_plain "
+                         f"{_x(mine.get('reversible_plain', {}).get('ms'), mine[best]['ms'])}"
+                         + (f", vs standard_graphs {_x(mine['standard_graphs']['ms'], mine[best]['ms'])}"
+                            if "standard_graphs" in mine else ""))
+    revnet = [r for r in rows if r["kind"] == "revnet" and math.isfinite(float(r["ms"]))]
+    if revnet:
+        model, batch = revnet[0]["model"], revnet[0]["batch"]
+        mine = {r["variant"]: r for r in revnet if (r["model"], r["batch"]) == (model, batch)}
+        others = [e for e in mine if e != "autograd"]
+        if "autograd" in mine and others:
+            best = min(others, key=lambda e: mine[e]["ms"])
+            line = f"{model} batch {batch}: {best} engine speed vs autograd {_x(mine['autograd']['ms'], mine[best]['ms'])}"
+            if math.isfinite(float(mine["autograd"]["transient_mib"])):
+                line += f", transient memory autograd/{best} {_x(mine['autograd']['transient_mib'], mine[best]['transient_mib'])}"
+            lines.append(line)
+    sweep = [r for r in rows if r["kind"] == "depth_sweep" and math.isfinite(float(r["peak_mib"]))]
+    if sweep:
+        deepest = max(r["depth"] for r in sweep)
+        mine = {r["variant"]: r for r in sweep if r["depth"] == deepest}
+        if "standard" in mine and "revkernels_sequential" in mine:
+            lines.append(f"depth {deepest}: step peak memory standard/revkernels_sequential "
+                         f"{_x(mine['standard']['peak_mib'], mine['revkernels_sequential']['peak_mib'])}")
+    return lines or ["no complete measurement"]
+
+
+def _summary_petra(rows):
+    petra = next(r for r in rows if r["variant"] == "petra_distributed")
+    return [f"PETRA distributed ({petra['processes']} processes) speed vs reversible backprop: "
+            f"{petra['speedup_vs_revbackprop_best']:.2f}x over the fastest, "
+            f"{petra['speedup_vs_revbackprop_same_cores']:.2f}x over the same cores (target >= 1.6x)"]
+
+
+SUMMARIES = {"memory": _summary_memory, "kernels": _summary_kernels, "train": _summary_train, "petra": _summary_petra}
+
+
+def summary(results):
+    """Headline ratios, a few lines per part, from the rows each part's run() returned."""
+    lines = []
+    for part, rows in results.items():
+        if isinstance(rows, BaseException):
+            lines.append(f"{part:<8} FAILED: {type(rows).__name__}: {str(rows).splitlines()[0][:200] if str(rows) else ''}")
+            continue
+        try:
+            part_lines = SUMMARIES[part](rows) if rows else ["no rows"]
+        except Exception as error:  # noqa: BLE001 - a summary must not hide the other parts'
+            part_lines = [f"summary failed: {type(error).__name__}: {error}"]
+        lines += [f"{part if i == 0 else '':<8} {line}" for i, line in enumerate(part_lines)]
+    return lines
 
 
 def main(argv=None):
     args = _parse(argv)
     cuda = torch.device(args.device).type == "cuda"
-    meta = provenance(args.device)
-    print(f"revkernels train-step benchmark on {meta['device']} (torch {meta['torch']}, commit {meta['commit']})")
-    print(f"stack of reversible MLP blocks (LayerNorm, Linear {args.width}->{4 * args.width}, GELU, Linear): "
-          f"{args.rows} rows x width {args.width}, {'bf16 autocast' if cuda else 'fp32'}, SGD step")
-    rows = []
-    points = [(depth, engine) for depth in args.depths for engine in ENGINES]
-    for depth, engine in tqdm(points, desc="train steps", unit="config", file=sys.stderr):
-        config = TrainStepConfig(engine=engine, depth=depth, width=args.width, rows=args.rows, device=args.device,
-                                 autocast_dtype="bfloat16" if cuda else None, steps=args.steps,
-                                 warmup=2 if args.quick else 3)
-        rows.append({"engine": engine, "depth": depth, "width": args.width, "rows": args.rows,
-                     "dtype": config.autocast_dtype or "float32",
-                     "step_ms": round(median_step_ms(config), 3),
-                     "saved_mib": round(saved_bytes(config) / 2**20, 3),
-                     "peak_mib": round(peak_bytes(config) / 2**20, 3)})
-
-    print()
-    print(f"{'depth':>5}  {'engine':<11} {'step ms':>9} {'saved MiB':>10} {'peak MiB':>9}   {'time vs autograd':>16} {'saved vs autograd':>17}")
-    for depth in args.depths:
-        base = next(r for r in rows if r["depth"] == depth and r["engine"] == "autograd")
-        for r in (r for r in rows if r["depth"] == depth):
-            time_ratio = r["step_ms"] / base["step_ms"]
-            saved_ratio = base["saved_mib"] / r["saved_mib"] if r["saved_mib"] else float("inf")
-            print(f"{depth:>5}  {r['engine']:<11} {r['step_ms']:>9.1f} {r['saved_mib']:>10.1f} {r['peak_mib']:>9.1f}"
-                  f"   {time_ratio:>15.2f}x {saved_ratio:>15.1f}x less")
-    os.makedirs(args.out, exist_ok=True)
-    csv_path = write_csv(os.path.join(args.out, f"train_step_{'cuda' if cuda else 'cpu'}.csv"), rows, meta)
-    png_path = plot_train_step(os.path.join(args.out, f"train_step_{'cuda' if cuda else 'cpu'}.png"), rows, meta)
-    print(f"\nwrote {csv_path}" + (f" and {png_path}" if png_path else " (install matplotlib for the plot)"))
-    return 0
+    parts = args.parts or [p for p in PARTS if not (cuda and p == "petra")]
+    parts = [p for p in PARTS if p in parts]  # the suite's order, each once
+    start = time.perf_counter()
+    results, timings = {}, {}
+    for part in tqdm(parts, desc="revkernels.bench", unit="part", file=sys.stderr):
+        part_args = part_argv(part, args, time.perf_counter() - start)
+        print(f"\n=== {part}: python -m revkernels.bench.{part} {' '.join(part_args)}", flush=True)
+        module = importlib.import_module(f"revkernels.bench.{part}")
+        t0 = time.perf_counter()
+        try:
+            results[part] = module.run(module.parse_args(part_args))
+        except Exception as error:  # noqa: BLE001 - one failing part keeps the others' results
+            print(f"{part} FAILED: {type(error).__name__}: {error}", flush=True)
+            results[part] = error
+        timings[part] = time.perf_counter() - t0
+    print(f"\n=== summary ({args.device}{', quick' if args.quick else ''}; "
+          + ", ".join(f"{p} {s:.0f} s" for p, s in timings.items()) + f"; results in {os.path.abspath(args.out)})")
+    for line in summary(results):
+        print(line)
+    return 1 if any(isinstance(r, BaseException) for r in results.values()) else 0
 
 
 if __name__ == "__main__":

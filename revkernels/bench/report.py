@@ -7,6 +7,8 @@ import subprocess
 
 import torch
 
+DEFAULT_OUT = "revkernels-bench"  # results folder of `python -m revkernels.bench` and its parts, under the cwd
+
 
 def _git_commit():
     try:

@@ -1,6 +1,8 @@
-"""The benchmark scripts run end to end (CPU smoke runs of the same code the GPU check runs)."""
+"""The benchmark scripts run end to end (CPU smoke runs of the same code the GPU check runs).
+
+The implementations are `revkernels.bench.kernels` / `.train` / `.petra`; `benchmarks/bench_*.py`
+are thin entry points over them (same flags, results under benchmarks/results by default)."""
 import csv
-import importlib.util
 import math
 import pathlib
 import subprocess
@@ -45,10 +47,27 @@ def test_kernels_csv_has_both_timings(tmp_path):
 
 
 def _bench_kernels_module():
-    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "benchmarks" / "bench_kernels.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import revkernels.bench.kernels
+
+    return revkernels.bench.kernels
+
+
+@pytest.mark.parametrize("part", ["kernels", "train", "petra"])
+def test_script_is_a_thin_entry_point(part):
+    """benchmarks/bench_<part>.py takes the flags of `python -m revkernels.bench.<part>` (it runs the
+    package's main), with benchmarks/results as the default --out."""
+    def options(cmd):
+        result = subprocess.run(cmd + ["--help"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout, sorted(set(w.strip("[],") for w in result.stdout.split() if w.startswith(("--", "[--"))))
+
+    script_help, script_options = options([sys.executable, str(ROOT / "benchmarks" / f"bench_{part}.py")])
+    module_help, module_options = options([sys.executable, "-m", f"revkernels.bench.{part}"])
+    assert script_options == module_options and "--out" in script_options
+    assert "benchmarks/results" in script_help.replace("\n", "").replace(" ", "")
+    assert "revkernels-bench" in module_help
+    source = (ROOT / "benchmarks" / f"bench_{part}.py").read_text()
+    assert f"from revkernels.bench.{part} import main" in source and len(source.splitlines()) < 25
 
 
 def test_kernels_cuda_timing_and_fallback(monkeypatch):
