@@ -107,6 +107,19 @@ def _bn_fwd_stats_kernel(partial_ptr, x_ptr, xn, xc, xs, C, S, M, chunk_len, num
 
 
 @triton.jit
+def _chunk_means(partial_ptr, p0, chans, cmask, C, M, chunk_len, num_chunks, ACC_FP64: tl.constexpr,
+                 BLOCK_P: tl.constexpr):
+    """Chunks [p0, p0 + BLOCK_P): their indices, element counts, mask and per-channel means."""
+    acc_type = tl.float64 if ACC_FP64 else tl.float32
+    parts = p0 + tl.arange(0, BLOCK_P)
+    pmask = parts < num_chunks
+    cnt = tl.where(pmask, tl.minimum(chunk_len, M - parts.to(tl.int64) * chunk_len), 0).to(acc_type)
+    mask = pmask[:, None] & cmask[None, :]
+    pm = tl.load(partial_ptr + parts[:, None] * C + chans[None, :], mask=mask, other=0.0)
+    return parts, cnt, mask, pm
+
+
+@triton.jit
 def _bn_fwd_finalize_kernel(mean_ptr, rstd_ptr, partial_ptr, eps, C, M, chunk_len, num_chunks,
                             ACC_FP64: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
     # Merges the chunks' (mean, M2) in chunk order: mean = sum(count_k * mean_k) / M,
@@ -116,20 +129,14 @@ def _bn_fwd_finalize_kernel(mean_ptr, rstd_ptr, partial_ptr, eps, C, M, chunk_le
     cmask = chans < C
     weighted = tl.zeros((BLOCK_C,), dtype=acc_type)
     for p0 in range(0, num_chunks, BLOCK_P):
-        parts = p0 + tl.arange(0, BLOCK_P)
-        pmask = parts < num_chunks
-        cnt = tl.where(pmask, tl.minimum(chunk_len, M - parts.to(tl.int64) * chunk_len), 0).to(acc_type)
-        mask = pmask[:, None] & cmask[None, :]
-        pm = tl.load(partial_ptr + parts[:, None] * C + chans[None, :], mask=mask, other=0.0)
+        parts, cnt, mask, pm = _chunk_means(partial_ptr, p0, chans, cmask, C, M, chunk_len, num_chunks, ACC_FP64,
+                                            BLOCK_P)
         weighted += tl.sum(cnt[:, None] * pm, axis=0)
     mean = weighted / M
     m2 = tl.zeros((BLOCK_C,), dtype=acc_type)
     for p0 in range(0, num_chunks, BLOCK_P):
-        parts = p0 + tl.arange(0, BLOCK_P)
-        pmask = parts < num_chunks
-        cnt = tl.where(pmask, tl.minimum(chunk_len, M - parts.to(tl.int64) * chunk_len), 0).to(acc_type)
-        mask = pmask[:, None] & cmask[None, :]
-        pm = tl.load(partial_ptr + parts[:, None] * C + chans[None, :], mask=mask, other=0.0)
+        parts, cnt, mask, pm = _chunk_means(partial_ptr, p0, chans, cmask, C, M, chunk_len, num_chunks, ACC_FP64,
+                                            BLOCK_P)
         pm2 = tl.load(partial_ptr + (num_chunks + parts[:, None]) * C + chans[None, :], mask=mask, other=0.0)
         d = pm - mean[None, :]
         m2 += tl.sum(tl.where(mask, pm2 + cnt[:, None] * d * d, 0.0), axis=0)
