@@ -18,6 +18,50 @@ on a machine with 2+ free cores. On a shared machine the numbers are noisy (a 2-
 busy cores can be much slower than 1 thread): the CSV records the load average with the commit and
 versions.
 Results: ``petra_<device>.csv`` under --out.
+
+Projected speed-up (``--project``; ``--quick`` for a CPU smoke run of the same code):
+
+    python -m revkernels.bench.petra --project [--link-gb-s 25] [--link-latency-us 10] [--device cuda]
+
+projects PETRA's step time on J devices from per-stage times measured on *one* device, for RevNet-18
+and RevNet-34 (``--project-models``): on CUDA the CIFAR stem at 32x32 and the ImageNet stem at 224x224
+(batch 64, ``--batch``); on CPU the CIFAR stem at 16x16 (batch 16; quick: 8x8, batch 2) - CPU numbers
+only smoke-test the code and are no GPU figures. fp32, train mode, random data.
+
+Measured, per stage of the model's own stage list (`revkernels.petra.partition`; medians over
+``--steps`` repetitions after ``--warmup``, the device synchronised around each timed call):
+    forward_ms   the no-grad forward PETRA runs (`Stage.forward`); for the head, forward + loss under
+                 autograd;
+    rebuild_ms   reversible stages: the inverse alone (`ReversibleBlock.inverse`, no grad); else 0;
+    vjp_ms       `Stage.backward` (what PETRA runs: the fused rebuild + VJP for reversible stages, the
+                 recomputed forward + VJP from the FIFO's input for the others) minus rebuild_ms; for the
+                 head, its loss.backward();
+    petra_ms     forward_ms + rebuild_ms + vjp_ms: the stage's work per tick;
+    fwd_send_bytes / bwd_send_bytes: its output, and its rebuilt input plus that input's grad (0 for
+                 the stem);
+and ``backprop_ms``: one standard-backprop step of the whole model (forward + loss + backward under
+ordinary autograd; no optimizer step anywhere).
+
+Model (steady state: pipeline fill/drain, optimizer steps and the host are ignored; each worker on its
+own device at the measured single-device speed, no contention):
+    reversible backprop on one device:  T_rev = sum over stages of petra_ms
+    a worker running stages a..b:       C = sum of their petra_ms;
+                                        X = max(bytes it sends, bytes it receives) / link
+                                            + latency x (messages it sends: 1 or 2)
+                                        (a full-duplex link of --link-gb-s GB/s per worker and direction,
+                                        shared by its two neighbours' messages)
+    PETRA tick, overlap:                max over workers of max(C, X)   (transfer hidden behind compute
+                                        when it is shorter: needs sends posted as soon as a message is
+                                        ready and double-buffered receives)
+    PETRA tick, serial:                 max over workers of C + X       (transfer after compute: what the
+                                        runtime here does, sending at the end of its tick)
+    speed-up(J) = T_rev / tick; also backprop_ms / tick (``speedup_vs_backprop_*``).
+J = 1, 2, 4, ..., and the number of stages (one stage per device); for each J the contiguous grouping
+of the stages with the smallest tick (exact dynamic programming, per transfer model). The paper
+(Rivaud et al., ICLR 2025) reports 3.0x at J = 10 for RevNet-18.
+Results: ``petra_projection_<device>.csv`` (one row per model, stem and J, with provenance),
+``petra_projection_stages_<device>.csv`` (the per-stage measurements, to re-project with another link
+model) and ``petra_projection_<device>.png`` (speed-up against J).
 """
 import argparse
 import os
@@ -95,11 +139,25 @@ def parse_args(argv=None, default_out=DEFAULT_OUT):
     p.add_argument("--warmup", type=int, default=None, help="steps not timed (default 2*nproc + 2; quick: same)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 20; quick: 4)")
     p.add_argument("--out", default=default_out, help=f"folder for the CSV (default: {default_out})")
-    return p.parse_args(argv)
+    p.add_argument("--project", action="store_true",
+                   help="projected J-stage speed-up from per-stage times measured on this device (module docstring)")
+    p.add_argument("--project-models", nargs="+", default=["revnet18", "revnet34"],
+                   choices=["revnet18", "revnet34", "revnet50"], help="--project: the models (default revnet18 revnet34)")
+    p.add_argument("--device", default=None, help="--project: where to measure (default cuda if available, else cpu)")
+    p.add_argument("--link-gb-s", type=float, default=25.0,
+                   help="--project: link bandwidth per worker and direction, GB/s (default 25)")
+    p.add_argument("--link-latency-us", type=float, default=10.0, help="--project: latency per message, us (default 10)")
+    args = p.parse_args(argv)
+    if args.link_gb_s <= 0 or args.link_latency_us < 0:
+        p.error("--link-gb-s must be > 0 and --link-latency-us >= 0")
+    return args
 
 
 def run(args):
-    """Measures, prints the speed-ups, writes petra_cpu.csv under args.out; returns the rows."""
+    """Measures, prints the speed-ups, writes petra_cpu.csv under args.out; returns the rows. With
+    ``args.project``: `run_projection` instead."""
+    if getattr(args, "project", False):
+        return run_projection(args)
     cfg = {"model": args.model, "stem": args.stem, "accum": args.accum,
            "image_size": args.image_size or (8 if args.quick else 16), "batch": args.batch or (4 if args.quick else 32),
            "warmup": args.warmup if args.warmup is not None else 2 * args.nproc + 2,
@@ -148,6 +206,221 @@ def run(args):
 def main(argv=None, default_out=DEFAULT_OUT):
     run(parse_args(argv, default_out))
     return 0
+
+
+
+# --- projected pipeline speed-up (--project) ------------------------------------------------------------
+
+PROJECT_CONFIGS_CUDA = (("cifar", 32), ("imagenet", 224))
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device):
+    """(seconds, result) of one call of `fn`, the device synchronised before and after."""
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - t0, out
+
+
+def _nbytes(xs):
+    return sum(t.numel() * t.element_size() for t in xs if t is not None)
+
+
+def measure_stages(model_name, stem, image_size, batch, device, warmup, reps):
+    """Per stage of `model_name` (its own stage list, `revkernels.petra.partition`): the median forward,
+    rebuild and VJP times (ms) after `warmup` untimed repetitions, and the bytes it sends forward (its
+    output) and backward (its rebuilt input and the input's grad); plus ``backprop_ms``, the median
+    standard-backprop step (forward + loss + backward under ordinary autograd, no optimizer step)."""
+    from revkernels import models
+    from revkernels.petra.partition import partition
+
+    torch.manual_seed(0)
+    model = getattr(models, model_name)(num_classes=10 if stem == "cifar" else 1000, stem=stem).to(device).train()
+    stages = partition(model)
+    g = torch.Generator().manual_seed(1)
+    images = torch.randn(batch, 3, image_size, image_size, generator=g).to(device)
+    labels = torch.randint(0, 10 if stem == "cifar" else 1000, (batch,), generator=g).to(device)
+    rows, x = [], (images,)
+    for s in stages:
+        times = {"forward": [], "rebuild": [], "backward": []}
+        if s.is_last:
+            def fwd_loss():
+                leaves = tuple(t.detach().requires_grad_() for t in x)
+                with torch.enable_grad():
+                    return torch.nn.functional.cross_entropy(s.module(*leaves), labels)
+            for r in range(warmup + reps):
+                t_f, loss = _timed(fwd_loss, device)
+                t_b, _ = _timed(loss.backward, device)
+                if r >= warmup:
+                    times["forward"].append(t_f)
+                    times["backward"].append(t_b)
+            y = ()
+        else:
+            with torch.no_grad():
+                y = s.module(*x)
+            y = y if isinstance(y, tuple) else (y,)
+            dy = tuple(torch.randn(t.shape, generator=g).to(device, t.dtype) for t in y)
+            for r in range(warmup + reps):
+                t_f, _ = _timed(lambda: s.forward(x), device)
+                t_b, _ = _timed(lambda: s.backward(y, dy), device)  # what PETRA runs: rebuild + VJP
+                t_r = _timed(lambda: s.module.inverse(*y), device)[0] if s.reversible else 0.0
+                if r >= warmup:
+                    times["forward"].append(t_f)
+                    times["backward"].append(t_b)
+                    times["rebuild"].append(t_r)
+        med = {k: statistics.median(v) * 1e3 if v else 0.0 for k, v in times.items()}
+        rows.append({"stage": s.index, "kind": s.kind, "reversible": s.reversible,
+                     "forward_ms": med["forward"], "rebuild_ms": med["rebuild"],
+                     "vjp_ms": max(med["backward"] - med["rebuild"], 0.0),
+                     "petra_ms": med["forward"] + med["backward"],
+                     "fwd_send_bytes": _nbytes(y), "bwd_send_bytes": 0 if s.is_first else 2 * _nbytes(x)})
+        x = y
+        for p in s.module.parameters():
+            p.grad = None
+
+    def backprop_step():
+        loss = torch.nn.functional.cross_entropy(model(images), labels)
+        loss.backward()
+    bp = []
+    for r in range(warmup + reps):
+        t, _ = _timed(backprop_step, device)
+        model.zero_grad(set_to_none=True)
+        if r >= warmup:
+            bp.append(t)
+    return rows, statistics.median(bp) * 1e3
+
+
+def _group_cost(stages, a, b, link_gb_s, latency_us, overlap):
+    """(tick ms, compute ms, transfer ms) of one worker running stages a..b (inclusive) for a tick."""
+    last = len(stages) - 1
+    compute = sum(s["petra_ms"] for s in stages[a:b + 1])
+    out_b = (stages[b]["fwd_send_bytes"] if b < last else 0) + (stages[a]["bwd_send_bytes"] if a > 0 else 0)
+    in_b = (stages[a - 1]["fwd_send_bytes"] if a > 0 else 0) + (stages[b + 1]["bwd_send_bytes"] if b < last else 0)
+    messages = (b < last) + (a > 0)
+    comm = max(out_b, in_b) / (link_gb_s * 1e9) * 1e3 + messages * latency_us * 1e-3
+    return (max(compute, comm) if overlap else compute + comm), compute, comm
+
+
+def best_grouping(stages, workers, link_gb_s, latency_us, overlap):
+    """The contiguous split of the stages into `workers` groups with the smallest tick (the largest
+    group cost, `_group_cost`): exact dynamic programming. Returns (tick ms, group sizes)."""
+    n = len(stages)
+    cost = {(a, b): _group_cost(stages, a, b, link_gb_s, latency_us, overlap)[0] for a in range(n) for b in range(a, n)}
+    inf = float("inf")
+    best = [[(inf, None)] * (n + 1) for _ in range(workers + 1)]  # best[w][i]: first i stages on w workers
+    best[0][0] = (0.0, None)
+    for w in range(1, workers + 1):
+        for i in range(w, n + 1):
+            best[w][i] = min(((max(best[w - 1][j][0], cost[(j, i - 1)]), j) for j in range(w - 1, i)
+                              if best[w - 1][j][0] < inf), default=(inf, None))
+    sizes, i = [], n
+    for w in range(workers, 0, -1):
+        j = best[w][i][1]
+        sizes.append(i - j)
+        i = j
+    return best[workers][n][0], sizes[::-1]
+
+
+def project(stages, backprop_ms, link_gb_s, latency_us):
+    """One row per J (1, 2, 4, ..., and the number of stages): the projected PETRA tick under the two
+    transfer models, the single-device step times and the speed-ups (module docstring)."""
+    n = len(stages)
+    revbackprop_ms = sum(s["petra_ms"] for s in stages)
+    js = sorted({1, n} | {2 ** k for k in range(1, n.bit_length()) if 2 ** k < n})
+    rows = []
+    for J in js:
+        tick_o, sizes = best_grouping(stages, J, link_gb_s, latency_us, overlap=True)
+        tick_s, sizes_s = best_grouping(stages, J, link_gb_s, latency_us, overlap=False)
+        bounds, start = [], 0
+        for k in sizes:
+            bounds.append((start, start + k - 1))
+            start += k
+        parts = [_group_cost(stages, a, b, link_gb_s, latency_us, True) for a, b in bounds]
+        rows.append({"J": J, "groups": " ".join(f"{a}-{b}" for a, b in bounds),
+                     "groups_serial": " ".join(str(k) for k in sizes_s),
+                     "max_compute_ms": round(max(p[1] for p in parts), 4),
+                     "max_transfer_ms": round(max(p[2] for p in parts), 4),
+                     "tick_ms_overlap": round(tick_o, 4), "tick_ms_serial": round(tick_s, 4),
+                     "revbackprop_ms": round(revbackprop_ms, 4), "backprop_ms": round(backprop_ms, 4),
+                     "speedup_overlap": round(revbackprop_ms / tick_o, 3),
+                     "speedup_serial": round(revbackprop_ms / tick_s, 3),
+                     "speedup_vs_backprop_overlap": round(backprop_ms / tick_o, 3),
+                     "speedup_vs_backprop_serial": round(backprop_ms / tick_s, 3)})
+    return rows
+
+
+def plot_projection(path, rows, meta):
+    """Speed-up over single-device reversible backprop against J, one line per configuration."""
+    from revkernels.bench.report import pyplot, save_figure
+
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    configs = sorted({(r["model"], r["stem"], r["image_size"]) for r in rows})
+    top = 1
+    for cfg in configs:
+        mine = sorted((r for r in rows if (r["model"], r["stem"], r["image_size"]) == cfg), key=lambda r: r["J"])
+        js = [r["J"] for r in mine]
+        top = max(top, max(js))
+        line, = ax.plot(js, [r["speedup_overlap"] for r in mine], marker="o", label=f"{cfg[0]} {cfg[1]} {cfg[2]}px")
+        ax.plot(js, [r["speedup_serial"] for r in mine], ls="--", color=line.get_color(), alpha=0.6)
+    ax.plot([1, top], [1, top], ls=":", color="grey", label="ideal (J)")
+    ax.set_xlabel("J (workers = devices)")
+    ax.set_ylabel("projected speed-up over reversible backprop")
+    ax.set_title(f"PETRA projection, link {meta['link_gb_s']} GB/s (solid: overlap, dashed: serial)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(f"{meta['device']} | torch {meta['torch']} | commit {meta['commit']}", fontsize=8)
+    return save_figure(fig, path)
+
+
+def run_projection(args):
+    """Measures the stages, prints the table, writes petra_projection_<device>.csv (one row per
+    configuration and J), petra_projection_stages_<device>.csv and a PNG under args.out; returns the rows."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not args.quick:
+        configs = [(stem, args.image_size or size) for stem, size in PROJECT_CONFIGS_CUDA]
+        batch = args.batch or 64
+    else:
+        configs = [("cifar", args.image_size or (8 if args.quick else 16))]
+        batch = args.batch or (2 if args.quick else 16)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
+    reps = args.steps or (2 if args.quick else 20)
+    models = args.project_models
+    meta = provenance(device)
+    meta.update(batch=batch, warmup=warmup, reps=reps, link_gb_s=args.link_gb_s, link_latency_us=args.link_latency_us,
+                dtype="float32")
+    rows, stage_rows = [], []
+    for name in models:
+        for stem, size in configs:
+            stages, bp = measure_stages(name, stem, size, batch, device, warmup, reps)
+            for s in stages:
+                stage_rows.append({"model": name, "stem": stem, "image_size": size,
+                                   **{k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()}})
+            proj = project(stages, bp, args.link_gb_s, args.link_latency_us)
+            print(f"\n{name} {stem} stem {size}x{size} batch {batch} on {meta['device']}: {len(stages)} stages, "
+                  f"reversible backprop {proj[0]['revbackprop_ms']:.2f} ms, backprop {bp:.2f} ms, link "
+                  f"{args.link_gb_s:g} GB/s")
+            print(f"{'J':>3} {'tick ms (overlap)':>18} {'tick ms (serial)':>17} {'speed-up':>9} {'(serial)':>9} "
+                  f"{'vs backprop':>11}  groups")
+            for r in proj:
+                print(f"{r['J']:>3} {r['tick_ms_overlap']:>18.3f} {r['tick_ms_serial']:>17.3f} "
+                      f"{r['speedup_overlap']:>8.2f}x {r['speedup_serial']:>8.2f}x {r['speedup_vs_backprop_overlap']:>10.2f}x"
+                      f"  {r['groups']}", flush=True)
+            rows += [{"model": name, "stem": stem, "image_size": size, "batch": batch, **r} for r in proj]
+    dev = device.type
+    path = write_csv(os.path.join(args.out, f"petra_projection_{dev}.csv"), rows, meta)
+    write_csv(os.path.join(args.out, f"petra_projection_stages_{dev}.csv"), stage_rows, meta)
+    png = plot_projection(os.path.join(args.out, f"petra_projection_{dev}.png"), rows, meta)
+    print(f"wrote {path}" + (f" and {png}" if png else ""), flush=True)
+    return rows
 
 
 if __name__ == "__main__":

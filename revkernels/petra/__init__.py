@@ -11,7 +11,8 @@ tick-by-tick runtime, with the backprop, reversible-backprop and delayed-gradien
 buffers) baselines; ``groups=R`` runs R groups of consecutive stages as R workers; ``analyze_every=N``
 compares each method's applied gradient with the end-to-end one; ``state_dict`` / ``load_state_dict``
 checkpoint the whole in-flight pipeline), `distributed` (one process per worker over torch.distributed,
-bit-identical to the simulator, petra and delayed: ``torchrun --nproc-per-node R -m revkernels.petra.train
+bit-identical to the simulator, petra and delayed, with per-rank checkpoints that resume it exactly and
+convert to and from the simulator's: ``torchrun --nproc-per-node R -m revkernels.petra.train
 --runtime distributed``, or ``--nproc R``), `data` (digits, synthetic, image folders, CIFAR-10 batches).
 See /PETRA.md.
 """

@@ -14,8 +14,19 @@ Backend: NCCL when CUDA is available with at least one device per rank (rank r o
 control messages still use a gloo group), else gloo on CPU.
 
 Methods: ``petra`` and ``delayed`` (the delayed-gradient baseline of `simulate`: same step, same
-messages; its stages also buffer inputs and parameter copies). The gradient analysis and checkpoints
-(``--analyze-every``, ``--checkpoint-every``/``--resume``) are simulator-only.
+messages; its stages also buffer inputs and parameter copies). The gradient analysis
+(``--analyze-every``) is simulator-only.
+
+Checkpoints. `PipelineRank.state_dict()` (every rank, after the same tick) is this rank's share of the
+run: its stages' module states, their optimizers (momentum, step and backward counters, partially
+accumulated grads), their FIFOs (with parameter copies under delayed), the messages the neighbours sent
+it during the tick just run (waited for: what it consumes next tick), the head's labels not used yet,
+the tick and batch counters and which batch the last 2R ticks fed; its own sends are waited for
+first. `load_state_dict` into a fresh `PipelineRank` (same model, grouping, world size and arguments)
+continues bit for bit. The trainer CLI adds the data order and RNG state and writes
+``<out>/checkpoint/rank{r}.pt``. The format is the simulator's, split by rank: `merge_rank_states`
+turns the R rank states into a `simulate.Trainer.state_dict()` (``groups=R``) and `split_trainer_state`
+does the reverse, so a run can move between the runtimes at a checkpoint.
 
 Stages and ranks. The model's J stages are split into R contiguous groups (`simulate.split_groups`;
 default R = world size, and R = J gives one stage per rank); rank w runs group w as one `simulate.Worker`,
@@ -132,6 +143,7 @@ class PipelineRank:
     collective sequence: every rank makes the same calls); the loss is reported by the last rank.
     `buffer_stats()` (collective): every stage's FIFO statistics. `collect(dst)` (collective): the
     other ranks' stage states loaded into rank `dst`'s model, and every stage's optimizer step count.
+    `state_dict()` / `load_state_dict(state)`: this rank's checkpoint (module docstring, "Checkpoints").
     `close()` (collective): stops the watchdog, waits for all ranks and leaves the group.
     """
 
@@ -159,7 +171,8 @@ class PipelineRank:
         self.is_last = self.rank == self.world_size - 1
         self.tick = 0
         self.batches_in = 0
-        self._fed = []  # tick -> batch id fed at that tick, or None
+        self._fed = {}  # tick -> batch id fed at that tick, or None (the last 2R ticks)
+        self._image_spec = None
         self._last_fed = None  # the last tick that fed a batch
         self._labels = {}
         self._specs = None
@@ -227,7 +240,7 @@ class PipelineRank:
         return out
 
     def _fed_at(self, tick):
-        return self._fed[tick] if 0 <= tick < len(self._fed) else None
+        return self._fed.get(tick)
 
     def _post_recvs(self, tick):
         """Posts the receives of `tick` (what the neighbours send at tick - 1)."""
@@ -261,7 +274,7 @@ class PipelineRank:
         deadline = datetime.timedelta(seconds=self.timeout)
         try:
             for _, work in works:
-                if not work.wait(deadline):
+                if work is not None and not work.wait(deadline):  # None: restored from a checkpoint
                     raise TimeoutError(f"no message within {self.timeout:g} s")
         except Exception as e:  # noqa: BLE001 - any failure of a peer ends the run
             self.fail(peer, f"{what} from it at tick {self.tick} did not arrive ({_short(e)})".strip())
@@ -273,7 +286,9 @@ class PipelineRank:
             sys.stderr.write(f"revkernels petra: {FAULT_ENV}: killing rank {self.rank} at tick {t}\n")
             sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGKILL)
-        self._fed.append(batch)
+        self._fed[t] = batch
+        for old in [s for s in self._fed if s < t - 2 * self.num_workers]:
+            del self._fed[old]
         incoming = pending = None
         if _FWD in self._recvs:
             b, peer, works = self._recvs[_FWD]
@@ -309,6 +324,75 @@ class PipelineRank:
         self.tick += 1
         self.trainer.tick = self.tick
         return {"loss": out["loss"], "batch": out["batch"], "tick": t, "stepped": out["stepped"]}
+
+    # --- checkpoints ----------------------------------------------------------------------------------
+
+    def state_dict(self):
+        """This rank's share of the run's state at the current tick boundary (module docstring,
+        "Checkpoints"). Waits for the receives posted for the next tick and for this tick's sends, so
+        call it on every rank after the same tick (not itself a collective: no rank waits for a third)."""
+        w, tr = self.rank, self.trainer
+        fwd_in = bwd_in = None
+        if _FWD in self._recvs:
+            b, peer, works = self._recvs[_FWD]
+            fwd_in = (b, self._wait(peer, works, "the forward message"))
+            self._recvs[_FWD] = (b, peer, [[t, None] for t in fwd_in[1]])
+        if _BWD in self._recvs:
+            b, peer, works = self._recvs[_BWD]
+            msg = self._wait(peer, works, "the backward message")
+            n = len(msg) // 2
+            bwd_in = (b, msg[:n], msg[n:])
+            self._recvs[_BWD] = (b, peer, [[t, None] for t in msg])
+        self._wait_sends()
+        own = self._own()
+        state = {"version": 1, "kind": RANK_STATE_KIND, "rank": w, "world_size": self.world_size,
+                 "method": tr.method, "num_stages": tr.num_stages, "groups": tr.groups, "accum_k": tr.accum_k,
+                 "tick": self.tick, "batches_in": self.batches_in, "batch_size": tr.batch_size,
+                 "image_spec": self._image_spec, "fed": dict(self._fed), "last_fed": self._last_fed,
+                 "modules": {i: self.stages[i].module.state_dict() for i in own},
+                 "optimizers": {i: tr.optimizers[i].state_dict() for i in own},
+                 "fifos": {i: (self.stages[i].fifo_state(), self.stages[i].peak_buffer_bytes) for i in own},
+                 "fwd_in": fwd_in, "bwd_in": bwd_in, "labels": dict(self._labels)}
+        return _to_cpu(copy.deepcopy(state))
+
+    def load_state_dict(self, state):
+        """Restores this rank from its `state_dict()` (a run with the same model, grouping, world size
+        and arguments), before any `train_step`. Collective: checks every rank is at the same tick."""
+        tr = self.trainer
+        if not isinstance(state, dict) or state.get("kind") != RANK_STATE_KIND:
+            raise ValueError("revkernels: not a revkernels.petra.distributed rank state")
+        for key, mine in (("rank", self.rank), ("world_size", self.world_size), ("method", tr.method),
+                          ("num_stages", tr.num_stages), ("groups", tr.groups), ("accum_k", tr.accum_k)):
+            if state[key] != mine:
+                raise ValueError(f"revkernels: the checkpoint's {key} is {state[key]!r}, this rank's {mine!r}")
+        if self.tick or self.batches_in:
+            raise RuntimeError("revkernels: load_state_dict into a fresh PipelineRank (before any train_step)")
+        ticks = [None] * self.world_size
+        dist.all_gather_object(ticks, (state["tick"], state["batches_in"]), group=self._control)
+        if len(set(ticks)) != 1:
+            raise ValueError(f"revkernels: the ranks' checkpoints are from different ticks (tick, batches) {ticks}: "
+                             f"resume from one complete set of rank files")
+        dev = self.device
+        state = copy.deepcopy(state)
+        for i in self._own():
+            self.stages[i].module.load_state_dict(state["modules"][i])
+            tr.optimizers[i].load_state_dict(state["optimizers"][i])
+            fifo, peak = state["fifos"][i]
+            self.stages[i].load_fifo_state(_to(fifo, dev), peak)
+        self.tick = tr.tick = state["tick"]
+        self.batches_in, tr.batch_size = state["batches_in"], state["batch_size"]
+        self._fed, self._last_fed = dict(state["fed"]), state["last_fed"]
+        self._labels = _to(state["labels"], dev)
+        self._image_spec = None if state["image_spec"] is None else tuple(state["image_spec"])
+        if self._image_spec is not None:
+            self._specs = boundary_specs(self.stages, tr.groups, self._image_spec[0], self._image_spec[1])
+        self._recvs = {}
+        if state["fwd_in"] is not None:
+            b, xs = _to(state["fwd_in"], dev)
+            self._recvs[_FWD] = (b, self.rank - 1, [[t, None] for t in xs])
+        if state["bwd_in"] is not None:
+            b, xs, dxs = _to(state["bwd_in"], dev)
+            self._recvs[_BWD] = (b, self.rank + 1, [[t, None] for t in tuple(xs) + tuple(dxs)])
 
     # --- collectives ----------------------------------------------------------------------------------
 
@@ -353,6 +437,10 @@ class PipelineRank:
                 self.fail(peer, f"a send to it at tick {self.tick - 1} failed ({_short(e)})")
         self._sends = []
 
+    def barrier(self):
+        """Waits for every rank (collective, on the control group)."""
+        dist.barrier(group=self._control)
+
     def close(self):
         """Waits for the last sends, stops the watchdog, meets every rank and leaves the group."""
         self._wait_sends()
@@ -366,6 +454,86 @@ class PipelineRank:
         except Exception as e:  # noqa: BLE001
             _abort(self, f"the final barrier failed: {e}", publish=False)
         dist.destroy_process_group()
+
+
+RANK_STATE_KIND = "revkernels.petra.distributed rank state"
+
+
+def _to(obj, device):
+    """`obj` (nested tuples/lists/dicts) with every tensor moved to `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _to_cpu(obj):
+    return _to(obj, "cpu")
+
+
+def merge_rank_states(states):
+    """The `simulate.Trainer.state_dict()` equivalent to every rank's `PipelineRank.state_dict()` (a list
+    in rank order, all from the same tick): load it into ``Trainer(model, method, groups=R, ...)`` to
+    continue the distributed run in the simulator, bit for bit. The analysis inputs/records start empty."""
+    states = sorted(states, key=lambda s: s["rank"])
+    first = states[0]
+    R = first["world_size"]
+    if [s["rank"] for s in states] != list(range(R)) or any(s.get("kind") != RANK_STATE_KIND for s in states):
+        raise ValueError(f"revkernels: merge_rank_states needs one rank state per rank 0..{R - 1}")
+    for key in ("tick", "batches_in", "method", "groups", "accum_k"):
+        if any(s[key] != first[key] for s in states):
+            raise ValueError(f"revkernels: the rank states differ in {key}: {[s[key] for s in states]}")
+    modules, optimizers, fifos = {}, {}, {}
+    fwd, bwd, labels = {}, {}, {}
+    for s in states:
+        modules.update(s["modules"])
+        optimizers.update(s["optimizers"])
+        fifos.update(s["fifos"])
+        if s["fwd_in"] is not None:
+            fwd[s["rank"] - 1] = s["fwd_in"]
+        if s["bwd_in"] is not None:
+            bwd[s["rank"] + 1] = s["bwd_in"]
+        labels.update(s["labels"])
+    n = first["num_stages"]
+    fed = {t: b for t, b in first["fed"].items() if t >= first["tick"] - 2 * R}
+    return copy.deepcopy({"version": 1, "method": first["method"], "num_stages": n, "groups": first["groups"],
+                          "accum_k": first["accum_k"], "tick": first["tick"], "batches_in": first["batches_in"],
+                          "batch_size": first["batch_size"], "modules": [modules[i] for i in range(n)],
+                          "optimizers": [optimizers[i] for i in range(n)], "fifos": [fifos[i] for i in range(n)],
+                          "fwd_msgs": fwd, "bwd_msgs": bwd, "labels": labels, "inputs": {}, "analysis": [],
+                          "fed": fed})
+
+
+def split_trainer_state(state, rank, image_spec=None):
+    """Rank `rank`'s `PipelineRank.state_dict()` from a pipelined `simulate.Trainer.state_dict()` made with
+    ``groups=R`` (R ranks): the inverse of `merge_rank_states`. `image_spec` ``(shape, dtype)`` of a batch
+    of images (needed once a batch has been fed, to size the receives). The gradient analysis records
+    are dropped (the distributed runtime has none)."""
+    groups = state["groups"]
+    R, own = len(groups), groups[rank]
+    fed = dict(state.get("fed", {}))
+    if not fed and state["tick"]:
+        if state["batches_in"] != state["tick"]:
+            raise ValueError("revkernels: this simulator checkpoint predates the feed history ('fed'); it can be "
+                             "split only if every tick fed a batch")
+        fed = {t: t for t in range(max(0, state["tick"] - 2 * R), state["tick"])}
+    last = [t for t, b in fed.items() if b is not None]
+    if state["batches_in"] and image_spec is None:
+        raise ValueError("revkernels: split_trainer_state needs image_spec=(shape, dtype) of the images")
+    labels = state["labels"] if rank == R - 1 else {}
+    out = {"version": 1, "kind": RANK_STATE_KIND, "rank": rank, "world_size": R, "method": state["method"],
+           "num_stages": state["num_stages"], "groups": groups, "accum_k": state["accum_k"], "tick": state["tick"],
+           "batches_in": state["batches_in"], "batch_size": state["batch_size"],
+           "image_spec": None if image_spec is None else (tuple(image_spec[0]), image_spec[1]),
+           "fed": fed, "last_fed": max(last) if last else None,
+           "modules": {i: state["modules"][i] for i in own}, "optimizers": {i: state["optimizers"][i] for i in own},
+           "fifos": {i: state["fifos"][i] for i in own},
+           "fwd_in": state["fwd_msgs"].get(rank - 1) if rank > 0 else None,
+           "bwd_in": state["bwd_msgs"].get(rank + 1), "labels": labels}
+    return _to_cpu(copy.deepcopy(out))
 
 
 def _short(e):

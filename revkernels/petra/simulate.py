@@ -55,8 +55,11 @@ Costs one end-to-end forward/backward of k batches per stage analysed (simulate 
 Checkpoints. `state_dict()` holds everything a run needs to continue bit for bit: the stages' module
 states, every optimizer's state (momentum), step counters and partially accumulated ``.grad``, the
 in-flight pipeline (messages between workers, labels not yet used, every stage's FIFO with its
-parameter copies), the analysis inputs and records, tick and batch counters. `load_state_dict` into a
-`Trainer` built with the same model and arguments. (``events``/``schedule`` restart empty.)
+parameter copies), the analysis inputs and records, tick and batch counters, and which batch each of
+the last 2R ticks fed (``fed``; what the distributed runtime needs to know which messages arrive).
+`load_state_dict` into a `Trainer` built with the same model and arguments. (``events``/``schedule``
+restart empty.) `revkernels.petra.distributed.merge_rank_states` / `split_trainer_state` convert
+between this format (pipelined methods) and the distributed runtime's per-rank checkpoints.
 
 Workers and groups. A tick is run by `Worker`s: by default one per stage; ``groups=R`` (or a list of
 group sizes) puts R contiguous groups of stages on R workers, each running its group as one stage
@@ -359,6 +362,7 @@ class Trainer:
         self._labels = {}  # batch id -> labels, until the head has used them
         self._fwd_msgs = {}  # worker index -> (batch, output) sent to worker index + 1 last tick
         self._bwd_msgs = {}  # worker index -> (batch, x, dx) sent to worker index - 1 last tick
+        self._fed = {}  # tick -> batch id fed at that tick or None, for the last 2 * workers ticks (checkpoints)
 
     # --- schedule ---------------------------------------------------------------------------------
 
@@ -500,7 +504,7 @@ class Trainer:
                  "optimizers": [opt.state_dict() for opt in self.optimizers],
                  "fifos": [(s.fifo_state(), s.peak_buffer_bytes) for s in self.stages],
                  "fwd_msgs": self._fwd_msgs, "bwd_msgs": self._bwd_msgs, "labels": self._labels,
-                 "inputs": self._inputs, "analysis": self.analysis}
+                 "inputs": self._inputs, "analysis": self.analysis, "fed": self._fed}
         return copy.deepcopy(state)
 
     def load_state_dict(self, state):
@@ -519,6 +523,7 @@ class Trainer:
         self.tick, self.batches_in, self.batch_size = state["tick"], state["batches_in"], state["batch_size"]
         self._fwd_msgs, self._bwd_msgs = state["fwd_msgs"], state["bwd_msgs"]
         self._labels, self._inputs, self.analysis = state["labels"], state["inputs"], state["analysis"]
+        self._fed = state.get("fed", {})
 
     def flush(self):
         """Runs ticks without new input until the pipeline is empty; returns each tick's dict."""
@@ -543,6 +548,9 @@ class Trainer:
                 result.update(loss=out["loss"], batch=out["batch"])
             result["stepped"].extend(out["stepped"])
         self._fwd_msgs, self._bwd_msgs = fwd_msgs, bwd_msgs
+        self._fed[self.tick] = None if new_input is None else new_input[0]
+        for t in [t for t in self._fed if t < self.tick - 2 * len(self.workers)]:
+            del self._fed[t]
         self.tick += 1
         return result
 

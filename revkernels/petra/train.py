@@ -54,13 +54,18 @@ the end-to-end backprop gradient of the same batches at the current parameters
 e2e_norm, epoch), and each epoch's record gets ``mean_cosine`` / ``mean_norm_ratio`` over the
 epoch's analysis records.
 
-Checkpoints (simulate only). ``--checkpoint-every N`` writes ``checkpoint.pt`` in ``--out`` (replaced
+Checkpoints. ``--checkpoint-every N`` writes ``checkpoint.pt`` in ``--out`` (replaced
 atomically) after every N-th training batch, before any drain: the trainer's `state_dict` (model,
 every stage's optimizer and lr-schedule step counters, partially accumulated grads, the in-flight
 pipeline: messages, FIFOs with their parameter copies, unused labels), the data-order generator's
 state at the start of the epoch with the position in it, the torch RNG state and the epoch's running
 sums. ``--resume PATH`` loads it into fresh objects (same model/data/method/recipe arguments, checked)
 and continues: the run is bit-identical to an uninterrupted one; the logs in ``--out`` are appended to.
+Under ``--runtime distributed`` every rank writes its own ``<out>/checkpoint/rank{r}.pt`` after the same
+tick (its worker's stages, optimizers, FIFOs, the messages it has received for the next tick, the
+head's unused labels, the feed history; `PipelineRank.state_dict`) with the same data-order / RNG
+state, then the ranks meet at a barrier; ``--resume <out>/checkpoint`` (same number of ranks) restores
+each rank from its file (the ranks check they are at the same tick) and continues bit-identically.
 
 Runtimes. ``--runtime simulate`` (default): the exact one-process simulator (any method).
 ``--runtime distributed`` (``petra`` and ``delayed``): one process per worker, torch.distributed point-to-point
@@ -152,8 +157,9 @@ def make_parser():
     p.add_argument("--analyze-every", type=int, default=None,
                    help="gradient analysis every N optimizer steps (simulate): analysis.jsonl / analysis.csv")
     p.add_argument("--checkpoint-every", type=int, default=None,
-                   help="write <out>/checkpoint.pt every N training batches (simulate)")
-    p.add_argument("--resume", default=None, help="continue exactly from a checkpoint.pt (simulate)")
+                   help="write <out>/checkpoint.pt (distributed: <out>/checkpoint/rank{r}.pt) every N training batches")
+    p.add_argument("--resume", default=None,
+                   help="continue exactly from a checkpoint.pt (distributed: the folder of rank{r}.pt files)")
     return p
 
 
@@ -174,13 +180,15 @@ def _check_args(args):
         raise ValueError(f"revkernels: --runtime distributed runs --method petra or delayed only, got {args.method!r}")
     if args.ranks is not None and args.method not in PIPELINED:
         raise ValueError(f"revkernels: --ranks applies to --method petra or delayed only, got {args.method!r}")
-    for name in ("analyze_every", "checkpoint_every", "resume"):
-        if getattr(args, name) is not None and args.runtime == "distributed":
-            raise ValueError(f"revkernels: --{name.replace('_', '-')} runs with --runtime simulate only")
+    if args.analyze_every is not None and args.runtime == "distributed":
+        raise ValueError("revkernels: --analyze-every runs with --runtime simulate only")
     for name in ("analyze_every", "checkpoint_every"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"revkernels: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.resume is not None and not os.path.isfile(args.resume):
+    if args.resume is not None and args.runtime == "distributed" and not os.path.isfile(
+            os.path.join(args.resume, "rank0.pt")):
+        raise ValueError(f"revkernels: --resume {args.resume!r} is not a folder of rank checkpoints (rank0.pt, ...)")
+    if args.resume is not None and args.runtime != "distributed" and not os.path.isfile(args.resume):
         raise ValueError(f"revkernels: --resume {args.resume!r} is not a file")
     if args.dataset in ("imagefolder", "cifar10") and not args.data:
         raise ValueError(f"revkernels: --dataset {args.dataset} needs --data PATH")
@@ -353,15 +361,23 @@ def _save_checkpoint(path, state):
     os.replace(tmp, path)
 
 
-def _load_checkpoint(args, trainer):
-    ckpt = torch.load(args.resume, map_location="cpu", weights_only=False)
+def _load_checkpoint(args, trainer, pipe=None):
+    path = args.resume if pipe is None else os.path.join(args.resume, f"rank{pipe.rank}.pt")
+    if not os.path.isfile(path):
+        raise ValueError(f"revkernels: --resume: {path!r} is missing (a distributed run resumes with as many ranks "
+                         f"as it was saved with)")
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
     if not isinstance(ckpt, dict) or ckpt.get("kind") != "revkernels.petra.train checkpoint":
         raise ValueError(f"revkernels: --resume {args.resume!r} is not a revkernels.petra.train checkpoint")
     diff = [k for k in _RESUME_SAME if ckpt["args"].get(k) != getattr(args, k)]
     if diff:
         raise ValueError("revkernels: --resume: the checkpoint was made with other " + ", ".join(
             f"--{k.replace('_', '-')} ({ckpt['args'].get(k)!r}, not {getattr(args, k)!r})" for k in diff))
-    trainer.load_state_dict(ckpt["trainer"])
+    if ckpt["args"].get("runtime", "simulate") != args.runtime:
+        raise ValueError(f"revkernels: --resume: the checkpoint is from --runtime {ckpt['args'].get('runtime')}, "
+                         f"not {args.runtime} (revkernels.petra.distributed.merge_rank_states / split_trainer_state "
+                         f"convert between the two)")
+    (trainer if pipe is None else pipe).load_state_dict(ckpt["trainer"])
     return ckpt
 
 
@@ -376,7 +392,7 @@ def _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tq
     gen = torch.Generator().manual_seed(args.seed)
     step, record, start_epoch, skip, carried = 0, None, 1, 0, None
     if args.resume:
-        ckpt = _load_checkpoint(args, trainer)
+        ckpt = _load_checkpoint(args, trainer, pipe)
         step, start_epoch, skip = ckpt["step"], ckpt["epoch"], ckpt["step_in_epoch"]
         gen.set_state(ckpt["epoch_generator_state"])
         torch.set_rng_state(ckpt["torch_rng_state"])
@@ -420,12 +436,19 @@ def _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tq
                 bar.set_postfix(loss=f"{result['loss']:.3f}", refresh=False)
             bar.update(1)
             if args.checkpoint_every and step % args.checkpoint_every == 0:
-                _save_checkpoint(os.path.join(out, "checkpoint.pt"), {
-                    "kind": "revkernels.petra.train checkpoint", "args": vars(args), "trainer": trainer.state_dict(),
+                if pipe is None:
+                    path, state = os.path.join(out, "checkpoint.pt"), trainer.state_dict()
+                else:  # every rank its own file, after the same tick (its sends and next receives waited)
+                    os.makedirs(os.path.join(out, "checkpoint"), exist_ok=True)
+                    path, state = os.path.join(out, "checkpoint", f"rank{pipe.rank}.pt"), pipe.state_dict()
+                _save_checkpoint(path, {
+                    "kind": "revkernels.petra.train checkpoint", "args": vars(args), "trainer": state,
                     "step": step, "epoch": epoch, "step_in_epoch": in_epoch, "epoch_generator_state": epoch_state,
                     "torch_rng_state": torch.get_rng_state(),
                     "epoch_sums": {"losses": losses, "n_images": n_images, "analysis_start": epoch_analysis_start,
                                    "train_time": time.perf_counter() - t0}})
+                if pipe is not None:
+                    pipe.barrier()  # every rank's file written before any rank moves on
         skip = 0
         last = epoch == args.epochs or step >= total_steps
         stats = step_fn.buffer_stats()  # the in-flight buffers, before any drain (collective if distributed)

@@ -39,3 +39,47 @@ def test_bench_petra_run_returns_its_rows(monkeypatch, tmp_path):
     assert petra["speedup_vs_revbackprop_best"] == 2.0 and petra["speedup_vs_revbackprop_same_cores"] == 4.0
     assert petra["groups"] == "0-4 5-9" and (tmp_path / "petra_cpu.csv").exists()
     assert bench.main(["--quick", "--out", str(tmp_path)]) == 0  # an exit status, not the rows
+
+
+def test_bench_petra_project_quick_writes_csv_and_png(tmp_path):
+    """``--project --quick`` on CPU: per-stage times and bytes for RevNet-18 and RevNet-34, one row per J with a
+    sane projection (J = 1 is reversible backprop itself), CSVs with provenance, a PNG."""
+    result = subprocess.run([sys.executable, "-m", "revkernels.bench.petra", "--project", "--quick", "--device", "cpu",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "petra_projection_cpu.csv")))
+    stages = list(csv.DictReader(open(tmp_path / "petra_projection_stages_cpu.csv")))
+    for model in ("revnet18", "revnet34"):
+        mine = [r for r in rows if r["model"] == model]
+        n = sum(1 for s in stages if s["model"] == model)
+        assert [int(r["J"]) for r in mine] == sorted({1, n} | {2 ** k for k in range(1, 6) if 2 ** k < n})
+        assert float(mine[0]["speedup_overlap"]) == 1.0 and mine[0]["groups"] == f"0-{n - 1}"
+        for r in mine:
+            assert r["commit"] and r["device"].startswith("CPU") and float(r["link_gb_s"]) == 25.0
+            assert 0 < float(r["speedup_serial"]) <= float(r["speedup_overlap"]) <= int(r["J"]) + 1e-6
+            assert float(r["tick_ms_overlap"]) >= float(r["max_compute_ms"]) > 0
+        assert mine[-1]["groups"] == " ".join(f"{i}-{i}" for i in range(n))
+    assert all(float(s["petra_ms"]) > 0 for s in stages)
+    assert all(float(s["rebuild_ms"]) > 0 for s in stages if s["reversible"] == "True")
+    assert all(int(s["bwd_send_bytes"]) == 0 for s in stages if s["stage"] == "0")
+    assert "revnet34 cifar stem 8x8" in result.stdout
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "petra_projection_cpu.png").stat().st_size > 0
+
+
+def test_projection_model_by_hand():
+    """The tick model on made-up stages: DP grouping, overlap vs serial transfer, speed-ups."""
+    from revkernels.bench.petra import best_grouping, project
+
+    st = [{"petra_ms": t, "fwd_send_bytes": 1e9 if i < 3 else 0, "bwd_send_bytes": 0 if i == 0 else 2e9}
+          for i, t in enumerate([10.0, 10.0, 10.0, 30.0])]
+    # one stage per worker at 100 GB/s: worker 1 sends 1 GB forward + 2 GB backward, receives 1 + 2 GB -> 30 ms
+    tick, sizes = best_grouping(st, 4, 100.0, 0.0, overlap=True)
+    assert sizes == [1, 1, 1, 1] and abs(tick - 30.0) < 1e-9
+    tick_s, _ = best_grouping(st, 4, 100.0, 0.0, overlap=False)
+    assert abs(tick_s - 50.0) < 1e-9  # the head: 30 ms compute + 20 ms sending 2 GB backward (receives 1 GB)
+    rows = project(st, 50.0, 100.0, 0.0)
+    assert [r["J"] for r in rows] == [1, 2, 4]
+    assert rows[0]["speedup_overlap"] == 1.0 and rows[0]["backprop_ms"] == 50.0
+    two = rows[1]  # 3 | 1: compute 30 and 30, transfer 30 on both sides -> tick 30 overlapped
+    assert two["groups"] == "0-2 3-3" and two["tick_ms_overlap"] == 30.0 and two["speedup_overlap"] == 2.0

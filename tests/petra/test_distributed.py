@@ -175,3 +175,125 @@ def test_distributed_delayed_equals_simulator(tmp_path):
     stats = results[0]["stats"]
     assert [s["peak_bytes"] for s in stats] == [s["peak_bytes"] for s in trainer.buffer_stats()]
     assert all(s["peak_bytes"] > 0 for s in stats[:-1]) and all(res["peak_rev"] > 0 for res in results[:-1])
+
+
+# --- checkpoints: resume under the distributed runtime ------------------------------------------------
+
+def _resume_rank(layout, groups, data_range, ckpt_in, ckpt_out, save_at, timeout=20.0):
+    """One rank: a fresh model from seed 0, optionally restored from ``ckpt_in/rank{r}.pt``, trained on
+    batches ``data_range`` of `_batches(6)` (saving ``ckpt_out/rank{r}.pt`` after batch `save_at`), flushed."""
+    torch.manual_seed(0)
+    model = synthetic_stages(layout)
+    init(timeout=timeout)
+    pr = PipelineRank(model, groups=groups, timeout=timeout, **KW)
+    if ckpt_in:
+        pr.load_state_dict(torch.load(os.path.join(ckpt_in, f"rank{pr.rank}.pt"), weights_only=False))
+    losses = []
+    data = _batches(6)
+    for b in range(*data_range):
+        losses.append(pr.train_step(*data[b])["loss"])
+        if ckpt_out and b + 1 == save_at:
+            torch.save(pr.state_dict(), os.path.join(ckpt_out, f"rank{pr.rank}.pt"))
+            pr.barrier()
+    losses += [r["loss"] for r in pr.flush()]
+    own = pr.trainer.groups[pr.rank]
+    state = {i: {k: v.clone() for k, v in pr.stages[i].module.state_dict().items()} for i in own}
+    steps = [pr.trainer.optimizers[i].steps for i in own]
+    pr.close()
+    return {"state": state, "losses": losses, "steps": steps, "ticks": pr.tick}
+
+
+def _same(a, b, where="state"):
+    """Recursive equality with torch.equal for tensors (dict vs OrderedDict and list vs tuple alike)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype \
+            and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (where, set(a) ^ set(b))
+        for k in a:
+            _same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+def test_distributed_resume_is_exact_and_matches_the_simulator(tmp_path):
+    """3 ranks (6 stages in 3 groups), 6 batches + flush straight (saving every rank's state after batch 3,
+    mid-pipeline: FIFOs, received messages, partial grads in flight) vs fresh processes restored from those
+    files for batches 3..5 + flush: identical parameters and losses. The rank files equal the simulator's
+    state at the same point, split by rank, and, merged, resume the simulator to the same parameters."""
+    from revkernels.petra.distributed import merge_rank_states, split_trainer_state
+
+    layout, groups = "S r D r r H", 3
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    straight = launch(_resume_rank, 3, (layout, groups, (0, 6), None, str(ckpt), 3), log_dir=str(tmp_path / "a"),
+                      timeout=120)
+    resumed = launch(_resume_rank, 3, (layout, groups, (3, 6), str(ckpt), None, None), log_dir=str(tmp_path / "b"),
+                     timeout=120)
+    for r in range(3):
+        assert straight[r] is not None and resumed[r] is not None, r
+        assert set(straight[r]["state"]) == set(resumed[r]["state"])
+        for i, state in straight[r]["state"].items():
+            for name, t in state.items():
+                assert torch.equal(resumed[r]["state"][i][name], t), f"rank {r} stage {i} {name}"
+        assert resumed[r]["steps"] == straight[r]["steps"] and resumed[r]["ticks"] == straight[r]["ticks"]
+    assert straight[-1]["losses"][3:] == resumed[-1]["losses"]
+    assert any(x is not None for x in resumed[-1]["losses"])
+
+    # The simulator: the same 6 batches straight equal the distributed run; its state after 3 batches is
+    # the rank files' content; the merged rank files resume it bit for bit.
+    model, trainer, sim_losses = _simulate(layout, groups, 6)
+    for r in range(3):
+        for i, state in straight[r]["state"].items():
+            for name, t in trainer.stages[i].module.state_dict().items():
+                assert torch.equal(state[name], t), f"rank {r} stage {i} {name}"
+    rank_states = [torch.load(ckpt / f"rank{r}.pt", weights_only=False) for r in range(3)]
+    assert rank_states[0]["fifos"][0][0] and rank_states[1]["bwd_in"] is not None and rank_states[2]["labels"]
+    data = _batches(6)
+    torch.manual_seed(0)
+    sim = Trainer(synthetic_stages(layout), "petra", groups=groups, **KW)
+    for x, y in data[:3]:
+        sim.train_step(x, y)
+    sim_state = sim.state_dict()
+    for r in range(3):
+        _same(split_trainer_state(sim_state, r, image_spec=(tuple(data[0][0].shape), data[0][0].dtype)),
+              rank_states[r], f"rank {r}")
+    torch.manual_seed(0)
+    model2 = synthetic_stages(layout)
+    sim2 = Trainer(model2, "petra", groups=groups, **KW)
+    sim2.load_state_dict(merge_rank_states(rank_states))
+    losses = [sim2.train_step(x, y)["loss"] for x, y in data[3:]] + [r["loss"] for r in sim2.flush()]
+    assert losses == resumed[-1]["losses"] == sim_losses[3:]
+    sa, sb = model.state_dict(), model2.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_cli_distributed_checkpoint_and_resume(tmp_path):
+    """``--runtime distributed --nproc 3 --checkpoint-every 3``: every rank writes checkpoint/rank{r}.pt; fresh
+    processes with ``--resume <out>/checkpoint`` finish the run with the same final metrics, bit for bit."""
+    args = ["--model", "revnet18", "--dataset", "synthetic", "--image-size", "8", "--epochs", "1", "--batch-size", "8",
+            "--max-steps", "5", "--accum", "2", "--threads", "1", "--no-progress", "--runtime", "distributed",
+            "--nproc", "3"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    proc = subprocess.run([sys.executable, "-m", "revkernels.petra.train", *args, "--checkpoint-every", "3",
+                           "--out", a], capture_output=True, text=True, cwd=ROOT, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(os.listdir(os.path.join(a, "checkpoint"))) == ["rank0.pt", "rank1.pt", "rank2.pt"]
+    proc = subprocess.run([sys.executable, "-m", "revkernels.petra.train", *args, "--resume",
+                           os.path.join(a, "checkpoint"), "--out", b], capture_output=True, text=True, cwd=ROOT,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logs = {}
+    for name, out in (("a", a), ("b", b)):
+        with open(os.path.join(out, "summary.json")) as f:
+            logs[name] = json.load(f)
+    for key in ("step", "optimizer_steps", "lr", "train_loss", "test_loss", "test_acc", "buffer_bytes",
+                "peak_buffer_bytes"):
+        assert logs["a"][key] == logs["b"][key], key
+    from revkernels.petra.train import main
+    with pytest.raises(ValueError, match="not a folder of rank checkpoints"):
+        main(args + ["--resume", os.path.join(a, "checkpoint", "rank0.pt")])

@@ -126,7 +126,7 @@ def test_cli_delayed_with_analysis_logs(tmp_path):
 @pytest.mark.parametrize("flags, match", [(["--runtime", "distributed", "--nproc", "2", "--analyze-every", "1"],
                                            "simulate only"),
                                           (["--runtime", "distributed", "--nproc", "2", "--resume", "x"],
-                                           "simulate only"),
+                                           "not a folder of rank checkpoints"),
                                           (["--checkpoint-every", "0"], "--checkpoint-every"),
                                           (["--resume", "/nonexistent/ckpt.pt"], "not a file"),
                                           (["--dataset", "cifar10"], "--data")])
