@@ -14,7 +14,8 @@
 # Stages: build (pip install -e ., CUDA kernels forced; if that fails the log is kept and the
 # package is built without them so the Triton paths still run), prebuilt (use the _C*.so already in
 # revkernels/), tests (pytest -m gpu, $TEST_ARGS appended), kernels (bench_kernels.py), train
-# (bench_train.py, $TRAIN_ARGS appended), train_quick (bench_train.py --quick on the GPU).
+# (bench_train.py, $TRAIN_ARGS appended), train_quick (bench_train.py --quick on the GPU),
+# petra_project (python -m revkernels.bench.petra --project: 3 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -95,6 +96,11 @@ if wants train_quick; then
   step "train-step benchmark, quick shapes on the GPU"
   limit 120 $PY benchmarks/bench_train.py --quick --out "$OUT/quick" >> "$log" 2>&1 || status=1
   rm -rf "$OUT/quick"
+fi
+
+if wants petra_project; then
+  step "PETRA projected speed-up (per-stage times on this GPU + link model)"
+  limit ${PETRA_LIMIT:-150} $PY -m revkernels.bench.petra --project --out "$OUT" >> "$log" 2>&1 || status=1
 fi
 
 if wants train; then
