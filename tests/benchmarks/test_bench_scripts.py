@@ -110,3 +110,11 @@ def test_kernels_cuda_summary(capsys):
     assert "coupling_sub         3000 GB/s = 85.7% of copy (triton)  target >= 85%: met" in out
     assert "layer_norm_bwd_add   4000 GB/s = 114.3% of copy (triton)  target >= 70%: met" in out
     assert "linear_sub           1.0 TFLOP/s" in out
+
+
+def test_config_sweep_needs_a_gpu_and_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the sweep runs for minutes; it is run by hand")
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sweep_triton_configs.py")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "no CUDA device" in result.stderr
