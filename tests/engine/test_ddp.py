@@ -1,4 +1,6 @@
 """DDP over the sequential engine: two gloo processes give the grads of one process."""
+import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -16,7 +18,9 @@ def _mean_loss(seq, x1, x2, w1, w2):
 
 
 def _worker(rank, world, init_file, data_file, out_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # A bounded timeout: a lost peer fails the test instead of hanging it.
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
     try:
         torch.set_num_threads(1)
         data = torch.load(data_file)
@@ -29,9 +33,13 @@ def _worker(rank, world, init_file, data_file, out_file):
             _mean_loss(ddp, x1, x2, w1, w2).backward()  # DDP averages the ranks' grads
         if rank == 0:
             torch.save([p.grad for p in seq.parameters()], out_file)
-        dist.barrier()  # neither rank tears gloo down while the other may still be talking to it
-    finally:
+        dist.barrier()  # both ranks are done with gloo
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Exit without tearing gloo down: its shutdown once left a rank waiting forever after all the
+    # work was done (the test hung CI); the process's exit frees everything.
+    os._exit(0)
 
 
 def test_ddp_two_gloo_processes_match_one_process(tmp_path):

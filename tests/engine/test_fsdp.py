@@ -7,6 +7,7 @@ block modules, so FSDP's per-module unshard hooks would not run for blocks shard
 (their parameters stay sharded DTensors: "got mixed torch.Tensor and DTensor"). The autograd
 engine calls the blocks as modules, so each block can be its own unit there.
 """
+import datetime
 import os
 import warnings
 
@@ -28,7 +29,8 @@ def _mean_loss(seq, x1, x2, w1, w2):
 
 
 def _worker(rank, world, engine, per_block, init_file, data_file, out_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))  # a lost peer fails, never hangs
     done = False
     try:
         torch.set_num_threads(1)
