@@ -1,4 +1,5 @@
 """Shared test utilities: error measures, small reversible stacks and their plain-autograd twin."""
+import os
 import subprocess
 import sys
 
@@ -73,3 +74,12 @@ def run_without_c_extension(body):
     code = "import sys, warnings\nsys.modules['revkernels._C'] = None\n" + body
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+def triton_device():
+    """Where the Triton kernels run in tests: CUDA when present, else the CPU under the Triton
+    interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before any kernel module is imported)."""
+    if not torch.cuda.is_available():
+        assert os.environ.get("TRITON_INTERPRET") == "1"
+        return "cpu"
+    return "cuda"

@@ -1,7 +1,6 @@
 """revkernels::batch_norm_act / batch_norm_act_bwd against float64 references and torch's own
 BatchNorm: the C++ CPU kernels, the Triton kernels (under TRITON_INTERPRET=1 on CPU, fp32) and,
 with -m gpu, the CUDA path."""
-import os
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ import revkernels as rk
 from revkernels.ops._library import has_compiled_kernel
 from revkernels.ops.batch_norm import (batch_norm_act, batch_norm_act_bwd, batch_norm_act_bwd_reference,
                                        batch_norm_act_reference)
-from tests.helpers import assert_close_rel, run_without_c_extension
+from tests.helpers import assert_close_rel, run_without_c_extension, triton_device
 
 EPS = 1e-5
 SHAPES = [(2, 3, 5, 7), (4, 64, 8, 8), (1, 3, 1, 1), (6, 5), (3, 4, 10)]
@@ -291,13 +290,6 @@ def test_pure_pytorch_fallback_when_library_missing():
 TRITON_PATHS = {"default": {}, "split": {"block_m": 16, "chunks": 3}}
 
 
-def _triton_device():
-    if not torch.cuda.is_available():
-        assert os.environ.get("TRITON_INTERPRET") == "1"
-        return "cpu"
-    return "cuda"
-
-
 @pytest.mark.parametrize("path", list(TRITON_PATHS))
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("shape", [(2, 3, 5, 7), (4, 64, 8, 8), (1, 3, 1, 1)])
@@ -305,7 +297,7 @@ def test_triton_batch_norm_act(shape, layout, path):
     from revkernels.triton.batch_norm import batch_norm_act as fwd_kernel
     from revkernels.triton.batch_norm import batch_norm_act_bwd as bwd_kernel
 
-    device = _triton_device()
+    device = triton_device()
     x = _in_layout(_random(shape), layout).to(device)
     weight, bias = (t.to(device) for t in _params(shape[1]))
     dout = torch.randn(shape, device=device)
@@ -329,7 +321,7 @@ def test_triton_fp64_and_empty():
     from revkernels.triton.batch_norm import batch_norm_act as fwd_kernel
     from revkernels.triton.batch_norm import batch_norm_act_bwd as bwd_kernel
 
-    device = _triton_device()
+    device = triton_device()
     x = _random((3, 4, 5)).double().to(device)
     weight, bias = (t.double().to(device) for t in _params(4))
     out, mean, rstd = fwd_kernel(x, weight, bias, EPS, True, block_m=16, chunks=2)

@@ -1,7 +1,6 @@
 """revkernels::sub_layer_norm / layer_norm_bwd_add against float64 references and torch's own
 LayerNorm: the C++ CPU kernels, the Triton kernels (under TRITON_INTERPRET=1 on CPU, fp32 only)
 and, with -m gpu, the CUDA path."""
-import os
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from revkernels.ops._library import has_compiled_kernel
 from revkernels.ops.coupling import coupling_sub_reference
 from revkernels.ops.layer_norm import (layer_norm_bwd_add, layer_norm_bwd_add_reference, sub_layer_norm,
                                        sub_layer_norm_reference)
-from tests.helpers import assert_close_rel, run_without_c_extension
+from tests.helpers import assert_close_rel, run_without_c_extension, triton_device
 
 EPS = 1e-5
 # Widths 33, 1000, 4097; one row and up to a few hundred, some with two leading dims.
@@ -381,19 +380,12 @@ TRITON_SHAPES = [(1, 33), (3, 33), (1, 1000), (2, 1000), (1, 4097), (3, 4097)]
 TRITON_PATHS = {"fused": {}, "chunked": {"max_fused_n": 16, "chunk_n": 32}}
 
 
-def _triton_device():
-    if not torch.cuda.is_available():
-        assert os.environ.get("TRITON_INTERPRET") == "1"
-        return "cpu"
-    return "cuda"
-
-
 @pytest.mark.parametrize("path", list(TRITON_PATHS))
 @pytest.mark.parametrize("shape", TRITON_SHAPES)
 def test_triton_sub_layer_norm(shape, path):
     from revkernels.triton.layer_norm import sub_layer_norm as kernel
 
-    device = _triton_device()
+    device = triton_device()
     y, g = _random(shape).to(device), _g(shape).to(device)
     weight, bias = (t.to(device) for t in _params(shape[-1]))
     x, ln, mean, rstd = kernel(y, g, weight, bias, EPS, **TRITON_PATHS[path])
@@ -409,7 +401,7 @@ def test_triton_sub_layer_norm(shape, path):
 def test_triton_layer_norm_bwd_add(shape, path):
     from revkernels.triton.layer_norm import layer_norm_bwd_add as kernel
 
-    device = _triton_device()
+    device = triton_device()
     x, dln, dres = _random(shape).to(device), torch.randn(shape).to(device), torch.randn(shape).to(device)
     weight, bias = (t.to(device) for t in _params(shape[-1]))
     mean, rstd = _stats(x)
@@ -426,7 +418,7 @@ def test_triton_layouts_and_fp64_accumulation(path):
     from revkernels.triton.layer_norm import layer_norm_bwd_add as bwd_kernel
     from revkernels.triton.layer_norm import sub_layer_norm as fwd_kernel
 
-    device = _triton_device()
+    device = triton_device()
     kwargs = TRITON_PATHS[path]
     y = _random((33, 5)).to(device).t()  # last dim strided: copied
     g = _random((1, 33)).to(device).expand(5, 33)  # row stride 0
@@ -452,7 +444,7 @@ def test_triton_empty_rows():
     from revkernels.triton.layer_norm import layer_norm_bwd_add as bwd_kernel
     from revkernels.triton.layer_norm import sub_layer_norm as fwd_kernel
 
-    device = _triton_device()
+    device = triton_device()
     y = torch.randn(0, 33, device=device)
     weight, bias = (t.to(device) for t in _params(33))
     x, ln, mean, rstd = fwd_kernel(y, y, weight, bias, EPS)
@@ -497,7 +489,7 @@ def test_triton_launch_configs(width, fwd, bwd, monkeypatch):
                 "bwd_add": "_layer_norm_bwd_add_kernel", "bwd_row_stats": "_layer_norm_bwd_row_stats_kernel",
                 "bwd_add_chunked": "_layer_norm_bwd_add_chunked_kernel"}[name]
         monkeypatch.setattr(L, attr, _LaunchLog(getattr(L, attr), name, log))
-    device = _triton_device()
+    device = triton_device()
     shape = (2, width)
     y, g = _random(shape).to(device), _g(shape).to(device)
     weight, bias = (t.to(device) for t in _params(width))
