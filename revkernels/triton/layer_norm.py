@@ -105,6 +105,18 @@ def _sub_layer_norm_fwd_chunked_kernel(x_ptr, ln_ptr, mean_ptr, rstd_ptr, y_ptr,
 
 
 @triton.jit
+def _row_xhat(x_ptr, x_row_stride, dln_ptr, dln_row_stride, mean_ptr, rstd_ptr, row, cols, mask,
+              ACC_FP64: tl.constexpr):
+    """(xhat, dln, rstd) of one row's columns `cols` for the backward kernels (0 where masked)."""
+    acc_type = tl.float64 if ACC_FP64 else tl.float32
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(acc_type)
+    d = tl.load(dln_ptr + row * dln_row_stride + cols, mask=mask, other=0.0).to(acc_type)
+    mean = tl.load(mean_ptr + row).to(acc_type)
+    rstd = tl.load(rstd_ptr + row).to(acc_type)
+    return tl.where(mask, (x - mean) * rstd, 0.0), d, rstd
+
+
+@triton.jit
 def _layer_norm_bwd_add_kernel(dx_ptr, dw_partial_ptr, db_partial_ptr, dln_ptr, dln_row_stride, x_ptr, x_row_stride,
                                w_ptr, mean_ptr, rstd_ptr, dres_ptr, dres_row_stride, n, rows, rows_per_program,
                                ACC_FP64: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -118,11 +130,8 @@ def _layer_norm_bwd_add_kernel(dx_ptr, dw_partial_ptr, db_partial_ptr, dln_ptr, 
     row_begin = pid.to(tl.int64) * rows_per_program
     row_end = tl.minimum(row_begin + rows_per_program, rows)
     for row in range(row_begin, row_end):
-        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(acc_type)
-        d = tl.load(dln_ptr + row * dln_row_stride + cols, mask=mask, other=0.0).to(acc_type)
-        mean = tl.load(mean_ptr + row).to(acc_type)
-        rstd = tl.load(rstd_ptr + row).to(acc_type)
-        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+        xhat, d, rstd = _row_xhat(x_ptr, x_row_stride, dln_ptr, dln_row_stride, mean_ptr, rstd_ptr, row, cols, mask,
+                                  ACC_FP64)
         dxhat = d * w
         mean_dxhat = tl.sum(dxhat, axis=0) / n
         mean_dxhat_xhat = tl.sum(dxhat * xhat, axis=0) / n
@@ -172,13 +181,10 @@ def _layer_norm_bwd_add_chunked_kernel(dx_ptr, dw_partial_ptr, db_partial_ptr, s
     row_begin = pid.to(tl.int64) * rows_per_program
     row_end = tl.minimum(row_begin + rows_per_program, rows)
     for row in range(row_begin, row_end):
-        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(acc_type)
-        d = tl.load(dln_ptr + row * dln_row_stride + cols, mask=mask, other=0.0).to(acc_type)
-        mean = tl.load(mean_ptr + row).to(acc_type)
-        rstd = tl.load(rstd_ptr + row).to(acc_type)
+        xhat, d, rstd = _row_xhat(x_ptr, x_row_stride, dln_ptr, dln_row_stride, mean_ptr, rstd_ptr, row, cols, mask,
+                                  ACC_FP64)
         mean_dxhat = tl.load(stats_ptr + 2 * row)
         mean_dxhat_xhat = tl.load(stats_ptr + 2 * row + 1)
-        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
         res = tl.load(dres_ptr + row * dres_row_stride + cols, mask=mask, other=0.0).to(acc_type)
         dx = res + rstd * (d * w - mean_dxhat - xhat * mean_dxhat_xhat)
         tl.store(dx_ptr + row * n + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
