@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from revkernels.engine.structure import frozen_batchnorm_stats  # noqa: F401  (re-exported)
+
 
 class RngState:
     """Generator states of the CPU and of the given CUDA devices, taken at construction."""
@@ -70,20 +72,3 @@ class AutocastState:
             return torch.autocast(self.device_type, enabled=False) if self.device_type in ("cpu", "cuda") \
                 else contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=True, cache_enabled=self.cache_enabled)
-
-
-@contextlib.contextmanager
-def frozen_batchnorm_stats(*modules):
-    """BatchNorm layers in training mode under `modules` use batch statistics without updating
-    running_mean/running_var/num_batches_tracked (they were updated by the forward)."""
-    flipped = []
-    for module in modules:
-        for layer in module.modules():
-            if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) and layer.training and layer.track_running_stats:
-                layer.track_running_stats = False
-                flipped.append(layer)
-    try:
-        yield
-    finally:
-        for layer in flipped:
-            layer.track_running_stats = True

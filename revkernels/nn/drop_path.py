@@ -16,6 +16,10 @@ class DropPath(nn.Module):
             raise ValueError(f"revkernels: drop_path must be in [0, 1), got {p}")
         self.p = float(p)
 
+    def draws_random(self):
+        """Whether a forward now draws a mask (the engines replay randomness only then)."""
+        return self.training and self.p > 0.0
+
     def sample_scale(self, x):
         """The per-sample multiplier (shape (N, 1, ..., 1), x's dtype), or None when inactive."""
         if not self.training or self.p == 0.0:

@@ -21,7 +21,8 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.func import functional_call
 
-from revkernels.engine.state import RngState, cuda_devices_of, frozen_batchnorm_stats, maybe_replay
+from revkernels.engine.state import RngState, cuda_devices_of, maybe_replay
+from revkernels.engine.structure import detached_aliases, draws_random, frozen_batchnorm_stats, param_slots
 from revkernels.ops.coupling import coupling_add, coupling_sub
 
 
@@ -75,7 +76,7 @@ class BlockRecompute:
     y1: torch.Tensor | None  # leaf of G's local graph (requires grad); None without G
     f_out: torch.Tensor
     g_out: torch.Tensor | None
-    f_aliases: dict  # name -> detached leaf standing in for F's parameter in the local graph
+    f_aliases: dict  # parameter -> detached leaf standing in for it in F's local graph
     g_aliases: dict
 
 
@@ -107,17 +108,24 @@ class ReversibleBlock(nn.Module):
         y1, y2, _ = self.forward_with_state(x1, x2, preserve_rng_state=False)
         return y1, y2
 
+    def draws_random(self):
+        """Whether a forward of this block can draw random numbers now (see
+        `revkernels.engine.structure.draws_random`); only then is its generator state kept."""
+        return draws_random(self)
+
     def forward_with_state(self, x1, x2, preserve_rng_state=True):
-        """Forward that also returns the `BlockState` a later `recompute` replays."""
-        devices = cuda_devices_of(x1, x2)
-        rng_f = RngState(devices) if preserve_rng_state else None
+        """Forward that also returns the `BlockState` a later `recompute` replays (None when
+        nothing is to replay: `preserve_rng_state` off, or a block that draws no random numbers)."""
+        keep = preserve_rng_state and self.draws_random()
+        devices = cuda_devices_of(x1, x2) if keep else ()
+        rng_f = RngState(devices) if keep else None
         fx2 = self.f(x2)
         _check_residual(fx2, x1, "f", "x1")
         y1 = x1 + fx2
-        rng_g = RngState(devices) if preserve_rng_state else None
+        rng_g = RngState(devices) if keep else None
         gy1 = self.g(y1)
         _check_residual(gy1, x2, "g", "x2")
-        return y1, x2 + gy1, BlockState(rng_f, rng_g)
+        return y1, x2 + gy1, BlockState(rng_f, rng_g) if keep else None
 
     def inverse(self, y1, y2, state=None):
         """Rebuilds (x1, x2) from (y1, y2) without autograd. BatchNorm running statistics are left
@@ -136,43 +144,47 @@ class ReversibleBlock(nn.Module):
         F and G run on detached aliases of their parameters, so differentiating the local graphs
         fires no hook of the parameters themselves; their grads reach ``.grad`` once, through
         the engine's Function."""
-        y1, y2 = y1.detach(), y2.detach()  # the local graphs must not reach back into the caller's
-        f_aliases, g_aliases = _param_aliases(self.f), _param_aliases(self.g)
+        y1_leaf = y1.detach().requires_grad_()  # the local graphs must not reach back into the caller's
         with torch.enable_grad(), frozen_batchnorm_stats(self):
-            y1_leaf = y1.detach().requires_grad_()
             with maybe_replay(None if state is None else state.rng_g):
-                g_out = functional_call(self.g, g_aliases, (y1_leaf,))
-            x2 = coupling_sub(y2, g_out.detach()).requires_grad_()
+                g_out, g_aliases = _call_with_aliases(self.g, y1_leaf)
+            x2 = coupling_sub(y2.detach(), g_out.detach()).requires_grad_()
             with maybe_replay(None if state is None else state.rng_f):
-                f_out = functional_call(self.f, f_aliases, (x2,))
-            x1 = coupling_sub(y1, f_out.detach())
+                f_out, f_aliases = _call_with_aliases(self.f, x2)
+            x1 = coupling_sub(y1_leaf.detach(), f_out.detach())
         return BlockRecompute(x1=x1, x2=x2, y1=y1_leaf, f_out=f_out, g_out=g_out,
                               f_aliases=f_aliases, g_aliases=g_aliases)
 
     def grads(self, rec, dy1, dy2):
         """Input and parameter grads of the block from its output grads, via the local graphs."""
-        dy1_from_g, g_grads = _vjp(rec.g_out, rec.y1, list(rec.g_aliases.values()), dy2)
+        dy1_from_g, g_grads = _vjp(rec.g_out, rec.y1, rec.g_aliases, dy2)
         dy1_total = dy1 if dy1_from_g is None else coupling_add(dy1, dy1_from_g)
-        dx2_from_f, f_grads = _vjp(rec.f_out, rec.x2, list(rec.f_aliases.values()), dy1_total)
+        dx2_from_f, f_grads = _vjp(rec.f_out, rec.x2, rec.f_aliases, dy1_total)
         dx2 = dy2 if dx2_from_f is None else coupling_add(dy2, dx2_from_f)
-        params = _grad_params(self.f) + _grad_params(self.g)
-        return BlockGrads(dx1=dy1_total, dx2=dx2, params=params, param_grads=f_grads + g_grads)
+        return BlockGrads(dx1=dy1_total, dx2=dx2, params=list(rec.f_aliases) + list(rec.g_aliases),
+                          param_grads=f_grads + g_grads)
 
 
-def _grad_params(module):
-    return [p for _, p in module.named_parameters() if p.requires_grad]
+def _call_with_aliases(module, x):
+    """``module(x)`` on detached aliases of its parameters that require grad. Returns the output
+    and {parameter: alias} (what the local graph's parameter grads are taken with respect to)."""
+    slots = param_slots(module)
+    aliases = detached_aliases(slots)
+    if slots.parametrized:
+        names = {slots.names[i]: alias for i, alias in aliases.items()}
+        out = functional_call(module, names, (x,))
+    else:
+        with slots.substituted(aliases):
+            out = module(x)
+    return out, {slots.params[i]: alias for i, alias in aliases.items()}
 
 
-def _param_aliases(module):
-    """{name: detached leaf sharing the parameter's storage} for the parameters that require grad."""
-    return {name: p.detach().requires_grad_() for name, p in module.named_parameters() if p.requires_grad}
-
-
-def _vjp(out, leaf, params, grad_out):
-    """(d out/d leaf)^T grad_out and the param grads; None for what `out` does not depend on."""
+def _vjp(out, leaf, aliases, grad_out):
+    """(d out/d leaf)^T grad_out and the grads of `aliases`' values; None for what `out` does
+    not depend on."""
     if not out.requires_grad:
-        return None, [None] * len(params)
-    grads = torch.autograd.grad(out, [leaf, *params], grad_out.to(out.dtype), allow_unused=True)
+        return None, [None] * len(aliases)
+    grads = torch.autograd.grad(out, [leaf, *aliases.values()], grad_out.to(out.dtype), allow_unused=True)
     return grads[0], list(grads[1:])
 
 
@@ -192,10 +204,11 @@ class HalfCouplingBlock(ReversibleBlock):
         self.f = f
 
     def forward_with_state(self, x1, x2, preserve_rng_state=True):
-        rng_f = RngState(cuda_devices_of(x1, x2)) if preserve_rng_state else None
+        keep = preserve_rng_state and self.draws_random()
+        rng_f = RngState(cuda_devices_of(x1, x2)) if keep else None
         fx2 = self.f(x2)
         _check_residual(fx2, x1, "f", "x1")
-        return x2, x1 + fx2, BlockState(rng_f, None)
+        return x2, x1 + fx2, BlockState(rng_f, None) if keep else None
 
     def inverse(self, y1, y2, state=None):
         check_streams(y1, y2, ("y1", "y2"))
@@ -204,17 +217,16 @@ class HalfCouplingBlock(ReversibleBlock):
 
     def recompute(self, y1, y2, state=None):
         x2 = y1.detach().requires_grad_()
-        f_aliases = _param_aliases(self.f)
         with torch.enable_grad(), frozen_batchnorm_stats(self), maybe_replay(None if state is None else state.rng_f):
-            f_out = functional_call(self.f, f_aliases, (x2,))
+            f_out, f_aliases = _call_with_aliases(self.f, x2)
         x1 = coupling_sub(y2.detach(), f_out.detach())
         return BlockRecompute(x1=x1, x2=x2, y1=None, f_out=f_out, g_out=None, f_aliases=f_aliases, g_aliases={})
 
     def grads(self, rec, dy1, dy2):
         # dx1 = dy2;  dx2 = dy1 + (df/dx2)^T dy2
-        dx2_from_f, f_grads = _vjp(rec.f_out, rec.x2, list(rec.f_aliases.values()), dy2)
+        dx2_from_f, f_grads = _vjp(rec.f_out, rec.x2, rec.f_aliases, dy2)
         dx2 = dy1 if dx2_from_f is None else coupling_add(dy1, dx2_from_f)
-        return BlockGrads(dx1=dy2, dx2=dx2, params=_grad_params(self.f), param_grads=f_grads)
+        return BlockGrads(dx1=dy2, dx2=dx2, params=list(rec.f_aliases), param_grads=f_grads)
 
 
 class ReversibleSequential(nn.Module):
@@ -329,7 +341,7 @@ def unique_grad_params(blocks):
     """The parameters of `blocks` that require grad, each once, in module order."""
     seen, params = set(), []
     for block in blocks:
-        for p in block.parameters():
+        for p in param_slots(block).params:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 params.append(p)

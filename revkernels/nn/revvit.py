@@ -3,17 +3,18 @@ r"""`RevViTBlock`: a reversible transformer block whose rebuild and gradient ste
     F(x) = drop_path(proj(attention(LN1(x))))        G(x) = drop_path(fc2(gelu(fc1(LN2(x)))))
     y1 = x1 + F(x2)                                  y2 = x2 + G(y1)
 
-The forward is the ordinary module composition (so the block is its own reference). The engines'
-two steps are written out with fused ops, one pass over the activations per step where eager
-PyTorch spends several:
+The forward is the module composition's ops called on the parameters directly (bitwise the same;
+through the modules themselves when a forward hook is registered on any of them). The engines' two
+steps are written out by hand with fused ops and no autograd graph (on CUDA, one graph node for
+the attention kernel), one pass over the activations per step where eager PyTorch spends several:
 
-recompute(y1, y2), G first (local autograd graphs start at the LayerNorm outputs)::
+recompute(y1, y2), G first::
 
     ln2, mean2, rstd2 = layer_norm(y1)                              (ATen native_layer_norm)
-    g  = drop_path(fc2(gelu(fc1(ln2))))                             (graph from ln2; MlpBranch's ops)
+    pre = fc1(ln2);  h = gelu(pre);  g = drop_path(fc2(h))          (MlpBranch's ops; pre, h kept)
     x2, ln1, mean1, rstd1 = sub_layer_norm(y2, g, w_ln1, b_ln1)     (rebuild + LN1: one pass)
-    o  = attention(ln1)                                             (graph from ln1)
-    x1 = coupling_sub(y1, drop_path(proj(o)))                       (cuBLAS linear, bias in its
+    q, k, v = heads(qkv(ln1));  a = attention(q, k, v)              (CPU: the flash kernel's lse kept)
+    o = merge_heads(a);  x1 = coupling_sub(y1, drop_path(proj(o)))  (cuBLAS linear, bias in its
                                                                      epilogue, + the fused subtract)
 
 The rebuild subtracts exactly what the forward added: g and drop_path(proj(o)) are computed with the
@@ -33,13 +34,14 @@ on an H200 in bf16, F.linear + coupling_sub took 1.77 ms against 2.10 ms for the
 addmm(alpha=-1, beta=1) of ``linear_sub`` at 32768 rows x 4096, and 0.117 ms against 0.177 ms at
 25216 x 1024.
 
-grads(dy1, dy2)::
+grads(dy1, dy2), in the forward's dtypes (parameter grads cast back to the parameters' dtypes)::
 
-    dln2, dW1, db1, dW2, db2 = vjp of g at ln2 with dy2
+    dg = s_g * dy2;  dW2 = dg^T h;  db2 = sum_rows(dg);  dpre = gelu'(pre) * (dg @ W2)
+    dW1 = dpre^T ln2;  db1 = sum_rows(dpre);  dln2 = dpre @ W1
     dy1', dw_ln2, db_ln2 = layer_norm_bwd_add(dln2, y1, ..., dres=dy1)     dy1' = dy1 + dG^T dy2
-    dP = s * dy1';  dO = dP @ Wp;  dWp = dP^T o;  dbp = sum_rows(dP)       (proj by hand: o is kept,
-                                                                            proj's output is not)
-    dln1, dWqkv, dbqkv = vjp of o at ln1 with dO
+    dP = s_f * dy1';  dWp = dP^T o;  dbp = sum_rows(dP);  da = heads(dP @ Wp)
+    dq, dk, dv = attention_backward(da)                                    (CPU: flash backward)
+    dqkv = merge(dq, dk, dv);  dWqkv = dqkv^T ln1;  dbqkv = sum_rows(dqkv);  dln1 = dqkv @ Wqkv
     dx2, dw_ln1, db_ln1 = layer_norm_bwd_add(dln1, x2, ..., dres=dy2)      dx2 = dy2 + dF^T dy1'
     dx1 = dy1'
 
@@ -49,10 +51,12 @@ parameters directly).
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as module_hooks
 
-from revkernels.engine.state import maybe_replay
+from revkernels.engine.state import RngState, cuda_devices_of, maybe_replay
+from revkernels.engine.structure import cached, param_slots
 from revkernels.nn.drop_path import DropPath
-from revkernels.nn.reversible import BlockGrads, ReversibleBlock
+from revkernels.nn.reversible import BlockGrads, BlockState, ReversibleBlock
 from revkernels.ops.coupling import coupling_sub
 from revkernels.ops.layer_norm import layer_norm_bwd_add, sub_layer_norm
 
@@ -71,11 +75,16 @@ class AttentionBranch(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.drop_path = DropPath(drop_path)
 
+    def heads(self, qkv):
+        """q, k, v of shape (batch, heads, tokens, head_dim) from the qkv projection (batch, tokens, 3 dim)."""
+        batch, tokens, dim3 = qkv.shape
+        qkv = qkv.reshape(batch, tokens, 3, self.num_heads, dim3 // (3 * self.num_heads))
+        return qkv.permute(2, 0, 3, 1, 4).unbind(0)
+
     def attend(self, h, qkv_weight, qkv_bias):
         """Attention output before the projection, (batch, tokens, dim)."""
         batch, tokens, dim = h.shape
-        qkv = F.linear(h, qkv_weight, qkv_bias).reshape(batch, tokens, 3, self.num_heads, dim // self.num_heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = self.heads(F.linear(h, qkv_weight, qkv_bias))
         return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, tokens, dim)
 
     def forward(self, x):
@@ -99,9 +108,30 @@ class MlpBranch(nn.Module):
         return self.drop_path(self.fc2(F.gelu(self.fc1(self.norm(x)), approximate=self.approximate)))
 
 
-def _leaf(p):
-    # A detached alias of a parameter: differentiating the local graph fires no hook of `p`.
-    return p.detach().requires_grad_(p.requires_grad)
+def _attention_with_saved(q, k, v):
+    """scaled_dot_product_attention(q, k, v) and what `_attention_vjp` needs. On CPU the flash
+    kernel F.scaled_dot_product_attention picks for these inputs, called directly, keeps its
+    log-sum-exp so the backward runs without an autograd graph (bitwise the same output);
+    elsewhere a one-node graph from q, k, v leaves."""
+    if q.device.type == "cpu" and torch._fused_sdp_choice(q, k, v) == _SDP_FLASH:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
+        return out, (q, k, v, out, lse)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with torch.enable_grad():
+        out = F.scaled_dot_product_attention(q, k, v)
+    return out.detach(), (q, k, v, out)
+
+
+def _attention_vjp(saved, d_out):
+    """(dq, dk, dv) of the attention saved by `_attention_with_saved` for the output grad d_out."""
+    if len(saved) == 5:
+        q, k, v, out, lse = saved
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(d_out, q, k, v, out, lse, 0.0, False)
+    q, k, v, out = saved
+    return torch.autograd.grad(out, [q, k, v], d_out.to(out.dtype))
+
+
+_SDP_FLASH = 1  # torch._fused_sdp_choice's code for the flash kernel (SDPBackend.FLASH_ATTENTION)
 
 
 class RevViTBlock(ReversibleBlock):
@@ -116,67 +146,130 @@ class RevViTBlock(ReversibleBlock):
         super().__init__(AttentionBranch(dim, num_heads, qkv_bias, drop_path, eps),
                          MlpBranch(dim, int(dim * mlp_ratio), drop_path, eps, approximate))
 
+    def _params(self):
+        # {"f.norm.weight": parameter, ...}, computed once per module structure: a step reads
+        # parameters from it instead of walking submodules' __getattr__.
+        return cached(self, "params_by_name", lambda m: dict(zip(param_slots(m).names, param_slots(m).params)))
+
+    def _hooked(self):
+        """Whether a forward hook could observe F's or G's submodules (then the forward runs them
+        as modules)."""
+        if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
+            return True
+        return any(m._forward_hooks or m._forward_pre_hooks
+                   for m in cached(self, "submodules", lambda m: list(m.modules())[1:]))
+
+    def forward_with_state(self, x1, x2, preserve_rng_state=True):
+        if self._hooked():
+            return super().forward_with_state(x1, x2, preserve_rng_state)
+        # AttentionBranch.forward and MlpBranch.forward with the same ops on the parameters
+        # directly (bitwise the module composition, without its per-module call overhead).
+        if x2.dim() != 3:
+            raise ValueError(f"revkernels: RevViTBlock input must be (batch, tokens, dim), got shape {tuple(x2.shape)}")
+        f, g, P = self.f, self.g, self._params()
+        keep = preserve_rng_state and self.draws_random()
+        devices = cuda_devices_of(x1, x2) if keep else ()
+        rng_f = RngState(devices) if keep else None
+        dim = x2.shape[-1]
+        h = F.layer_norm(x2, (dim,), P["f.norm.weight"], P["f.norm.bias"], f.norm.eps)
+        f_out = F.linear(f.attend(h, P["f.qkv.weight"], P.get("f.qkv.bias")), P["f.proj.weight"], P["f.proj.bias"])
+        y1 = x1 + f.drop_path(f_out)
+        rng_g = RngState(devices) if keep else None
+        h = F.layer_norm(y1, (dim,), P["g.norm.weight"], P["g.norm.bias"], g.norm.eps)
+        h = F.gelu(F.linear(h, P["g.fc1.weight"], P["g.fc1.bias"]), approximate=g.approximate)
+        y2 = x2 + g.drop_path(F.linear(h, P["g.fc2.weight"], P["g.fc2.bias"]))
+        return y1, y2, BlockState(rng_f, rng_g) if keep else None
+
     def recompute(self, y1, y2, state=None):
-        f, g = self.f, self.g
+        f, g, P = self.f, self.g, self._params()
         y1, y2 = y1.detach(), y2.detach()
-        dim = y1.shape[-1]
-        leaves = {name: _leaf(p) for name, p in self.named_parameters()}
-        with torch.enable_grad():
-            with torch.no_grad():
-                ln2, mean2, rstd2 = torch.native_layer_norm(y1, [dim], g.norm.weight, g.norm.bias, g.norm.eps)
-            ln2 = ln2.requires_grad_()
+        batch, tokens, dim = y1.shape
+        with torch.no_grad():
+            ln2, mean2, rstd2 = torch.native_layer_norm(y1, [dim], P["g.norm.weight"], P["g.norm.bias"], g.norm.eps)
             with maybe_replay(None if state is None else state.rng_g):
                 # The ops (and so the kernels and dtypes) of MlpBranch.forward: g_out is bitwise the G
-                # the forward added, under autocast too.
-                hidden = F.gelu(F.linear(ln2, leaves["g.fc1.weight"], leaves["g.fc1.bias"]), approximate=g.approximate)
-                g_out = F.linear(hidden, leaves["g.fc2.weight"], leaves["g.fc2.bias"])
+                # the forward added, under autocast too. No local graph: `grads` differentiates by hand.
+                pre = F.linear(ln2, P["g.fc1.weight"], P["g.fc1.bias"])
+                hidden = F.gelu(pre, approximate=g.approximate)
+                g_out = F.linear(hidden, P["g.fc2.weight"], P["g.fc2.bias"])
                 g_scale = g.drop_path.sample_scale(g_out)
-                if g_scale is not None:
-                    g_out = g_out * g_scale
-            x2, ln1, mean1, rstd1 = sub_layer_norm(y2, g_out.detach(), f.norm.weight.detach(), f.norm.bias.detach(), f.norm.eps)
-            ln1 = ln1.detach().requires_grad_()
+            if g_scale is not None:
+                g_out = g_out * g_scale
+            x2, ln1, mean1, rstd1 = sub_layer_norm(y2, g_out, P["f.norm.weight"], P["f.norm.bias"], f.norm.eps)
             with maybe_replay(None if state is None else state.rng_f):
-                o = f.attend(ln1, leaves["f.qkv.weight"], leaves.get("f.qkv.bias"))
-                # proj then drop-path exactly as AttentionBranch.forward / DropPath.forward compute
-                # them: the rebuild subtracts the value the forward added.
-                f_out = F.linear(o.detach(), f.proj.weight.detach(), f.proj.bias.detach())
+                # AttentionBranch.forward's ops, attention with what its backward needs kept.
+                qkv = F.linear(ln1, P["f.qkv.weight"], P.get("f.qkv.bias"))
+                out, attention = _attention_with_saved(*f.heads(qkv))
+                o = out.transpose(1, 2).reshape(batch, tokens, dim)
+                f_out = F.linear(o, P["f.proj.weight"], P["f.proj.bias"])
                 f_scale = f.drop_path.sample_scale(f_out)
             if f_scale is not None:
                 f_out = f_out * f_scale
             x1 = coupling_sub(y1, f_out)
         return _RevViTRecompute(x1=x1, x2=x2, y1=y1, ln1=ln1, ln2=ln2, mean1=mean1, rstd1=rstd1,
                                 mean2=mean2.reshape(mean2.shape[:-1]), rstd2=rstd2.reshape(rstd2.shape[:-1]),
-                                o=o, g_out=g_out, f_scale=f_scale, leaves=leaves)
+                                o=o, attention=attention, pre=pre, hidden=hidden, g_scale=g_scale, f_scale=f_scale)
 
     def grads(self, rec, dy1, dy2):
-        f, g = self.f, self.g
-        leaves = rec.leaves
-        # G: dy1' = dy1 + dG^T dy2, LayerNorm2's backward fused with the residual add.
-        g_names = [n for n in ("g.fc1.weight", "g.fc1.bias", "g.fc2.weight", "g.fc2.bias") if leaves[n].requires_grad]
-        dln2, *g_param_grads = torch.autograd.grad(rec.g_out, [rec.ln2] + [leaves[n] for n in g_names],
-                                                   dy2.to(rec.g_out.dtype))
-        dy1_total, dw_ln2, db_ln2 = layer_norm_bwd_add(dln2, rec.y1, g.norm.weight, rec.mean2, rec.rstd2, dy1)
-        # F's projection by hand: the rebuild keeps o but not the projection's output.
-        o = rec.o.detach()
-        dproj = dy1_total if rec.f_scale is None else dy1_total * rec.f_scale
-        dproj2d = dproj.reshape(-1, dproj.shape[-1]).to(o.dtype)
-        proj_w = f.proj.weight
-        d_o = (dproj2d @ proj_w.to(o.dtype)).reshape(o.shape)
-        d_proj_w = (dproj2d.t() @ o.reshape(-1, o.shape[-1])).to(proj_w.dtype)
-        d_proj_b = dproj.reshape(-1, dproj.shape[-1]).float().sum(0).to(f.proj.bias.dtype)
-        f_names = [n for n in ("f.qkv.weight", "f.qkv.bias") if n in leaves and leaves[n].requires_grad]
-        dln1, *f_param_grads = torch.autograd.grad(rec.o, [rec.ln1] + [leaves[n] for n in f_names], d_o)
-        dx2, dw_ln1, db_ln1 = layer_norm_bwd_add(dln1, rec.x2, f.norm.weight, rec.mean1, rec.rstd1, dy2)
-
-        named = dict(zip(g_names + f_names, g_param_grads + f_param_grads))
-        named.update({"g.norm.weight": dw_ln2, "g.norm.bias": db_ln2, "f.norm.weight": dw_ln1,
-                      "f.norm.bias": db_ln1, "f.proj.weight": d_proj_w, "f.proj.bias": d_proj_b})
+        P = self._params()
+        named = {}
+        with torch.no_grad():
+            dy1_total = self._mlp_grads(rec, dy1, dy2, P, named)
+            dx2 = self._attention_grads(rec, dy1_total, dy2, P, named)
         params, param_grads = [], []
-        for name, p in self.named_parameters():
+        for name, p in P.items():
             if p.requires_grad:
+                grad = named[name]
                 params.append(p)
-                param_grads.append(named[name])
+                param_grads.append(grad() if callable(grad) else grad)
         return BlockGrads(dx1=dy1_total, dx2=dx2, params=params, param_grads=param_grads)
+
+    # Both VJPs work in the forward's dtypes (under autocast the GEMM inputs were cast to the
+    # autocast dtype) and cast parameter and input grads back, as the casts' own backward would.
+    # Weight grads are thunks: a parameter that does not require grad never pays for its GEMM.
+
+    def _mlp_grads(self, rec, dy1, dy2, P, named):
+        """dy1' = dy1 + dG/dy1^T dy2 (fc2, GELU, fc1, then LayerNorm2's backward fused with the
+        residual add); G's parameter grads into `named`."""
+        hidden = rec.hidden.reshape(-1, rec.hidden.shape[-1])
+        dg = dy2.reshape(-1, dy2.shape[-1]).to(hidden.dtype)
+        if rec.g_scale is not None:
+            dg = dg * rec.g_scale.expand(rec.hidden.shape[:-1] + (1,)).reshape(-1, 1)
+        fc1_w, fc2_w = P["g.fc1.weight"], P["g.fc2.weight"]
+        named["g.fc2.weight"] = lambda: (dg.t() @ hidden).to(fc2_w.dtype)
+        named["g.fc2.bias"] = lambda: dg.sum(0).to(P["g.fc2.bias"].dtype)
+        d_pre = torch.ops.aten.gelu_backward(dg @ fc2_w.to(hidden.dtype), rec.pre.reshape(hidden.shape),
+                                             approximate=self.g.approximate)
+        ln2 = rec.ln2.reshape(-1, rec.ln2.shape[-1])
+        named["g.fc1.weight"] = lambda: (d_pre.t() @ ln2.to(d_pre.dtype)).to(fc1_w.dtype)
+        named["g.fc1.bias"] = lambda: d_pre.sum(0).to(P["g.fc1.bias"].dtype)
+        dln2 = (d_pre @ fc1_w.to(d_pre.dtype)).reshape(rec.ln2.shape).to(rec.ln2.dtype)
+        dy1_total, named["g.norm.weight"], named["g.norm.bias"] = layer_norm_bwd_add(
+            dln2, rec.y1, P["g.norm.weight"], rec.mean2, rec.rstd2, dy1)
+        return dy1_total
+
+    def _attention_grads(self, rec, dy1_total, dy2, P, named):
+        """dx2 = dy2 + dF/dx2^T dy1' (drop-path, proj, attention, qkv, then LayerNorm1's backward
+        fused with the residual add); F's parameter grads into `named`."""
+        o = rec.o
+        batch, tokens, dim = o.shape
+        dproj = dy1_total if rec.f_scale is None else dy1_total * rec.f_scale
+        dproj = dproj.reshape(-1, dim).to(o.dtype)
+        proj_w, qkv_w = P["f.proj.weight"], P["f.qkv.weight"]
+        named["f.proj.weight"] = lambda: (dproj.t() @ o.reshape(-1, dim)).to(proj_w.dtype)
+        named["f.proj.bias"] = lambda: dproj.float().sum(0).to(P["f.proj.bias"].dtype)
+        d_out = (dproj @ proj_w.to(o.dtype)).reshape(batch, tokens, self.f.num_heads, -1).transpose(1, 2)
+        dq, dk, dv = _attention_vjp(rec.attention, d_out)
+        # (3, batch, heads, tokens, head_dim) back to the qkv projection's (batch * tokens, 3 dim)
+        dqkv = torch.stack((dq, dk, dv)).permute(1, 3, 0, 2, 4).reshape(batch * tokens, 3 * dim)
+        ln1 = rec.ln1.reshape(-1, dim)
+        named["f.qkv.weight"] = lambda: (dqkv.t() @ ln1.to(dqkv.dtype)).to(qkv_w.dtype)
+        if "f.qkv.bias" in P:
+            named["f.qkv.bias"] = lambda: dqkv.sum(0).to(P["f.qkv.bias"].dtype)
+        dln1 = (dqkv @ qkv_w.to(dqkv.dtype)).reshape(rec.ln1.shape).to(rec.ln1.dtype)
+        dx2, named["f.norm.weight"], named["f.norm.bias"] = layer_norm_bwd_add(
+            dln1, rec.x2, P["f.norm.weight"], rec.mean1, rec.rstd1, dy2)
+        return dx2
 
 
 class _RevViTRecompute:

@@ -1,0 +1,157 @@
+"""What the engines need to know about a module's structure, computed once per structure.
+
+A reversible step must not walk ``named_parameters``/``named_modules`` on every block of every
+step (at small sizes the walks cost more than the kernels). `cached(module, key, build)` keeps
+``build(module)`` until the structure of any module changes: a global version counter is bumped
+by torch's module registration hooks, which fire whenever a parameter, buffer or submodule is
+registered or replaced (``module.weight = nn.Parameter(...)``, ``add_module``, FSDP's sharding,
+...). What can change without a registration (``requires_grad``, ``training``, dropout
+probabilities) is read at step time from the cached lists.
+
+`ParamSlots` swaps detached aliases of a module's parameters in and out of the modules that hold
+them (every occurrence of a tied parameter), so a local graph differentiates the aliases and fires
+no hook of the parameters themselves: what ``torch.func.functional_call`` does, without its
+per-call walks.
+"""
+import contextlib
+import weakref
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.dropout import _DropoutNd
+from torch.nn.modules.module import (register_module_buffer_registration_hook,
+                                     register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
+from torch.nn.utils import parametrize
+
+_version = 0
+
+
+def _bump(*_args):
+    global _version
+    _version += 1
+
+
+register_module_parameter_registration_hook(_bump)
+register_module_buffer_registration_hook(_bump)
+register_module_module_registration_hook(_bump)
+
+_CACHE = weakref.WeakKeyDictionary()
+
+
+def structure_version():
+    """A counter that changes whenever any module registers or replaces a parameter, buffer or
+    submodule."""
+    return _version
+
+
+def cached(module, key, build):
+    """``build(module)``, computed once per module structure (see the module docstring)."""
+    entry = _CACHE.get(module)
+    if entry is None or entry[0] != _version:
+        entry = (_version, {})
+        _CACHE[module] = entry
+    values = entry[1]
+    if key not in values:
+        values[key] = build(module)
+    return values[key]
+
+
+class ParamSlots:
+    """The parameters of a module tree, each once, with every (module, name) slot holding it."""
+
+    __slots__ = ("params", "names", "slots", "parametrized")
+
+    def __init__(self, module):
+        by_id = {}
+        self.params, self.names = [], []
+        for owner_name, owner in module.named_modules(remove_duplicate=False):
+            for name, p in owner._parameters.items():
+                if p is None:
+                    continue
+                if id(p) not in by_id:
+                    by_id[id(p)] = []
+                    self.params.append(p)
+                    self.names.append(f"{owner_name}.{name}" if owner_name else name)
+                if (owner, name) not in by_id[id(p)]:
+                    by_id[id(p)].append((owner, name))
+        self.slots = [by_id[id(p)] for p in self.params]
+        # Parametrized modules compute their weights from `parametrizations.*`: only
+        # functional_call knows how to substitute those.
+        self.parametrized = any(parametrize.is_parametrized(m) for m in module.modules())
+
+    def grad_params(self):
+        return [p for p in self.params if p.requires_grad]
+
+    @contextlib.contextmanager
+    def substituted(self, aliases):
+        """Runs the body with `aliases` ({index in params: tensor}) in place of the parameters."""
+        try:
+            for i, alias in aliases.items():
+                for owner, name in self.slots[i]:
+                    owner._parameters[name] = alias
+            yield
+        finally:
+            for i in aliases:
+                for owner, name in self.slots[i]:
+                    owner._parameters[name] = self.params[i]
+
+
+def param_slots(module):
+    return cached(module, "param_slots", ParamSlots)
+
+
+def batchnorm_layers(module):
+    """The `_BatchNorm` layers under `module` (cached)."""
+    return cached(module, "batchnorm", lambda m: [layer for layer in m.modules() if isinstance(layer, _BatchNorm)])
+
+
+def _stochastic_modules(module):
+    # `module` itself is left out: a block's own `draws_random` method calls this function.
+    return [m for m in module.modules() if m is not module
+            and (isinstance(m, (_DropoutNd, nn.MultiheadAttention)) or hasattr(m, "draws_random"))]
+
+
+def draws_random(module):
+    """Whether a submodule of `module` can draw random numbers in its current mode: a dropout layer with p > 0 in
+    training, an `nn.MultiheadAttention` with dropout > 0 in
+    training, or a module whose ``draws_random`` attribute (a bool, or a method taking no
+    argument) says so. Randomness drawn any other way (``F.dropout`` with a float attribute in a
+    custom module) is not visible here: such a module must declare ``draws_random``."""
+    for m in cached(module, "stochastic", _stochastic_modules):
+        declared = getattr(m, "draws_random", None)
+        if declared is not None:
+            if declared() if callable(declared) else declared:
+                return True
+        elif isinstance(m, nn.MultiheadAttention):
+            if m.training and m.dropout > 0:
+                return True
+        elif m.training and m.p > 0:
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def frozen_batchnorm_stats(*modules):
+    """BatchNorm layers in training mode under `modules` use batch statistics without updating
+    running_mean/running_var/num_batches_tracked (they were updated by the forward)."""
+    flipped = []
+    for module in modules:
+        for layer in batchnorm_layers(module):
+            if layer.training and layer.track_running_stats:
+                layer.track_running_stats = False
+                flipped.append(layer)
+    try:
+        yield
+    finally:
+        for layer in flipped:
+            layer.track_running_stats = True
+
+
+def detached_aliases(slots):
+    """{index: detached leaf requiring grad} for the parameters of `slots` that require grad."""
+    return {i: p.detach().requires_grad_() for i, p in enumerate(slots.params) if p.requires_grad}
+
+
+__all__ = ["structure_version", "cached", "ParamSlots", "param_slots", "batchnorm_layers", "draws_random",
+           "frozen_batchnorm_stats", "detached_aliases"]
