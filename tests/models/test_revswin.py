@@ -124,15 +124,15 @@ def _pair_tables(resolution, ws, shift):
     (0 for pairs that do not attend)."""
     h, w = resolution
     n = h * w
-    allowed = torch.zeros(n, n, dtype=torch.bool)
-    row = torch.zeros(n, n, dtype=torch.long)
+    allowed = [[False] * n for _ in range(n)]
+    row = [[0] * n for _ in range(n)]
     for i, j in itertools.product(range(n), range(n)):
         (ri, ci), (rj, cj) = divmod(i, w), divmod(j, w)
         same = ((ri - shift) % h) // ws == ((rj - shift) % h) // ws and ((ci - shift) % w) // ws == ((cj - shift) % w) // ws
-        allowed[i, j] = same and abs(ri - rj) < ws and abs(ci - cj) < ws
-        if allowed[i, j]:
-            row[i, j] = (ri - rj + ws - 1) * (2 * ws - 1) + (ci - cj + ws - 1)
-    return allowed, row
+        if same and abs(ri - rj) < ws and abs(ci - cj) < ws:
+            allowed[i][j] = True
+            row[i][j] = (ri - rj + ws - 1) * (2 * ws - 1) + (ci - cj + ws - 1)
+    return torch.tensor(allowed), torch.tensor(row)
 
 
 def _drop_path(x, p):
