@@ -23,9 +23,10 @@ Window attention on a stage of H x W tokens with window w (= min(window_size, H)
 larger than the window attends globally and never shifts, as in Swin): tokens are split into
 (H/w)(W/w) windows of N = w*w tokens, attention runs inside each window with the bias
 ``B[h, i, j] = table[(r_i - r_j + w - 1) * (2w - 1) + (c_i - c_j + w - 1), h]`` for tokens i, j at
-(r, c) in the window. A shifted block rolls the token grid by (-w/2, -w/2) first and back after; in
-the rolled grid, rows (and columns) [0, H - w), [H - w, H - s), [H - s, H) (s = w // 2) are
-distinct regions and a token attends only to tokens of its own region pair.
+(r, c) in the window. A shifted block rolls the token grid by (-s, -s), s = w // 2, first and back
+after; in the rolled grid, rows (and columns) [0, H - w), [H - w, H - s), [H - s, H) are distinct
+regions and a token attends only to tokens of its own region pair (masked with -inf, an exact zero
+weight, where Swin's code adds -100).
 
 Sizes (patch 4, window 7, MLP ratio 4): Swin-T 96 wide, depths (2, 2, 6, 2), heads (3, 6, 12, 24);
 Swin-S 96, (2, 2, 18, 2), (3, 6, 12, 24); Swin-B 128, (2, 2, 18, 2), (4, 8, 16, 32). The layers
