@@ -1,4 +1,5 @@
-"""Models built from revkernels' reversible blocks: RevNet-18/34/50 in PETRA's stage layout and Rev-ViT."""
+"""Models built from revkernels' reversible blocks: RevNet-18/34/50 in PETRA's stage layout, Rev-ViT and
+Rev-Swin."""
 from revkernels.models.revnet import (
     BasicResidual,
     BottleneckResidual,
@@ -12,7 +13,8 @@ from revkernels.models.revnet import (
     revnet34,
     revnet50,
 )
+from revkernels.models.revswin import RevSwin, revswin
 from revkernels.models.revvit import RevViT, revvit
 
-__all__ = ["RevNet", "RevViT", "revvit", "revnet18", "revnet34", "revnet50", "ReversibleStage", "BasicResidual",
-           "BottleneckResidual", "Stem", "DownBasic", "DownBottleneck", "Head"]
+__all__ = ["RevNet", "RevViT", "revvit", "RevSwin", "revswin", "revnet18", "revnet34", "revnet50", "ReversibleStage",
+           "BasicResidual", "BottleneckResidual", "Stem", "DownBasic", "DownBottleneck", "Head"]
