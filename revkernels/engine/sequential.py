@@ -24,7 +24,7 @@ def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None
     """
     index = {id(p): i for i, p in enumerate(params)}
     param_grads = [None] * len(params)
-    autocast = autocast_state.enter if autocast_state is not None else contextlib.nullcontext
+    autocast = contextlib.nullcontext if autocast_state is None or autocast_state.off_then_and_now() else autocast_state.enter
     errors = [None] * len(blocks)
     for i in reversed(range(len(blocks))):
         block = blocks[i]

@@ -65,6 +65,15 @@ class AutocastState:
             enabled, dtype = False, torch.float32
         return AutocastState(device_type, enabled, dtype, torch.is_autocast_cache_enabled())
 
+    def off_then_and_now(self):
+        """Whether autocast is off now and was off in the recorded forward (no context needed)."""
+        if self.enabled:
+            return False
+        try:
+            return not torch.is_autocast_enabled(self.device_type)
+        except RuntimeError:
+            return True
+
     def enter(self):
         """A context that runs its body under the recorded autocast mode."""
         if not self.enabled:

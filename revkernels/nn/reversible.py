@@ -141,9 +141,9 @@ class ReversibleBlock(nn.Module):
     def recompute(self, y1, y2, state=None):
         """Rebuilds the input from the output, keeping the local graphs of G(y1) and F(x2).
 
-        F and G run on detached aliases of their parameters, so differentiating the local graphs
-        fires no hook of the parameters themselves; their grads reach ``.grad`` once, through
-        the engine's Function."""
+        Differentiating the local graphs fires no hook of the parameters and accumulates nothing
+        into ``.grad`` (see `_call_with_aliases`); the grads reach ``.grad`` once, through the
+        engine's Function."""
         y1_leaf = y1.detach().requires_grad_()  # the local graphs must not reach back into the caller's
         with torch.enable_grad(), frozen_batchnorm_stats(self):
             with maybe_replay(None if state is None else state.rng_g):
@@ -166,9 +166,14 @@ class ReversibleBlock(nn.Module):
 
 
 def _call_with_aliases(module, x):
-    """``module(x)`` on detached aliases of its parameters that require grad. Returns the output
-    and {parameter: alias} (what the local graph's parameter grads are taken with respect to)."""
+    """``module(x)`` for a local graph whose parameter grads the engine returns itself. Returns
+    the output and {parameter: the tensor to differentiate for it}: the parameter itself when no
+    parameter has a tensor hook (``torch.autograd.grad`` then captures its grad without running
+    its accumulation), else detached aliases swapped in for the call, so the local graph fires no
+    hook of the parameters (their grads reach ``.grad`` once, through the engine's Function)."""
     slots = param_slots(module)
+    if not any(p._backward_hooks for p in slots.params):
+        return module(x), {p: p for p in slots.params if p.requires_grad}
     aliases = detached_aliases(slots)
     if slots.parametrized:
         names = {slots.names[i]: alias for i, alias in aliases.items()}
