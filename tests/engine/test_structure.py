@@ -1,0 +1,169 @@
+"""The lean walker: structure computed once per module structure and rebuilt when it changes, RNG
+state kept only for blocks that draw random numbers, and the fused block's fast paths (forward on
+the parameters, hand-written backward) against plain autograd."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import revkernels as rk
+from revkernels.engine import structure
+from revkernels.nn.revvit import RevViTBlock
+from tests.helpers import assert_close_rel, loss_of, make_seq, plain_forward, residual_fn, run_grads
+
+WIDTH = 8
+
+
+def _inputs(batch=4, width=WIDTH, shape=None):
+    shape = shape or (batch, width)
+    return [torch.randn(shape) for _ in range(4)]
+
+
+def _assert_grads_equal_plain(seq, data, seed=None, tol=1e-5):
+    expected = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=seed)
+    actual = run_grads(seq, seq, *data, seed=seed)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert (a is None) == (e is None), f"output/grad {i}: presence differs"
+        if e is not None:
+            assert_close_rel(a, e, tol, f"output/grad {i}")
+
+
+def _perturb(module):
+    """Random, non-identity parameters (LayerNorm weights and biases included)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+
+
+class _Counting:
+    """Counts calls of nn.Module.named_parameters / named_modules while active."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        for name in ("named_parameters", "named_modules", "modules", "parameters"):
+            original = getattr(nn.Module, name)
+
+            def counted(module, *args, _original=original, **kwargs):
+                self.calls += 1
+                return _original(module, *args, **kwargs)
+
+            monkeypatch.setattr(nn.Module, name, counted)
+
+
+@pytest.mark.parametrize("kind", ["generic", "fused"])
+def test_a_step_walks_no_module_tree_once_the_structure_is_cached(kind, monkeypatch):
+    if kind == "generic":
+        seq = make_seq(3, WIDTH)
+        data = _inputs()
+    else:
+        seq = rk.nn.ReversibleSequential(*[RevViTBlock(16, 2) for _ in range(3)])
+        data = _inputs(shape=(2, 5, 16))
+    params = list(seq.parameters())
+    x1, x2, w1, w2 = data
+
+    def step():
+        a1, a2 = x1.clone().requires_grad_(), x2.clone().requires_grad_()
+        loss_of(*seq(a1, a2), w1, w2).backward()
+
+    step()  # builds the caches
+    counting = _Counting(monkeypatch)
+    step()
+    assert counting.calls == 0, f"{counting.calls} module-tree walks in a cached step"
+    monkeypatch.undo()
+    assert all(p.grad is not None for p in params)
+
+
+def test_caches_rebuild_when_a_parameter_or_submodule_is_replaced():
+    seq = make_seq(2, WIDTH)
+    data = _inputs()
+    _assert_grads_equal_plain(seq, data)  # caches built
+    version = structure.structure_version()
+    seq.blocks[0].f[1].weight = nn.Parameter(torch.randn(2 * WIDTH, WIDTH))  # a new parameter
+    seq.blocks[1].g[3] = nn.Linear(2 * WIDTH, WIDTH)  # a new submodule
+    assert structure.structure_version() > version
+    _assert_grads_equal_plain(seq, data)
+    new_weight = seq.blocks[0].f[1].weight
+    run_grads(seq, seq, *data)
+    assert new_weight.grad is not None and seq.blocks[1].g[3].weight.grad is not None
+
+
+def test_requires_grad_changes_are_seen_without_a_structure_change():
+    seq = make_seq(2, WIDTH)
+    data = _inputs()
+    run_grads(seq, seq, *data)
+    frozen = seq.blocks[0].g[1].weight
+    frozen.requires_grad_(False)
+    grads = run_grads(seq, seq, *data)
+    assert frozen.grad is None
+    _assert_grads_equal_plain(seq, data)
+    assert grads is not None
+
+
+def test_deterministic_blocks_keep_no_rng_state(monkeypatch):
+    seq = make_seq(3, WIDTH, dropout=0.5)
+    seq.eval()  # dropout inactive: nothing to replay
+    calls = []
+    monkeypatch.setattr(torch, "get_rng_state", lambda *a: calls.append(1) or torch.default_generator.get_state())
+    x1, x2, _, _ = _inputs()
+    states = [block.forward_with_state(x1, x2)[2] for block in seq.blocks]
+    assert states == [None] * 3 and not calls
+    seq.train()
+    assert all(block.draws_random() for block in seq.blocks)
+    assert seq.blocks[0].forward_with_state(x1, x2)[2] is not None and calls
+
+
+class _FunctionalDropout(nn.Module):
+    """Draws randomness through F.dropout (invisible to module inspection) and declares it."""
+
+    def __init__(self, width, p):
+        super().__init__()
+        self.linear, self.p = nn.Linear(width, width), p
+
+    def draws_random(self):
+        return self.training and self.p > 0
+
+    def forward(self, x):
+        return F.dropout(self.linear(x), self.p, self.training)
+
+
+def test_a_block_that_declares_randomness_replays_it_exactly():
+    blocks = [rk.nn.ReversibleBlock(_FunctionalDropout(WIDTH, 0.4), residual_fn(WIDTH)) for _ in range(3)]
+    seq = rk.nn.ReversibleSequential(*blocks)
+    data = _inputs(batch=16)
+    seed = torch.randint(0, 2**31, ()).item()
+    expected = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=seed)
+    rng_after_reference = torch.rand(3)
+    actual = run_grads(seq, seq, *data, seed=seed)
+    rng_after_engine = torch.rand(3)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert_close_rel(a, e, 1e-5, f"output/grad {i}")
+    assert torch.equal(rng_after_engine, rng_after_reference)
+
+
+@pytest.mark.parametrize("options", [{}, {"drop_path": 0.3, "qkv_bias": False}])
+def test_fused_block_with_random_parameters_equals_plain_autograd(options):
+    seq = rk.nn.ReversibleSequential(*[RevViTBlock(16, 4, **options) for _ in range(3)])
+    _perturb(seq)
+    _assert_grads_equal_plain(seq, _inputs(shape=(3, 6, 16)), seed=torch.randint(0, 2**31, ()).item())
+
+
+def test_fused_block_with_frozen_parameters():
+    seq = rk.nn.ReversibleSequential(*[RevViTBlock(16, 4) for _ in range(2)])
+    _perturb(seq)
+    for p in (seq.blocks[0].f.qkv.weight, seq.blocks[1].g.fc1.bias, seq.blocks[1].f.norm.weight):
+        p.requires_grad_(False)
+    _assert_grads_equal_plain(seq, _inputs(shape=(2, 5, 16)))
+    assert seq.blocks[0].f.qkv.weight.grad is None
+
+
+def test_fused_forward_runs_the_modules_when_a_forward_hook_is_registered():
+    seq = rk.nn.ReversibleSequential(*[RevViTBlock(16, 4, drop_path=0.2) for _ in range(2)])
+    _perturb(seq)
+    seen = []
+    handle = seq.blocks[1].g.fc1.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    data = _inputs(shape=(4, 5, 16))
+    seed = torch.randint(0, 2**31, ()).item()
+    _assert_grads_equal_plain(seq, data, seed=seed)
+    assert seen  # the hook saw the engine's forward (and plain autograd's)
+    handle.remove()
+    _assert_grads_equal_plain(seq, data, seed=seed)
