@@ -19,17 +19,18 @@ created in the same order in every variant, so they hold the same weights):
     standard                     pre-norm blocks x + F(x), x + G(x), eager autograd
     checkpoint                   standard with per-block torch.utils.checkpoint (use_reentrant=False)
     reversible_plain             the minREV-style reversible stack of this module (PlainReversibleStack):
-                                 one autograd Function, no revkernels code
+                                 one autograd Function over the plain F and G modules, no
+                                 revkernels engine or op
     revkernels_<engine>          RevViTBlock (fused rebuild and grads), for each engine in
                                  revkernels.engine.ENGINES (an engine added there is picked up)
     revkernels_generic_<engine>  ReversibleBlock(AttentionBranch, MlpBranch), for each engine
 
-The reversible variants take the input as both streams. Each variant first runs its warm-up steps (the
-first one timed alone: first_step_ms, and compile_s for an engine that compiles, such as "compiled";
-never part of the step time); then the timed steps run in rounds, one step of every variant per round,
-so a change of load on the machine hits all variants alike. step_ms is the median over the rounds;
-the vs_* columns are speed ratios against a baseline of the same run (baseline ms / variant ms:
-> 1 is faster). Before timing, reversible_plain's grads are checked against those of revkernels'
+The reversible variants take the input as both streams. Each variant first runs its warm-up steps
+(the first one timed alone: first_step_ms; for an engine that compiles, such as "compiled",
+compile_s = first step - median step; warm-up is never part of the step time); then the timed steps
+run in rounds, one step of every variant per round, so a change of load on the machine hits all
+variants alike. step_ms is the median over the rounds; the vs_* columns are speed ratios against a
+baseline of the same run (baseline ms / variant ms: > 1 is faster). Before timing, reversible_plain's grads are checked against those of revkernels'
 autograd engine (plain autograd through the same reversible blocks) on the same weights: the part
 fails if they differ.
 
@@ -38,7 +39,8 @@ op's reference, in ATen ops): per-call time at 8 x 64 fp32 with 1 thread, withou
 and as forward + backward of the sum of its differentiable outputs with every float input requiring
 grad (tiny_grad; the *_bwd ops have no autograd formula, so no such row), and the time of one call at
 4096 x 768 in fp32 and bf16 with 2 threads (throughput; BatchNorm on 16 x 768 x 16 x 16: 4096 values
-per channel). wrapper_us is the Python entry point revkernels.ops.<op> (argument checks included)
+per channel; on CUDA the mean of 20 back-to-back calls, a launch being long against the kernel).
+wrapper_us is the Python entry point revkernels.ops.<op> (argument checks included)
 at the tiny size. ratio = aten_us / fused_us (> 1: the fused op is faster). Medians after warm-up.
 
 Results under --out: overhead_<device>.csv (steps), overhead_ops_<device>.csv (ops), both with
@@ -200,29 +202,27 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _autocast(device):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-
-def train_step(model, x, device):
-    """forward + backward of the benchmark's loss (grads accumulate into .grad)."""
-    with _autocast(device):
+def train_step(model, x, device, autocast=True):
+    """forward + backward of the benchmark's loss (grads accumulate into .grad); bf16 autocast on
+    CUDA unless autocast=False."""
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast and device.type == "cuda"):
         y = model(x)
     loss_of(y).backward()
 
 
 def check_plain_grads(cfg, device):
     """Max relative grad error of reversible_plain against revkernels' autograd engine on the
-    generic block (plain autograd through the same reversible math), same seed, one step. Raises
-    if the weights differ (the variants would not be built alike) or the grads do."""
+    generic block (plain autograd through the same reversible math), same seed, one fp32 step (no
+    autocast: a bf16 recompute may round differently where the rebuilt input differs in its last
+    fp32 bit). Raises if the weights differ (the variants would not be built alike) or the grads do."""
     plain = make_model("reversible_plain", cfg, device)
     reference = make_model("revkernels_generic_autograd", cfg, device)
     x = make_input(cfg, device)
     pairs = list(zip(plain.parameters(), reference.parameters(), strict=True))
     if not all(p.shape == q.shape and torch.equal(p, q) for p, q in pairs):
         raise RuntimeError("overhead: reversible_plain and revkernels_generic_autograd were not built with the same weights")
-    train_step(plain, x, device)
-    train_step(reference, x, device)
+    train_step(plain, x, device, autocast=False)
+    train_step(reference, x, device, autocast=False)
     error = max(((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30)).item() for p, q in pairs)
     if not error <= GRAD_CHECK_TOL:
         raise RuntimeError(f"overhead: reversible_plain grads differ from the autograd engine's: max relative "

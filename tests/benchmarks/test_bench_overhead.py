@@ -43,6 +43,21 @@ def test_plain_stack_grads_equal_plain_autograd(depth):
             assert (p.grad - q.grad).abs().max() <= 1e-5 * q.grad.abs().max()
 
 
+def test_plain_stack_recomputes_under_the_forwards_autocast():
+    """bf16 autocast (CPU here; CUDA in the benchmark): the rebuild recomputes F and G in bf16 as the
+    forward did, so the grads match autograd's closely (~1e-7; a recompute in fp32 gives ~6e-3)."""
+    cpu = torch.device("cpu")
+    grads = []
+    for variant in ("reversible_plain", "revkernels_generic_autograd"):
+        model = overhead.make_model(variant, SMALL, cpu)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(overhead.make_input(SMALL, cpu))
+        overhead.loss_of(y).backward()
+        grads.append([p.grad for p in model.parameters()])
+    for p, q in zip(*grads, strict=True):
+        assert (p - q).abs().max() <= 1e-5 * q.abs().max()
+
+
 def test_plain_stack_saves_only_the_outputs():
     cfg, cpu = SMALL, torch.device("cpu")
     model, x = overhead.make_model("reversible_plain", cfg, cpu), overhead.make_input(cfg, cpu)
