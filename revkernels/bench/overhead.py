@@ -73,6 +73,7 @@ LARGE = (4096, 768)
 TINY_THREADS, LARGE_THREADS = 1, 2
 OPS = ("coupling_sub", "coupling_add", "sub_layer_norm", "layer_norm_bwd_add", "bias_gelu", "bias_gelu_bwd",
        "batch_norm_act", "batch_norm_act_bwd", "linear_sub")
+COLORS = {"baseline": "tab:gray", "revvit": "tab:blue", "generic": "tab:orange"}
 GRAD_CHECK_TOL = 1e-4  # max |grad - reference| / max |reference| per parameter (fp32; ~1e-6 seen)
 
 
@@ -575,7 +576,8 @@ def summary(rows):
 
 
 def plot(path, rows, meta):
-    """Step time per variant, one bar chart per configuration; None without matplotlib."""
+    """Step time per variant, one bar chart per configuration (dashed: reversible_plain, dotted:
+    standard); None without matplotlib."""
     plt = pyplot()
     if plt is None:
         return None
@@ -584,9 +586,17 @@ def plot(path, rows, meta):
     for ax, name in zip(axes[0], configs):
         mine = [r for r in rows if r["config"] == name]
         values = [r["step_ms"] if isinstance(r["step_ms"], float) and math.isfinite(r["step_ms"]) else 0.0 for r in mine]
-        colors = ["tab:gray" if r["engine"] == "" else "tab:orange" if "generic" in r["variant"] else "tab:blue"
+        colors = [COLORS["generic" if "generic" in r["variant"] else "revvit" if r["engine"] else "baseline"]
                   for r in mine]
         ax.bar(range(len(mine)), values, color=colors)
+        for variant, style in (("standard", ":"), ("reversible_plain", "--")):
+            base = next((v for r, v in zip(mine, values) if r["variant"] == variant and v > 0), None)
+            if base is not None:
+                ax.axhline(base, color="black", linestyle=style, linewidth=0.8, label=variant)
+        for kind, label in (("baseline", "baselines"), ("revvit", "RevViTBlock"), ("generic", "generic ReversibleBlock")):
+            ax.bar([0], [0], color=COLORS[kind], label=label)
+        ax.set_ylim(0, max(values + [1e-3]) * 1.3)  # room for the legend above the bars
+        ax.legend(fontsize=7, ncol=3, loc="upper center")
         ax.set_xticks(range(len(mine)), [r["variant"].replace("revkernels_", "rk_") for r in mine], rotation=60,
                       ha="right", fontsize=7)
         ax.set_ylabel("median train step (ms)")
