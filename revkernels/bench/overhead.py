@@ -7,8 +7,8 @@ and each fused op's per-call cost against the ATen op or composition it replaces
     python -m revkernels.bench --parts overhead          # as a part of the benchmark suite
 
 Train steps: forward and backward of one loss for every variant (the output, streams averaged for the
-reversible ones, then .pow(2).mean()); grads set to None between steps, no optimizer; fp32 on CPU, bf16
-autocast on CUDA. Two configurations:
+reversible ones, then .pow(2).mean()); grads set to None between steps (outside the timed region), no
+optimizer; fp32 on CPU, bf16 autocast on CUDA. Two configurations:
 
     host_bound     depth 12, dim 64, 4 heads, 8 tokens, batch 2, 1 thread
     compute_bound  depth 6, dim 192, 3 heads, 65 tokens, batch 16, 2 threads
@@ -307,10 +307,10 @@ def _ratio_value(a, b):
 
 # --- op table ---------------------------------------------------------------------------------------
 
-def _op_cases(op, shape, dtype, device, grad):
+def _op_cases(op, shape, dtype, device):
     """(fused, aten, wrapper, inputs) for one op: fused calls torch.ops.revkernels.<op>, aten the ATen
     composition it replaces, wrapper revkernels.ops.<op>; each returns the op's differentiable
-    outputs. With grad, inputs are the float tensors that require grad."""
+    outputs; inputs: the float tensors to differentiate in the tiny_grad case (none for the *_bwd ops)."""
     rows, width = shape
     gen = torch.Generator().manual_seed(0)
 
@@ -419,7 +419,7 @@ def op_points(ops=OPS):
 
 def measure_op(op, case, dtype, shape, threads, device, reps):
     grad = case == "tiny_grad"
-    fused, aten, wrapper, inputs = _op_cases(op, shape, dtype, device, grad)
+    fused, aten, wrapper, inputs = _op_cases(op, shape, dtype, device)
     if grad:
         for t in inputs:
             t.requires_grad_()

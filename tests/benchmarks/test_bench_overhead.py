@@ -96,7 +96,11 @@ def test_measure_config_reports_compile_time_and_failures(monkeypatch):
 
     monkeypatch.setattr(overhead, "build", failing_build)
     names = ["standard", "checkpoint", "reversible_plain", "revkernels_compiled", "revkernels_generic_compiled"]
-    rows = overhead.measure_config("small", SMALL, names, torch.device("cpu"), warmup=1, rounds=2)
+    threads = torch.get_num_threads()
+    rows = overhead.measure_config("small", {**SMALL, "threads": threads + 1}, names, torch.device("cpu"), warmup=1,
+                                   rounds=2)
+    assert torch.get_num_threads() == threads  # restored
+    assert {r["threads"] for r in rows} == {threads + 1}
     by = {r["variant"]: r for r in rows}
     assert list(by) == names
     assert isinstance(by["revkernels_compiled"]["compile_s"], float) and by["standard"]["compile_s"] == ""
@@ -104,7 +108,6 @@ def test_measure_config_reports_compile_time_and_failures(monkeypatch):
     for name in names[:-1]:
         assert by[name]["steps"] == 2 and math.isfinite(by[name]["step_ms"]) and by[name]["step_ms"] > 0
     assert by["standard"]["vs_standard"] == 1.0 and by["reversible_plain"]["vs_reversible_plain"] == 1.0
-    assert torch.get_num_threads() > 0
 
 
 @pytest.mark.parametrize("op", overhead.OPS)
@@ -112,7 +115,7 @@ def test_op_table_compares_like_with_like(op):
     """The fused op, its Python entry point and the ATen composition give the same values (and, for
     differentiable ops, the same grads of the summed outputs)."""
     cpu = torch.device("cpu")
-    fused, aten, wrapper, inputs = overhead._op_cases(op, overhead.TINY, torch.float32, cpu, False)
+    fused, aten, wrapper, inputs = overhead._op_cases(op, overhead.TINY, torch.float32, cpu)
     for a, b, c in zip(fused(), aten(), wrapper(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(c, a)
