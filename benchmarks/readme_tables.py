@@ -6,7 +6,8 @@
 Reads ``benchmarks/results/kernels_cuda.csv`` (bench_kernels.py) and ``train_cuda.csv``
 (bench_train.py) where present; each table is headed by the commit, GPU, torch and triton versions
 its CSV recorded. Ratios are computed here from the medians in the CSV, against baselines measured
-in the same run.
+in the same run. The host-overhead tables (bench_overhead.py: ``overhead_<device>.csv`` and
+``overhead_ops_<device>.csv``, CPU then CUDA where present) go between their own markers.
 """
 import argparse
 import csv
@@ -16,6 +17,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 BEGIN, END = "<!-- results:begin (benchmarks/readme_tables.py) -->", "<!-- results:end -->"
+OVERHEAD_BEGIN, OVERHEAD_END = "<!-- overhead-table:start -->", "<!-- overhead-table:end -->"
 FORWARD_OPS = ("coupling_sub", "sub_layer_norm", "bias_gelu")
 BACKWARD_OPS = ("layer_norm_bwd_add", "bias_gelu_bwd")
 TARGET_PCT = {**{op: 85 for op in FORWARD_OPS}, **{op: 70 for op in BACKWARD_OPS}}
@@ -137,6 +139,86 @@ def train_tables(rows):
     return lines
 
 
+def _config_line(rows):
+    r = rows[0]
+    return (f"depth {r['depth']}, dim {r['dim']}, {r['heads']} heads, {r['tokens']} tokens, batch {r['batch']}, "
+            f"{r['threads']} thread{'s' if r['threads'] != '1' else ''}; median of {r['steps']} steps")
+
+
+def overhead_tables(steps, ops):
+    """Step time per variant and configuration with speed ratios against the baselines of the same
+    run, and each fused op against its ATen composition."""
+    lines = []
+    if steps:
+        configs = list(dict.fromkeys(r["config"] for r in steps))
+        by = {(r["config"], r["variant"]): r for r in steps}
+        variants = list(dict.fromkeys(r["variant"] for r in steps))
+        lines += [f"Train step (forward + backward), ms, median after warm-up, {steps[0]['dtype']} "
+                  f"({_provenance(steps)}); speed against baselines of the same run (> 1 is faster):", ""]
+        lines += [f"- `{c}`: {_config_line([r for r in steps if r['config'] == c])}" for c in configs] + [""]
+        header, rule = "| variant |", "|---|"
+        for c in configs:
+            header += f" {c} ms | vs standard | vs reversible_plain | vs checkpoint |"
+            rule += "---|" * 4
+        lines += [header, rule]
+        for v in variants:
+            cells = []
+            for c in configs:
+                r = by.get((c, v))
+                if r is None:
+                    cells += [""] * 4
+                    continue
+                ms = _num(r["step_ms"])
+                cell = f"{ms:.2f}" if ms == ms else "failed"
+                if r.get("compile_s"):
+                    cell += f" (compile {_num(r['compile_s']):.1f} s)"
+                cells += [cell] + [_ratio(by.get((c, b), {}).get("step_ms"), r["step_ms"])
+                                   for b in ("standard", "reversible_plain", "checkpoint")]
+            lines.append(f"| `{v}` | " + " | ".join(cells) + " |")
+    if ops:
+        columns = list(dict.fromkeys((r["case"], r["dtype"]) for r in ops))
+        names = {"tiny": "no grad", "tiny_grad": "fwd + bwd of the sum", "throughput": "one call"}
+        sizes = {col: next(r["size"] for r in ops if (r["case"], r["dtype"]) == col and not r["op"].startswith("batch_norm"))
+                 for col in columns}
+        lines += (["", ""] if lines else []) + [
+            f"Fused ops (`torch.ops.revkernels.*`) against the ATen op or composition they replace: fused / ATen "
+            f"time, median (ratio ATen/fused: > 1, the fused op is faster; {_provenance(ops)}). BatchNorm ops "
+            "run on N x C x H x W with 4096 (8) values per channel for 4096 (8) rows. The last column is the "
+            "Python entry point `revkernels.ops.<op>` (argument checks included):", "",
+            "| op | " + " | ".join(f"{sizes[c]} {c[1]}, {names.get(c[0], c[0])}" for c in columns)
+            + " | Python entry, no grad |", "|---" * (len(columns) + 2) + "|"]
+        for op in dict.fromkeys(r["op"] for r in ops):
+            mine = {(r["case"], r["dtype"]): r for r in ops if r["op"] == op}
+            cells = []
+            for col in columns:
+                r = mine.get(col)
+                if r is None:
+                    cells.append("n/a")
+                    continue
+                fused, aten = _num(r["fused_us"]), _num(r["aten_us"])
+                unit, scale = ("ms", 1e-3) if col[0] == "throughput" else ("us", 1.0)
+                cells.append(f"{fused * scale:.3g} / {aten * scale:.3g} {unit} ({_ratio(aten, fused)})")
+            tiny = mine.get(("tiny", "float32"))
+            cells.append(f"{_num(tiny['wrapper_us']):.3g} us" if tiny and tiny.get("wrapper_us") else "")
+            lines.append(f"| `{op}` | " + " | ".join(cells) + " |")
+    return lines
+
+
+def overhead_section(results=RESULTS):
+    """The text between the overhead markers: the tables of every device with results."""
+    lines = []
+    for device in ("cpu", "cuda"):
+        steps, ops = (os.path.join(results, f"{name}_{device}.csv") for name in ("overhead", "overhead_ops"))
+        if os.path.exists(steps) or os.path.exists(ops):
+            lines += overhead_tables(read_csv(steps) if os.path.exists(steps) else [],
+                                     read_csv(ops) if os.path.exists(ops) else []) + [""]
+    if not lines:
+        lines = ["No results committed yet: `python benchmarks/bench_overhead.py` writes "
+                 "`benchmarks/results/overhead_cpu.csv` and `overhead_ops_cpu.csv`; then run "
+                 "`python benchmarks/readme_tables.py`."]
+    return "\n".join(lines).rstrip() + "\n"
+
+
 def tables(results=RESULTS):
     lines = []
     kernels = os.path.join(results, "kernels_cuda.csv")
@@ -148,15 +230,15 @@ def tables(results=RESULTS):
     return "\n".join(lines).rstrip() + "\n"
 
 
-def rewrite(readme, text):
+def rewrite(readme, text, begin=BEGIN, end=END):
     with open(readme) as f:
         content = f.read()
-    if BEGIN not in content or END not in content:
-        raise SystemExit(f"{readme} has no results markers ({BEGIN} ... {END})")
-    head, rest = content.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
+    if begin not in content or end not in content:
+        raise SystemExit(f"{readme} has no results markers ({begin} ... {end})")
+    head, rest = content.split(begin, 1)
+    _, tail = rest.split(end, 1)
     with open(readme, "w") as f:
-        f.write(head + BEGIN + "\n" + text + END + tail)
+        f.write(head + begin + "\n" + text + end + tail)
 
 
 def main(argv=None):
@@ -165,11 +247,12 @@ def main(argv=None):
     parser.add_argument("--results", default=RESULTS)
     parser.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
     args = parser.parse_args(argv)
-    text = tables(args.results)
+    text, overhead = tables(args.results), overhead_section(args.results)
     if args.print:
-        print(text)
+        print(text + "\n" + overhead)
     else:
         rewrite(args.readme, text)
+        rewrite(args.readme, overhead, OVERHEAD_BEGIN, OVERHEAD_END)
     return 0
 
 

@@ -10,13 +10,17 @@ own CSV and PNG under --out):
            backends on CUDA) (kernels_<device>.csv)
   train    transformer and RevNet train steps: standard backprop, checkpointing, plain reversible
            blocks and revkernels' engines (train_<device>.csv)
+  overhead host-bound and compute-bound train steps (standard, checkpoint, a minREV-style reversible
+           stack, every revkernels engine) and each fused op's per-call cost against ATen
+           (overhead_<device>.csv, overhead_ops_<device>.csv)
   petra    the PETRA distributed runtime (2 CPU processes over gloo) against single-process
            reversible backprop (petra_cpu.csv); always on CPU
 
 On CPU the suite runs train and petra in their quick modes (their full shapes are GPU-sized or take
-long on a few cores); memory and kernels run their CPU defaults, or quick modes with --quick.
-On CUDA every part but petra runs by default (petra measures CPU processes; name it in --parts to run
-it): memory and kernels with their full CUDA defaults, train with a selection that fits the suite's
+long on a few cores); memory, kernels and overhead run their CPU defaults, or quick modes with --quick.
+On CUDA every part but overhead and petra runs by default (name them in --parts to run them: petra
+measures CPU processes; overhead, the host-cost study, runs its CPU shapes under bf16 autocast there):
+memory and kernels with their full CUDA defaults, train with a selection that fits the suite's
 time: ViT-B at batch 32 and 128, CIFAR RevNet-18 at 256 and ImageNet RevNet-50 at 64, the depth sweep
 12/24/48, and a time budget: once the suite has run 360 s, train starts no new configuration (its
 first, ViT-B at batch 32 with every variant, always runs). Estimate for an H200 (not yet measured):
@@ -37,7 +41,8 @@ from tqdm import tqdm
 
 from revkernels.bench.report import DEFAULT_OUT
 
-PARTS = ("memory", "kernels", "train", "petra")
+PARTS = ("memory", "kernels", "train", "overhead", "petra")
+CUDA_ONLY_WHEN_NAMED = ("overhead", "petra")
 # On CUDA without --quick: the train part starts no new configuration once the whole run has taken this
 # long (it measures the most important points first), so the suite ends within about 8 minutes.
 CUDA_BUDGET_S = 360
@@ -53,12 +58,17 @@ def _parse(argv):
     parser.add_argument("--quick", action="store_true",
                         help="every part's quick mode (under 2 minutes in all on a 2-core CPU)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, metavar="PART",
-                        help=f"parts to run, from {', '.join(PARTS)} (default: all; on CUDA all but petra)")
+                        help=f"parts to run, from {', '.join(PARTS)} (default: all; on CUDA all but overhead and petra)")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"folder for CSV and PNG (default: ./{DEFAULT_OUT})")
     args = parser.parse_args(argv)
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available")
     return args
+
+
+def default_parts(device):
+    """The parts run when --parts is not given: all on CPU; on CUDA all but overhead and petra."""
+    return [p for p in PARTS if not (torch.device(device).type == "cuda" and p in CUDA_ONLY_WHEN_NAMED)]
 
 
 def part_argv(part, args, elapsed_s=0.0):
@@ -149,7 +159,14 @@ def _summary_petra(rows):
             f"{petra['speedup_vs_revbackprop_same_cores']:.2f}x over the same cores (target >= 1.6x)"]
 
 
-SUMMARIES = {"memory": _summary_memory, "kernels": _summary_kernels, "train": _summary_train, "petra": _summary_petra}
+def _summary_overhead(rows):
+    from revkernels.bench.overhead import summary
+
+    return summary(rows)
+
+
+SUMMARIES = {"memory": _summary_memory, "kernels": _summary_kernels, "train": _summary_train,
+             "overhead": _summary_overhead, "petra": _summary_petra}
 
 
 def summary(results):
@@ -169,8 +186,7 @@ def summary(results):
 
 def main(argv=None):
     args = _parse(argv)
-    cuda = torch.device(args.device).type == "cuda"
-    parts = args.parts or [p for p in PARTS if not (cuda and p == "petra")]
+    parts = args.parts or default_parts(args.device)
     parts = [p for p in PARTS if p in parts]  # the suite's order, each once
     start = time.perf_counter()
     results, timings = {}, {}

@@ -1,6 +1,6 @@
 """The benchmark scripts run end to end (CPU smoke runs of the same code the GPU check runs).
 
-The implementations are `revkernels.bench.kernels` / `.train` / `.petra`; `benchmarks/bench_*.py`
+The implementations are `revkernels.bench.kernels` / `.train` / `.petra` / `.overhead`; `benchmarks/bench_*.py`
 are thin entry points over them (same flags, results under benchmarks/results by default)."""
 import csv
 import math
@@ -52,7 +52,7 @@ def _bench_kernels_module():
     return revkernels.bench.kernels
 
 
-@pytest.mark.parametrize("part", ["kernels", "train", "petra"])
+@pytest.mark.parametrize("part", ["kernels", "train", "petra", "overhead"])
 def test_script_is_a_thin_entry_point(part):
     """benchmarks/bench_<part>.py takes the flags of `python -m revkernels.bench.<part>` (it runs the
     package's main), with benchmarks/results as the default --out."""

@@ -63,3 +63,54 @@ def test_rewrite_replaces_only_the_marked_section(tmp_path, readme_tables):
     readme.write_text("no markers\n")
     with pytest.raises(SystemExit, match="no results markers"):
         readme_tables.rewrite(str(readme), "x")
+
+
+def _overhead_rows(config, threads):
+    rows = []
+    for variant, ms, compile_s in (("standard", 6.0, ""), ("checkpoint", 16.0, ""), ("reversible_plain", 10.0, ""),
+                                   ("revkernels_sequential", 15.0, ""), ("revkernels_compiled", 5.0, 12.5)):
+        rows.append({"config": config, "depth": 12, "dim": 64, "heads": 4, "tokens": 8, "batch": 2, "threads": threads,
+                     "dtype": "float32", "variant": variant, "engine": "", "step_ms": ms, "first_step_ms": 9.0,
+                     "compile_s": compile_s, "steps": 30, "warmup": 3, "vs_standard": 0.0,
+                     "vs_reversible_plain": 0.0, "vs_checkpoint": 0.0})
+    return rows
+
+
+def _op_row(op, case, dtype, fused, aten, wrapper=""):
+    size = "4096x768" if case == "throughput" else "8x64"
+    return {"op": op, "case": case, "dtype": dtype, "size": size, "fused_us": fused, "aten_us": aten,
+            "ratio": aten / fused, "wrapper_us": wrapper, "threads": 1}
+
+
+def test_overhead_tables_from_the_csvs(tmp_path, readme_tables):
+    assert "No results committed yet" in readme_tables.overhead_section(str(tmp_path))
+    _write(tmp_path / "overhead_cpu.csv", _overhead_rows("host_bound", 1) + _overhead_rows("compute_bound", 2))
+    _write(tmp_path / "overhead_ops_cpu.csv", [
+        _op_row("coupling_sub", "tiny", "float32", 6.0, 1.5, 7.0), _op_row("coupling_sub", "tiny_grad", "float32", 240.0, 30.0),
+        _op_row("coupling_sub", "throughput", "float32", 1500.0, 3000.0),
+        _op_row("layer_norm_bwd_add", "tiny", "float32", 8.0, 16.0, 11.0),
+        _op_row("layer_norm_bwd_add", "throughput", "float32", 7000.0, 14000.0)])
+    text = readme_tables.overhead_section(str(tmp_path))
+    assert "commit `abc1234`, Test GPU" in text and "No results" not in text
+    assert "- `host_bound`: depth 12, dim 64, 4 heads, 8 tokens, batch 2, 1 thread; median of 30 steps" in text
+    assert "- `compute_bound`: depth 12, dim 64, 4 heads, 8 tokens, batch 2, 2 threads; median of 30 steps" in text
+    assert "| variant | host_bound ms | vs standard | vs reversible_plain | vs checkpoint | compute_bound ms |" in text
+    # ratios computed here from step_ms (the CSV's vs_* columns are ignored), against the same config
+    assert "| `revkernels_sequential` | 15.00 | 0.40x | 0.67x | 1.07x | 15.00 | 0.40x | 0.67x | 1.07x |" in text
+    assert "| `revkernels_compiled` | 5.00 (compile 12.5 s) | 1.20x | 2.00x | 3.20x |" in text
+    assert "| op | 8x64 float32, no grad | 8x64 float32, fwd + bwd of the sum | 4096x768 float32, one call | " \
+           "Python entry, no grad |" in text
+    assert "| `coupling_sub` | 6 / 1.5 us (0.25x) | 240 / 30 us (0.12x) | 1.5 / 3 ms (2.00x) | 7 us |" in text
+    assert "| `layer_norm_bwd_add` | 8 / 16 us (2.00x) | n/a | 7 / 14 ms (2.00x) | 11 us |" in text
+
+
+def test_main_rewrites_both_marked_sections(tmp_path, readme_tables):
+    readme = tmp_path / "README.md"
+    o_begin, o_end = readme_tables.OVERHEAD_BEGIN, readme_tables.OVERHEAD_END
+    readme.write_text(f"a\n{readme_tables.BEGIN}\nold\n{readme_tables.END}\nb\n{o_begin}\nold\n{o_end}\nc\n")
+    _write(tmp_path / "overhead_cpu.csv", _overhead_rows("host_bound", 1))
+    assert readme_tables.main(["--results", str(tmp_path), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith(f"a\n{readme_tables.BEGIN}\n") and text.endswith(f"{o_end}\nc\n")
+    assert "| `standard` | 6.00 | 1.00x | 1.67x | 2.67x |" in text.split(o_begin)[1]
+    assert "old" not in text

@@ -1,0 +1,617 @@
+"""Host-overhead benchmark: train steps where the host (Python, dispatcher, autograd) bounds the time,
+and each fused op's per-call cost against the ATen op or composition it replaces.
+
+    python -m revkernels.bench.overhead                  # CPU: both configurations and the op table
+    python -m revkernels.bench.overhead --quick          # the same shapes, fewer repetitions (~60 s, 2 cores)
+    python benchmarks/bench_overhead.py ...              # the same, from a checkout (results in benchmarks/results)
+    python -m revkernels.bench --parts overhead          # as a part of the benchmark suite
+
+Train steps: forward and backward of one loss for every variant (the output, streams averaged for the
+reversible ones, then .pow(2).mean()); grads set to None between steps (outside the timed region), no
+optimizer; fp32 on CPU, bf16 autocast on CUDA. Two configurations:
+
+    host_bound     depth 12, dim 64, 4 heads, 8 tokens, batch 2, 1 thread
+    compute_bound  depth 6, dim 192, 3 heads, 65 tokens, batch 16, 2 threads
+
+Variants, all built from the same seed (F = AttentionBranch and G = MlpBranch of revkernels.nn.revvit,
+created in the same order in every variant, so they hold the same weights):
+
+    standard                     pre-norm blocks x + F(x), x + G(x), eager autograd
+    checkpoint                   standard with per-block torch.utils.checkpoint (use_reentrant=False)
+    reversible_plain             the minREV-style reversible stack of this module (PlainReversibleStack):
+                                 one autograd Function over the plain F and G modules, no
+                                 revkernels engine or op
+    revkernels_<engine>          RevViTBlock (fused rebuild and grads), for each engine in
+                                 revkernels.engine.ENGINES (an engine added there is picked up)
+    revkernels_generic_<engine>  ReversibleBlock(AttentionBranch, MlpBranch), for each engine
+
+The reversible variants take the input as both streams. Each variant first runs its warm-up steps
+(the first one timed alone: first_step_ms; for an engine that compiles, such as "compiled",
+compile_s = first step - median step; warm-up is never part of the step time); then the timed steps
+run in rounds, one step of every variant per round, so a change of load on the machine hits all
+variants alike. step_ms is the median over the rounds; the vs_* columns are speed ratios against a
+baseline of the same run (baseline ms / variant ms: > 1 is faster). Before timing, reversible_plain's grads are checked against those of revkernels'
+autograd engine (plain autograd through the same reversible blocks) on the same weights: the part
+fails if they differ.
+
+Op table: each fused op (torch.ops.revkernels.*) against what it replaces (the composition in the
+op's reference, in ATen ops): per-call time at 8 x 64 fp32 with 1 thread, without grad (case tiny)
+and as forward + backward of the sum of its differentiable outputs with every float input requiring
+grad (tiny_grad; the *_bwd ops have no autograd formula, so no such row), and the time of one call at
+4096 x 768 in fp32 and bf16 with 2 threads (throughput; BatchNorm on 16 x 768 x 16 x 16: 4096 values
+per channel; on CUDA the mean of 20 back-to-back calls, a launch being long against the kernel).
+wrapper_us is the Python entry point revkernels.ops.<op> (argument checks included)
+at the tiny size. ratio = aten_us / fused_us (> 1: the fused op is faster). Medians after warm-up.
+
+Results under --out: overhead_<device>.csv (steps), overhead_ops_<device>.csv (ops), both with
+commit, device and versions on every row, and overhead_<device>.png (step time per variant).
+"""
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+import revkernels as rk
+from revkernels.bench.report import DEFAULT_OUT, provenance, pyplot, save_figure, write_csv
+from revkernels.bench.train import ReversibleStack, StandardStack
+from revkernels.nn.revvit import AttentionBranch, MlpBranch, RevViTBlock
+
+CONFIGS = {
+    "host_bound": dict(depth=12, dim=64, heads=4, tokens=8, batch=2, threads=1),
+    "compute_bound": dict(depth=6, dim=192, heads=3, tokens=65, batch=16, threads=2),
+}
+BASELINES = ("standard", "reversible_plain", "checkpoint")
+TINY = (8, 64)
+LARGE = (4096, 768)
+TINY_THREADS, LARGE_THREADS = 1, 2
+OPS = ("coupling_sub", "coupling_add", "sub_layer_norm", "layer_norm_bwd_add", "bias_gelu", "bias_gelu_bwd",
+       "batch_norm_act", "batch_norm_act_bwd", "linear_sub")
+COLORS = {"baseline": "tab:gray", "revvit": "tab:blue", "generic": "tab:orange"}
+GRAD_CHECK_TOL = 1e-4  # max |grad - reference| / max |reference| per parameter (fp32; ~1e-6 seen)
+
+
+# --- the minREV-style reversible stack --------------------------------------------------------------
+
+class _PlainReversibleFunction(torch.autograd.Function):
+    """The plain reversible approach of the minREV reference: the forward runs the blocks without a
+    graph and saves only the outputs; the backward walks the blocks last-first, rebuilding each input
+    from its output while recomputing G(y1) and F(x2) under enable_grad, and calls
+    torch.autograd.backward on them so the parameter grads accumulate in .grad directly."""
+
+    @staticmethod
+    def forward(ctx, x1, x2, blocks):
+        with torch.no_grad():
+            for block in blocks:
+                x1 = x1 + block.f(x2)
+                x2 = x2 + block.g(x1)
+        ctx.blocks = blocks
+        # The recompute must run under the forward's autocast state (backward does not inherit it).
+        ctx.device_type = x1.device.type
+        ctx.autocast = torch.is_autocast_enabled(ctx.device_type)
+        ctx.autocast_dtype = torch.get_autocast_dtype(ctx.device_type)
+        ctx.save_for_backward(x1, x2)
+        return x1, x2
+
+    @staticmethod
+    def backward(ctx, dy1, dy2):
+        y1, y2 = ctx.saved_tensors
+        with torch.autocast(ctx.device_type, dtype=ctx.autocast_dtype, enabled=ctx.autocast):
+            for block in reversed(ctx.blocks):
+                with torch.enable_grad():
+                    y1 = y1.detach().requires_grad_()
+                    g = block.g(y1)
+                    torch.autograd.backward(g, dy2.to(g.dtype))  # G's param grads; y1.grad = dG^T dy2
+                with torch.no_grad():
+                    x2 = y2 - g
+                    dy1 = dy1 + y1.grad
+                with torch.enable_grad():
+                    x2.requires_grad_()
+                    f = block.f(x2)
+                    torch.autograd.backward(f, dy1.to(f.dtype))  # F's param grads; x2.grad = dF^T dy1
+                with torch.no_grad():
+                    x1 = y1 - f
+                    dy2 = dy2 + x2.grad
+                y1, y2 = x1, x2.detach()
+        return dy1, dy2, None
+
+
+class PlainBlock(nn.Module):
+    """Holds F and G of one coupling y1 = x1 + F(x2), y2 = x2 + G(y1)."""
+
+    def __init__(self, f, g):
+        super().__init__()
+        self.f, self.g = f, g
+
+
+class PlainReversibleStack(nn.Module):
+    """minREV-style reversible stack: input as both streams, streams averaged at the end. The input
+    is made a leaf that requires grad (minREV's comes from the patch embedding): autograd calls a
+    Function's backward only when an input requires grad."""
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        if not x.requires_grad:
+            x = x.detach().requires_grad_()
+        y1, y2 = _PlainReversibleFunction.apply(x, x, tuple(self.blocks))
+        return (y1 + y2) * 0.5
+
+
+# --- variants ---------------------------------------------------------------------------------------
+
+def variants(engines=None):
+    """Every variant name, the engines from revkernels.engine.ENGINES (or `engines`)."""
+    engines = list(rk.engine.ENGINES) if engines is None else list(engines)
+    return (["standard", "checkpoint", "reversible_plain"] + [f"revkernels_{e}" for e in engines]
+            + [f"revkernels_generic_{e}" for e in engines])
+
+
+def build(variant, depth, dim, heads):
+    """The model of `variant`; F then G of each block are created in the same order in every variant."""
+    if variant in ("standard", "checkpoint"):
+        return StandardStack(depth, dim, heads, use_checkpoint=variant == "checkpoint")
+    if variant == "reversible_plain":
+        return PlainReversibleStack([PlainBlock(AttentionBranch(dim, heads), MlpBranch(dim, 4 * dim))
+                                     for _ in range(depth)])
+    if variant.startswith("revkernels_generic_"):
+        return ReversibleStack([rk.nn.ReversibleBlock(AttentionBranch(dim, heads), MlpBranch(dim, 4 * dim))
+                                for _ in range(depth)], variant.removeprefix("revkernels_generic_"))
+    if variant.startswith("revkernels_"):
+        return ReversibleStack([RevViTBlock(dim, heads) for _ in range(depth)], variant.removeprefix("revkernels_"))
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def engine_of(variant):
+    """The revkernels engine a variant runs, or None."""
+    for prefix in ("revkernels_generic_", "revkernels_"):
+        if variant.startswith(prefix):
+            return variant.removeprefix(prefix)
+    return None
+
+
+def compiles(variant):
+    """Whether the variant's first step compiles (an engine named like "compiled")."""
+    return "compile" in (engine_of(variant) or "")
+
+
+def make_model(variant, cfg, device, seed=0):
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return build(variant, cfg["depth"], cfg["dim"], cfg["heads"])
+
+
+def make_input(cfg, device, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(cfg["batch"], cfg["tokens"], cfg["dim"], generator=generator).to(device)
+
+
+def loss_of(y):
+    return y.float().pow(2).mean()
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(model, x, device, autocast=True):
+    """forward + backward of the benchmark's loss (grads accumulate into .grad); bf16 autocast on
+    CUDA unless autocast=False."""
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast and device.type == "cuda"):
+        y = model(x)
+    loss_of(y).backward()
+
+
+def check_plain_grads(cfg, device):
+    """Max relative grad error of reversible_plain against revkernels' autograd engine on the
+    generic block (plain autograd through the same reversible math), same seed, one fp32 step (no
+    autocast: a bf16 recompute may round differently where the rebuilt input differs in its last
+    fp32 bit). Raises if the weights differ (the variants would not be built alike) or the grads do."""
+    plain = make_model("reversible_plain", cfg, device)
+    reference = make_model("revkernels_generic_autograd", cfg, device)
+    x = make_input(cfg, device)
+    pairs = list(zip(plain.parameters(), reference.parameters(), strict=True))
+    if not all(p.shape == q.shape and torch.equal(p, q) for p, q in pairs):
+        raise RuntimeError("overhead: reversible_plain and revkernels_generic_autograd were not built with the same weights")
+    train_step(plain, x, device, autocast=False)
+    train_step(reference, x, device, autocast=False)
+    error = max(((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30)).item() for p, q in pairs)
+    if not error <= GRAD_CHECK_TOL:
+        raise RuntimeError(f"overhead: reversible_plain grads differ from the autograd engine's: max relative "
+                           f"error {error:.2e} > {GRAD_CHECK_TOL:.0e}")
+    return error
+
+
+def _error_line(error):
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+
+
+def measure_config(name, cfg, names, device, warmup, rounds, progress=None):
+    """Step rows of one configuration: warm-up per variant (the first step timed alone), then
+    `rounds` rounds of one timed step per variant; a variant that fails is printed and gets nan."""
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(cfg["threads"])
+    try:
+        x = make_input(cfg, device)
+        models, first_ms, times, failed = {}, {}, {v: [] for v in names}, {}
+
+        def timed_step(variant):
+            model = models[variant]
+            for p in model.parameters():
+                p.grad = None
+            _sync(device)
+            start = time.perf_counter()
+            train_step(model, x, device)
+            _sync(device)
+            return (time.perf_counter() - start) * 1e3
+
+        for variant in names:
+            if progress is not None:
+                progress.set_postfix_str(f"{name} {variant} warm-up")
+            try:
+                models[variant] = make_model(variant, cfg, device)
+                first_ms[variant] = timed_step(variant)
+                for _ in range(warmup - 1):
+                    timed_step(variant)
+            except Exception as error:  # recorded as nan, never silently
+                failed[variant] = error
+                models.pop(variant, None)
+                print(f"  {name} {variant} FAILED: {_error_line(error)}", flush=True)
+            if progress is not None:
+                progress.update()
+        for k in range(rounds):
+            if progress is not None:
+                progress.set_postfix_str(f"{name} round {k + 1}/{rounds}")
+            for variant in list(models):
+                try:
+                    times[variant].append(timed_step(variant))
+                except Exception as error:
+                    failed[variant] = error
+                    models.pop(variant)
+                    print(f"  {name} {variant} FAILED: {_error_line(error)}", flush=True)
+            if progress is not None:
+                progress.update()
+    finally:
+        torch.set_num_threads(previous_threads)
+
+    nan = float("nan")
+    step_ms = {v: statistics.median(times[v]) if v not in failed and times[v] else nan for v in names}
+    rows = []
+    for variant in names:
+        ms = step_ms[variant]
+        first = first_ms.get(variant, nan)
+        row = {"config": name, **{k: cfg[k] for k in ("depth", "dim", "heads", "tokens", "batch", "threads")},
+               "dtype": "bfloat16 autocast" if device.type == "cuda" else "float32", "variant": variant,
+               "engine": engine_of(variant) or "", "step_ms": ms, "first_step_ms": first,
+               "compile_s": (first - ms) / 1e3 if compiles(variant) else "", "steps": len(times[variant]),
+               "warmup": warmup}
+        for base in BASELINES:
+            row[f"vs_{base}"] = _ratio_value(step_ms.get(base, nan), ms)
+        rows.append({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
+    return rows
+
+
+def _ratio_value(a, b):
+    return a / b if isinstance(a, float) and isinstance(b, float) and math.isfinite(a) and math.isfinite(b) and b > 0 \
+        else float("nan")
+
+
+# --- op table ---------------------------------------------------------------------------------------
+
+def _op_cases(op, shape, dtype, device):
+    """(fused, aten, wrapper, inputs) for one op: fused calls torch.ops.revkernels.<op>, aten the ATen
+    composition it replaces, wrapper revkernels.ops.<op>; each returns the op's differentiable
+    outputs; inputs: the float tensors to differentiate in the tiny_grad case (none for the *_bwd ops)."""
+    rows, width = shape
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*size, scale=1.0):
+        return (torch.randn(*size, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    ops, py = torch.ops.revkernels, rk.ops
+    eps = 1e-6
+    if op in ("coupling_sub", "coupling_add"):
+        a, b = rand(rows, width), rand(rows, width)
+        aten = (lambda: [a - b]) if op == "coupling_sub" else (lambda: [a + b])
+        return (lambda: [getattr(ops, op)(a, b)]), aten, (lambda: [getattr(py, op)(a, b)]), [a, b]
+    if op == "sub_layer_norm":
+        y, g, w, b = rand(rows, width), rand(rows, width), rand(width), rand(width)
+
+        def aten():
+            x = y - g
+            return [x, F.layer_norm(x, (width,), w, b, eps)]
+        return (lambda: list(ops.sub_layer_norm(y, g, w, b, eps)[:2])), aten, \
+            (lambda: list(py.sub_layer_norm(y, g, w, b, eps)[:2])), [y, g, w, b]
+    if op == "layer_norm_bwd_add":
+        x, w, b, dln, dres = rand(rows, width), rand(width), rand(width), rand(rows, width), rand(rows, width)
+        _, mean, rstd = torch.native_layer_norm(x, [width], w, b, eps)
+        flat_mean, flat_rstd = mean.reshape(rows), rstd.reshape(rows)
+
+        def aten():
+            dx, dw, db = torch.ops.aten.native_layer_norm_backward(dln, x, [width], mean, rstd, w, b, [True, True, True])
+            return [dx + dres, dw, db]
+        return (lambda: list(ops.layer_norm_bwd_add(dln, x, w, flat_mean, flat_rstd, dres))), aten, \
+            (lambda: list(py.layer_norm_bwd_add(dln, x, w, flat_mean, flat_rstd, dres))), []
+    if op == "bias_gelu":
+        x, b = rand(rows, width), rand(width)
+        return (lambda: [ops.bias_gelu(x, b, "none")]), (lambda: [F.gelu(x + b)]), \
+            (lambda: [py.bias_gelu(x, b)]), [x, b]
+    if op == "bias_gelu_bwd":
+        dy, x, b = rand(rows, width), rand(rows, width), rand(width)
+
+        def aten():
+            dx = torch.ops.aten.gelu_backward(dy, x + b)
+            return [dx, dx.float().sum(0).to(b.dtype)]
+        return (lambda: list(ops.bias_gelu_bwd(dy, x, b, "none"))), aten, (lambda: list(py.bias_gelu_bwd(dy, x, b))), []
+    if op in ("batch_norm_act", "batch_norm_act_bwd"):
+        # (N, C, H, W) with N*H*W = rows values per channel and C = width channels.
+        bn_shape = (2, width, 2, 2) if rows == TINY[0] else (16, width, 16, 16)
+        x, w, b = rand(*bn_shape), rand(width), rand(width)
+        if op == "batch_norm_act":
+            def aten():
+                return [torch.relu(F.batch_norm(x, None, None, w, b, training=True, eps=eps))]
+            return (lambda: [ops.batch_norm_act(x, w, b, eps, True)[0]]), aten, \
+                (lambda: [py.batch_norm_act(x, w, b, eps, True)[0]]), [x, w, b]
+        dout = rand(*bn_shape)
+        _, mean, rstd = ops.batch_norm_act(x, w, b, eps, True)
+        out, save_mean, save_invstd = torch.native_batch_norm(x, w, b, None, None, True, 0.0, eps)
+        out = torch.relu(out)
+
+        def aten():  # autograd's ReLU backward (from the saved output), then BatchNorm's backward
+            dy = torch.ops.aten.threshold_backward(dout, out, 0)
+            return list(torch.ops.aten.native_batch_norm_backward(dy, x, w, None, None, save_mean, save_invstd, True,
+                                                                  eps, [True, True, True]))
+        return (lambda: list(ops.batch_norm_act_bwd(dout, x, w, b, mean, rstd, True))), aten, \
+            (lambda: list(py.batch_norm_act_bwd(dout, x, w, b, mean, rstd, True))), []
+    if op == "linear_sub":
+        y, a, weight, b = rand(rows, width), rand(rows, width), rand(width, width, scale=width ** -0.5), rand(width)
+        return (lambda: [ops.linear_sub(y, a, weight, b)]), (lambda: [y - F.linear(a, weight, b)]), \
+            (lambda: [py.linear_sub(y, a, weight, b)]), [y, a, weight, b]
+    raise ValueError(f"unknown op {op!r}")
+
+
+def _with_grad(fn, inputs):
+    """fn's forward + backward of the sum of its outputs, grads returned (not accumulated)."""
+    def call():
+        outs = fn()
+        loss = outs[0].sum()
+        for out in outs[1:]:
+            loss = loss + out.sum()
+        return torch.autograd.grad(loss, inputs)
+    return call
+
+
+def per_call_us(fn, device, reps, inner, warmup):
+    """Median over `reps` samples of the mean time of `inner` back-to-back calls (us), after warm-up."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        _sync(device)
+        samples.append((time.perf_counter() - start) / inner * 1e6)
+    return statistics.median(samples)
+
+
+def op_points(ops=OPS):
+    """(op, case, dtype, shape, threads) of the op table."""
+    points = []
+    for op in ops:
+        points.append((op, "tiny", torch.float32, TINY, TINY_THREADS))
+        if "_bwd" not in op:  # the backward ops have no autograd formula
+            points.append((op, "tiny_grad", torch.float32, TINY, TINY_THREADS))
+        for dtype in (torch.float32, torch.bfloat16):
+            points.append((op, "throughput", dtype, LARGE, LARGE_THREADS))
+    return points
+
+
+def measure_op(op, case, dtype, shape, threads, device, reps):
+    grad = case == "tiny_grad"
+    fused, aten, wrapper, inputs = _op_cases(op, shape, dtype, device)
+    if grad:
+        for t in inputs:
+            t.requires_grad_()
+        fused, aten, wrapper = (_with_grad(fn, inputs) for fn in (fused, aten, wrapper))
+    tiny = case.startswith("tiny")
+    # Tiny: many back-to-back calls per sample (host cost); throughput: one call per sample on CPU,
+    # several on CUDA (a launch is long against the kernel there).
+    inner = 50 if tiny else (20 if device.type == "cuda" else 1)
+    warmup = 20 if tiny else 2
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused_us = per_call_us(fused, device, reps, inner, warmup)
+        aten_us = per_call_us(aten, device, reps, inner, warmup)
+        wrapper_us = per_call_us(wrapper, device, reps, inner, warmup) if tiny else ""
+    finally:
+        torch.set_num_threads(previous_threads)
+    size = "x".join(map(str, (2, shape[1], 2, 2) if shape == TINY else (16, shape[1], 16, 16))) \
+        if op.startswith("batch_norm") else f"{shape[0]}x{shape[1]}"
+    return {"op": op, "case": case, "dtype": str(dtype).replace("torch.", ""), "size": size,
+            "fused_us": round(fused_us, 3), "aten_us": round(aten_us, 3), "ratio": round(aten_us / fused_us, 3),
+            "wrapper_us": round(wrapper_us, 3) if tiny else "", "threads": threads}
+
+
+# --- command line -----------------------------------------------------------------------------------
+
+def parse_args(argv=None, default_out=DEFAULT_OUT):
+    parser = argparse.ArgumentParser(prog="python -m revkernels.bench.overhead", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="device to run on (default: cuda if available, else cpu)")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions, the same shapes (~60 s on 2 CPU cores)")
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
+                        help="train-step configurations (default: all)")
+    parser.add_argument("--variants", nargs="+", metavar="VARIANT",
+                        help=f"train-step variants (default: all: {', '.join(variants())})")
+    parser.add_argument("--ops", nargs="*", metavar="OP", help=f"ops of the op table (default: all: {', '.join(OPS)}; "
+                        "none: skip the table)")
+    parser.add_argument("--warmup", type=int, help="warm-up steps per variant, the first timed alone (default 3, 2 with --quick)")
+    parser.add_argument("--rounds", type=int, help="timed rounds of one step per variant (default: host_bound 30, "
+                        "compute_bound 10; 10 and 3 with --quick)")
+    parser.add_argument("--op-reps", type=int, help="timing samples per op and implementation (default 15, 5 with --quick)")
+    parser.add_argument("--out", default=default_out, help=f"folder for CSV and PNG (default: {default_out})")
+    args = parser.parse_args(argv)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available")
+    unknown = [v for v in args.variants or [] if v not in variants()]
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)} (choose from {', '.join(variants())})")
+    unknown = [op for op in args.ops or [] if op not in OPS]
+    if unknown:
+        parser.error(f"--ops: unknown {', '.join(unknown)} (choose from {', '.join(OPS)})")
+    for name in ("warmup", "rounds", "op_reps"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def _fmt(value, spec):
+    return format(value, spec) if isinstance(value, float) and math.isfinite(value) else "n/a"
+
+
+def run(args):
+    """Measures, prints the tables, writes overhead_<device>.csv, overhead_ops_<device>.csv and
+    overhead_<device>.png under args.out; returns the step rows followed by the op rows."""
+    device = torch.device(args.device)
+    tag = device.type
+    meta = provenance(args.device)
+    names = [v for v in variants() if not args.variants or v in args.variants]
+    ops = OPS if args.ops is None else [op for op in OPS if op in args.ops]
+    warmup = args.warmup or (2 if args.quick else 3)
+    rounds = {name: args.rounds or ((10 if args.quick else 30) if name == "host_bound" else (3 if args.quick else 10))
+              for name in args.configs}
+    op_reps = args.op_reps or (5 if args.quick else 15)
+    print(f"host-overhead benchmark on {meta['device']} ({'bf16 autocast' if tag == 'cuda' else 'fp32'}), "
+          f"torch {meta['torch']}, commit {meta['commit']}", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+
+    error = check_plain_grads(CONFIGS["host_bound"], device)
+    print(f"baseline check: reversible_plain grads vs revkernels' autograd engine (same weights, host_bound "
+          f"shapes): max relative error {error:.1e} (limit {GRAD_CHECK_TOL:.0e})", flush=True)
+
+    progress = tqdm(total=sum(len(names) + rounds[c] for c in args.configs) + len(op_points(ops)), desc="overhead",
+                    unit="step", file=sys.stderr, leave=False)
+    step_rows = []
+    for name in args.configs:
+        step_rows += measure_config(name, CONFIGS[name], names, device, warmup, rounds[name], progress)
+    op_rows = []
+    for point in op_points(ops):
+        progress.set_postfix_str(f"{point[0]} {point[1]} {str(point[2]).replace('torch.', '')}")
+        op_rows.append(measure_op(*point, device, op_reps))
+        progress.update()
+    progress.close()
+
+    _print_steps(step_rows)
+    _print_ops(op_rows)
+    written = []
+    if step_rows:
+        written.append(write_csv(os.path.join(args.out, f"overhead_{tag}.csv"), step_rows, meta))
+        png = plot(os.path.join(args.out, f"overhead_{tag}.png"), step_rows, meta)
+        if png:
+            written.append(png)
+    if op_rows:
+        written.append(write_csv(os.path.join(args.out, f"overhead_ops_{tag}.csv"), op_rows, meta))
+    print("\nwrote " + ", ".join(written), flush=True)
+    return step_rows + op_rows
+
+
+def _print_steps(rows):
+    for name in dict.fromkeys(r["config"] for r in rows):
+        mine = [r for r in rows if r["config"] == name]
+        cfg = mine[0]
+        print(f"\n{name}: depth {cfg['depth']}, dim {cfg['dim']}, {cfg['heads']} heads, {cfg['tokens']} tokens, "
+              f"batch {cfg['batch']}, {cfg['threads']} thread(s), {cfg['dtype']}; median of {cfg['steps']} steps "
+              "(speed vs baseline: > 1 is faster)")
+        print(f"{'variant':<34} {'step ms':>9} {'first ms':>9} {'compile s':>9} {'vs standard':>12} "
+              f"{'vs plain':>9} {'vs ckpt':>8}")
+        for r in mine:
+            print(f"{r['variant']:<34} {_fmt(r['step_ms'], '9.2f')} {_fmt(r['first_step_ms'], '9.1f')} "
+                  f"{_fmt(r['compile_s'], '9.2f') if r['compile_s'] != '' else '':>9} "
+                  f"{_fmt(r['vs_standard'], '11.2f')}x {_fmt(r['vs_reversible_plain'], '8.2f')}x "
+                  f"{_fmt(r['vs_checkpoint'], '7.2f')}x")
+
+
+def _print_ops(rows):
+    if not rows:
+        return
+    print("\nfused ops against the ATen op or composition they replace (us per call, median; ratio = aten/fused, "
+          "> 1: fused is faster)")
+    print(f"{'op':<20} {'case':<11} {'dtype':<9} {'size':<14} {'fused us':>10} {'aten us':>10} {'ratio':>7} {'wrapper us':>11}")
+    for r in rows:
+        wrapper = f"{r['wrapper_us']:11.2f}" if r["wrapper_us"] != "" else ""
+        print(f"{r['op']:<20} {r['case']:<11} {r['dtype']:<9} {r['size']:<14} {r['fused_us']:10.2f} "
+              f"{r['aten_us']:10.2f} {r['ratio']:6.2f}x {wrapper}")
+
+
+def summary(rows):
+    """The suite's headline lines from run()'s rows."""
+    steps = [r for r in rows if "variant" in r]
+    lines = []
+    for name in dict.fromkeys(r["config"] for r in steps):
+        mine = {r["variant"]: r for r in steps if r["config"] == name}
+        cells = [f"{v} {_fmt(mine[v]['step_ms'], '.2f')} ms (speed vs reversible_plain "
+                 f"{_fmt(mine[v]['vs_reversible_plain'], '.2f')}x, vs standard {_fmt(mine[v]['vs_standard'], '.2f')}x)"
+                 for v in ("revkernels_sequential", "revkernels_generic_sequential") if v in mine]
+        if cells:
+            lines.append(f"{name}: " + "; ".join(cells))
+    tiny = [r for r in rows if r.get("case") == "tiny"]
+    if tiny:
+        geo = math.exp(statistics.fmean(math.log(r["ratio"]) for r in tiny))
+        lines.append(f"fused ops at 8x64 (no grad), aten/fused per call: geometric mean {geo:.2f}x, "
+                     + ", ".join(f"{r['op']} {r['ratio']:.2f}x" for r in tiny))
+    return lines or ["no complete measurement"]
+
+
+def plot(path, rows, meta):
+    """Step time per variant, one bar chart per configuration (dashed: reversible_plain, dotted:
+    standard); None without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    fig, axes = plt.subplots(1, len(configs), figsize=(7 * len(configs), 5), squeeze=False)
+    for ax, name in zip(axes[0], configs):
+        mine = [r for r in rows if r["config"] == name]
+        values = [r["step_ms"] if isinstance(r["step_ms"], float) and math.isfinite(r["step_ms"]) else 0.0 for r in mine]
+        colors = [COLORS["generic" if "generic" in r["variant"] else "revvit" if r["engine"] else "baseline"]
+                  for r in mine]
+        ax.bar(range(len(mine)), values, color=colors)
+        for variant, style in (("standard", ":"), ("reversible_plain", "--")):
+            base = next((v for r, v in zip(mine, values) if r["variant"] == variant and v > 0), None)
+            if base is not None:
+                ax.axhline(base, color="black", linestyle=style, linewidth=0.8, label=variant)
+        for kind, label in (("baseline", "baselines"), ("revvit", "RevViTBlock"), ("generic", "generic ReversibleBlock")):
+            ax.bar([0], [0], color=COLORS[kind], label=label)
+        ax.set_ylim(0, max(values + [1e-3]) * 1.3)  # room for the legend above the bars
+        ax.legend(fontsize=7, ncol=3, loc="upper center")
+        ax.set_xticks(range(len(mine)), [r["variant"].replace("revkernels_", "rk_") for r in mine], rotation=60,
+                      ha="right", fontsize=7)
+        ax.set_ylabel("median train step (ms)")
+        r = mine[0]
+        ax.set_title(f"{name}: depth {r['depth']}, dim {r['dim']}, {r['tokens']} tokens, batch {r['batch']}, "
+                     f"{r['threads']} thread(s)", fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"{meta['device']} | torch {meta['torch']} | commit {meta['commit']}", fontsize=9)
+    return save_figure(fig, path)
+
+
+def main(argv=None, default_out=DEFAULT_OUT):
+    run(parse_args(argv, default_out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

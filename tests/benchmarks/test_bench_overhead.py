@@ -1,0 +1,188 @@
+"""revkernels.bench.overhead: the minREV-style baseline is correct, every engine gets its rows, the
+op table compares each fused op with the ATen composition computing the same values, and the CSVs
+carry their columns and provenance. Tiny repetition counts; no timing is asserted."""
+import csv
+import math
+
+import pytest
+import torch
+
+import revkernels as rk
+from revkernels.bench import __main__ as suite
+from revkernels.bench import overhead
+
+SMALL = dict(depth=3, dim=32, heads=2, tokens=5, batch=2, threads=1)
+PROVENANCE = ("commit", "device", "torch", "triton", "revkernels", "c_extension", "date")
+
+
+def _reference_grads(model, x):
+    """Plain autograd through the same reversible math, written out: y1 = x1 + F(x2), y2 = x2 + G(y1)."""
+    x1 = x2 = x
+    for block in model.blocks:
+        x1 = x1 + block.f(x2)
+        x2 = x2 + block.g(x1)
+    overhead.loss_of((x1 + x2) * 0.5).backward()
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_plain_stack_grads_equal_plain_autograd(depth):
+    cfg = {**SMALL, "depth": depth}
+    cpu = torch.device("cpu")
+    plain = overhead.make_model("reversible_plain", cfg, cpu)
+    reference = overhead.make_model("reversible_plain", cfg, cpu)
+    engine = overhead.make_model("revkernels_generic_autograd", cfg, cpu)
+    xs = [overhead.make_input(cfg, cpu).requires_grad_() for _ in range(3)]
+    overhead.train_step(plain, xs[0], cpu)
+    _reference_grads(reference, xs[1])
+    overhead.train_step(engine, xs[2], cpu)
+    for other, x in ((reference, xs[1]), (engine, xs[2])):
+        pairs = list(zip(plain.parameters(), other.parameters(), strict=True)) + [(xs[0], x)]
+        for p, q in pairs:
+            assert torch.equal(p.detach(), q.detach())  # same seed, same weights
+            assert q.grad is not None and q.grad.abs().max() > 0
+            assert (p.grad - q.grad).abs().max() <= 1e-5 * q.grad.abs().max()
+
+
+def test_plain_stack_recomputes_under_the_forwards_autocast():
+    """bf16 autocast (CPU here; CUDA in the benchmark): the rebuild recomputes F and G in bf16 as the
+    forward did, so the grads match autograd's closely (~1e-7; a recompute in fp32 gives ~6e-3)."""
+    cpu = torch.device("cpu")
+    grads = []
+    for variant in ("reversible_plain", "revkernels_generic_autograd"):
+        model = overhead.make_model(variant, SMALL, cpu)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(overhead.make_input(SMALL, cpu))
+        overhead.loss_of(y).backward()
+        grads.append([p.grad for p in model.parameters()])
+    for p, q in zip(*grads, strict=True):
+        assert (p - q).abs().max() <= 1e-5 * q.abs().max()
+
+
+def test_plain_stack_saves_only_the_outputs():
+    cfg, cpu = SMALL, torch.device("cpu")
+    model, x = overhead.make_model("reversible_plain", cfg, cpu), overhead.make_input(cfg, cpu)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        model(x)
+    shape = (cfg["batch"], cfg["tokens"], cfg["dim"])
+    assert saved == [shape, shape]
+
+
+def test_check_plain_grads_passes_and_all_variants_share_weights():
+    assert overhead.check_plain_grads(SMALL, torch.device("cpu")) <= 1e-5
+    models = [overhead.make_model(v, SMALL, torch.device("cpu")) for v in overhead.variants()]
+    first = list(models[0].parameters())
+    for model in models[1:]:
+        assert all(torch.equal(p, q) for p, q in zip(first, model.parameters(), strict=True))
+
+
+def test_variants_follow_the_engine_registry(monkeypatch):
+    monkeypatch.setitem(rk.engine.ENGINES, "compiled", rk.engine.run_sequential)
+    names = overhead.variants()
+    for engine in rk.engine.ENGINES:
+        assert f"revkernels_{engine}" in names and f"revkernels_generic_{engine}" in names
+    assert overhead.compiles("revkernels_compiled") and overhead.compiles("revkernels_generic_compiled")
+    assert not overhead.compiles("revkernels_graphs") and not overhead.compiles("standard")
+
+
+def test_measure_config_reports_compile_time_and_failures(monkeypatch):
+    monkeypatch.setitem(rk.engine.ENGINES, "compiled", rk.engine.run_sequential)
+    build = overhead.build
+
+    def failing_build(variant, *args):
+        if variant == "revkernels_generic_compiled":
+            raise RuntimeError("boom")
+        return build(variant, *args)
+
+    monkeypatch.setattr(overhead, "build", failing_build)
+    names = ["standard", "checkpoint", "reversible_plain", "revkernels_compiled", "revkernels_generic_compiled"]
+    threads = torch.get_num_threads()
+    rows = overhead.measure_config("small", {**SMALL, "threads": threads + 1}, names, torch.device("cpu"), warmup=1,
+                                   rounds=2)
+    assert torch.get_num_threads() == threads  # restored
+    assert {r["threads"] for r in rows} == {threads + 1}
+    by = {r["variant"]: r for r in rows}
+    assert list(by) == names
+    assert isinstance(by["revkernels_compiled"]["compile_s"], float) and by["standard"]["compile_s"] == ""
+    assert math.isnan(by["revkernels_generic_compiled"]["step_ms"])  # failed: nan, the others measured
+    for name in names[:-1]:
+        assert by[name]["steps"] == 2 and math.isfinite(by[name]["step_ms"]) and by[name]["step_ms"] > 0
+    assert by["standard"]["vs_standard"] == 1.0 and by["reversible_plain"]["vs_reversible_plain"] == 1.0
+
+
+@pytest.mark.parametrize("op", overhead.OPS)
+def test_op_table_compares_like_with_like(op):
+    """The fused op, its Python entry point and the ATen composition give the same values (and, for
+    differentiable ops, the same grads of the summed outputs)."""
+    cpu = torch.device("cpu")
+    fused, aten, wrapper, inputs = overhead._op_cases(op, overhead.TINY, torch.float32, cpu)
+    for a, b, c in zip(fused(), aten(), wrapper(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(c, a)
+    if ("tiny_grad" in {p[1] for p in overhead.op_points([op])}) != bool(inputs):
+        pytest.fail("tiny_grad rows exactly for the ops with differentiable inputs")
+    if inputs:
+        for t in inputs:
+            t.requires_grad_()
+        for a, b in zip(overhead._with_grad(fused, inputs)(), overhead._with_grad(aten, inputs)(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_run_writes_both_csvs_and_the_plot(tmp_path, monkeypatch):
+    args = overhead.parse_args(["--device", "cpu", "--configs", "host_bound", "--warmup", "1", "--rounds", "1",
+                                "--op-reps", "1", "--ops", "coupling_sub", "batch_norm_act_bwd", "--out", str(tmp_path)])
+    rows = overhead.run(args)
+    steps = list(csv.DictReader(open(tmp_path / "overhead_cpu.csv")))
+    assert list(steps[0])[:21] == [
+        "config", "depth", "dim", "heads", "tokens", "batch", "threads", "dtype", "variant", "engine", "step_ms",
+        "first_step_ms", "compile_s", "steps", "warmup", "vs_standard", "vs_reversible_plain", "vs_checkpoint",
+        "commit", "device", "torch"]
+    assert [r["variant"] for r in steps] == overhead.variants()
+    for engine in rk.engine.ENGINES:
+        assert {f"revkernels_{engine}", f"revkernels_generic_{engine}"} <= {r["variant"] for r in steps}
+    assert all(math.isfinite(float(r["step_ms"])) for r in steps), "a variant failed"
+    assert {(r["depth"], r["dim"], r["heads"], r["tokens"], r["batch"], r["threads"]) for r in steps} == {
+        ("12", "64", "4", "8", "2", "1")}
+    ops = list(csv.DictReader(open(tmp_path / "overhead_ops_cpu.csv")))
+    assert list(ops[0])[:9] == ["op", "case", "dtype", "size", "fused_us", "aten_us", "ratio", "wrapper_us", "threads"]
+    assert [(r["op"], r["case"], r["dtype"], r["size"]) for r in ops] == [
+        ("coupling_sub", "tiny", "float32", "8x64"), ("coupling_sub", "tiny_grad", "float32", "8x64"),
+        ("coupling_sub", "throughput", "float32", "4096x768"), ("coupling_sub", "throughput", "bfloat16", "4096x768"),
+        ("batch_norm_act_bwd", "tiny", "float32", "2x64x2x2"),
+        ("batch_norm_act_bwd", "throughput", "float32", "16x768x16x16"),
+        ("batch_norm_act_bwd", "throughput", "bfloat16", "16x768x16x16")]
+    for r in steps + ops:
+        assert all(r[k] for k in PROVENANCE)
+    assert (tmp_path / "overhead_cpu.png").stat().st_size > 0
+    assert len(rows) == len(steps) + len(ops)
+    assert any(line.startswith("host_bound: revkernels_sequential") for line in overhead.summary(rows))
+
+
+def test_summary_from_rows():
+    def step(variant, ms):
+        return {"config": "host_bound", "variant": variant, "step_ms": ms, "vs_standard": 6.0 / ms,
+                "vs_reversible_plain": 10.0 / ms}
+
+    rows = [step("standard", 6.0), step("reversible_plain", 10.0), step("revkernels_sequential", 15.0),
+            step("revkernels_generic_sequential", 20.0),
+            {"op": "coupling_sub", "case": "tiny", "ratio": 0.5}, {"op": "bias_gelu", "case": "tiny", "ratio": 2.0},
+            {"op": "bias_gelu", "case": "throughput", "ratio": 9.0}]
+    text = "\n".join(suite.summary({"overhead": rows}))
+    assert "overhead host_bound: revkernels_sequential 15.00 ms (speed vs reversible_plain 0.67x, vs standard " \
+           "0.40x); revkernels_generic_sequential 20.00 ms (speed vs reversible_plain 0.50x, vs standard 0.30x)" in text
+    assert "aten/fused per call: geometric mean 1.00x, coupling_sub 0.50x, bias_gelu 2.00x" in text
+
+
+def test_suite_includes_overhead_on_cpu_only_by_default():
+    assert "overhead" in suite.default_parts("cpu") and "overhead" not in suite.default_parts("cuda")
+    args = suite._parse(["--device", "cpu", "--quick"])
+    assert suite.part_argv("overhead", args) == ["--out", args.out, "--device", "cpu", "--quick"]
+
+
+def test_parse_args_rejects_unknown_names():
+    with pytest.raises(SystemExit):
+        overhead.parse_args(["--variants", "revkernels_nope"])
+    with pytest.raises(SystemExit):
+        overhead.parse_args(["--ops", "nope"])
+    with pytest.raises(SystemExit):
+        overhead.parse_args(["--rounds", "0"])
