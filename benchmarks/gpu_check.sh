@@ -15,6 +15,8 @@
 # package is built without them so the Triton paths still run), prebuilt (use the _C*.so already in
 # revkernels/), tests (pytest -m gpu, $TEST_ARGS appended), kernels (bench_kernels.py), train
 # (bench_train.py, $TRAIN_ARGS appended), train_quick (bench_train.py --quick on the GPU),
+# overhead (bench_overhead.py on the GPU: host-bound and compute-bound steps of every engine, bf16
+# autocast, and the per-call cost of each fused op on its Triton and CUDA C++ paths against ATen),
 # petra_project (python -m revkernels.bench.petra --project: 3 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -99,6 +101,14 @@ if wants train_quick; then
   step "train-step benchmark, quick shapes on the GPU"
   limit 120 $PY benchmarks/bench_train.py --quick --out "$OUT/quick" >> "$log" 2>&1 || status=1
   rm -rf "$OUT/quick"
+fi
+
+if wants overhead; then
+  step "host-overhead benchmark on the GPU (Triton backend, then CUDA C++ backend)"
+  limit ${OVERHEAD_LIMIT:-150} $PY benchmarks/bench_overhead.py --quick --device cuda --out "$OUT" >> "$log" 2>&1 || status=1
+  mkdir -p "$OUT/cuda_cpp"
+  REVKERNELS_CUDA_BACKEND=cuda limit ${OVERHEAD_LIMIT:-150} $PY benchmarks/bench_overhead.py --quick --device cuda \
+    --configs host_bound --out "$OUT/cuda_cpp" >> "$log" 2>&1 || status=1
 fi
 
 if wants petra_project; then
