@@ -16,6 +16,7 @@ per-call walks.
 import contextlib
 import weakref
 
+import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
@@ -46,7 +47,11 @@ def structure_version():
 
 
 def cached(module, key, build):
-    """``build(module)``, computed once per module structure (see the module docstring)."""
+    """``build(module)``, computed once per module structure (see the module docstring). While
+    torch.compile traces, computed afresh (tracing runs once; a cache write would be a side effect
+    the trace must replay)."""
+    if torch.compiler.is_compiling():
+        return build(module)
     entry = _CACHE.get(module)
     if entry is None or entry[0] != _version:
         entry = (_version, {})
