@@ -9,11 +9,14 @@
   twice.
 """
 import contextlib
+import types
 from dataclasses import dataclass
 
 import torch
 
 from revkernels.engine.structure import frozen_batchnorm_stats  # noqa: F401  (re-exported)
+
+NO_CONTEXT = types.MappingProxyType({})  # the context of a run called without keywords (read-only)
 
 
 class RngState:
