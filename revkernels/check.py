@@ -59,20 +59,21 @@ def check_reversibility(module, x1, x2, **context):
     check_streams(x1, x2)
     if context:
         check_context(module, blocks, context)
+    with_context = {"context": context} if context else {}  # without: the steps' pre-context signature
     report = ReversibilityReport(dtype=x1.dtype)
     inputs, states = [], []
     rng_before = torch.get_rng_state()
     with frozen_batchnorm_stats(*blocks):
         for block in blocks:
             inputs.append((x1, x2))
-            y1, y2, state = block.forward_with_state(x1, x2, preserve_rng_state=True, context=context)
+            y1, y2, state = block.forward_with_state(x1, x2, preserve_rng_state=True, **with_context)
             states.append(state)
-            r1, r2 = block.inverse(y1, y2, state, context)
+            r1, r2 = block.inverse(y1, y2, state, **with_context)
             report.block_errors.append((_relative_error(r1, x1), _relative_error(r2, x2)))
             x1, x2 = y1, y2
         chained = []
         for block, state, exact in zip(reversed(blocks), reversed(states), reversed(inputs)):
-            x1, x2 = block.inverse(x1, x2, state, context)
+            x1, x2 = block.inverse(x1, x2, state, **with_context)
             chained.append((_relative_error(x1, exact[0]), _relative_error(x2, exact[1])))
     report.chained_errors = chained[::-1]
     torch.set_rng_state(rng_before)

@@ -58,7 +58,8 @@ def reverse_blocks_two_streams(blocks, states, y1, y2, dy1, dy2, params, autocas
     def recompute(i, a1, a2):
         stream = streams[i % 2]
         with torch.cuda.stream(stream), autocast():
-            rec = blocks[i].recompute(a1, a2, None if states is None else states[i], context)
+            state = None if states is None else states[i]
+            rec = blocks[i].recompute(a1, a2, state, context) if context else blocks[i].recompute(a1, a2, state)
             if monitor is not None:
                 errors[i] = monitor[0].error(monitor[1][i], rec.x1, rec.x2)
         return rec, stream.record_event()

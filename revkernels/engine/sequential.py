@@ -36,7 +36,9 @@ def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None
     for i in reversed(range(len(blocks))):
         block = blocks[i]
         with autocast():
-            rec = block.recompute(y1, y2, None if states is None else states[i], context)
+            state = None if states is None else states[i]
+            # Without context, the steps' pre-context signature (blocks that override them still work)
+            rec = block.recompute(y1, y2, state, context) if context else block.recompute(y1, y2, state)
         if monitor is not None:
             errors[i] = monitor[0].error(monitor[1][i], rec.x1, rec.x2)
         grads = block.grads(rec, dy1, dy2)
@@ -70,7 +72,8 @@ class ReversibleRun(torch.autograd.Function):
             for block in seq.blocks:
                 if monitor is not None:
                     samples.append(monitor.sample(x1, x2))
-                x1, x2, state = block.forward_with_state(x1, x2, seq.preserve_rng_state, context)
+                x1, x2, state = block.forward_with_state(x1, x2, seq.preserve_rng_state, context) if context \
+                    else block.forward_with_state(x1, x2, seq.preserve_rng_state)
                 states.append(state)
         ctx.monitor = None if monitor is None else (monitor, samples)
         ctx.blocks = list(seq.blocks)

@@ -381,7 +381,7 @@ class ReversibleSequential(nn.Module):
         if context:
             check_context(self, self.blocks, context)
         for block in reversed(self.blocks):
-            y1, y2 = block.inverse(y1, y2, context=context)
+            y1, y2 = block.inverse(y1, y2, context=context) if context else block.inverse(y1, y2)
         return y1, y2
 
     def reverse(self, y1, y2, dy1, dy2, **context):
