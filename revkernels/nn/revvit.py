@@ -242,11 +242,11 @@ class RevTransformerBlock(ReversibleBlock):
         h = F.layer_norm(x2, (dim,), P["f.norm.weight"], P["f.norm.bias"], f.norm.eps)
         o = f.attend(h, P["f.qkv.weight"], P.get("f.qkv.bias"), context.get("attn_mask"))
         f_out = F.linear(o, P["f.proj.weight"], P["f.proj.bias"])
-        y1 = x1 + f.drop_path(f.dropout(f_out))
+        y1 = x1 + f.drop_path(f.dropout.sample(f_out)[0])
         rng_g = RngState(devices) if keep else None
         h = F.layer_norm(y1, (dim,), P["g.norm.weight"], P["g.norm.bias"], g.norm.eps)
         h = F.gelu(F.linear(h, P["g.fc1.weight"], P["g.fc1.bias"]), approximate=g.approximate)
-        y2 = x2 + g.drop_path(g.dropout(F.linear(h, P["g.fc2.weight"], P["g.fc2.bias"])))
+        y2 = x2 + g.drop_path(g.dropout.sample(F.linear(h, P["g.fc2.weight"], P["g.fc2.bias"]))[0])
         return y1, y2, BlockState(rng_f, rng_g) if keep else None
 
     def recompute(self, y1, y2, state=None, context=NO_CONTEXT):
