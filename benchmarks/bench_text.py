@@ -138,7 +138,7 @@ def plot(path, rows, curves, meta, args):
         style = {"autograd": "-", "sequential": "--", "standard": ":"}[kind]
         axes[0].plot(range(1, len(losses) + 1), losses, style, label=f"depth {depth} {kind}")
     axes[0].set(xlabel="step", ylabel="train loss (nats/byte)", title="loss curves (same seed and data)")
-    labels = [f"d{r['depth']}\n{r['model']}" for r in rows]
+    labels = [f"depth {r['depth']} {r['model']}" for r in rows]
     axes[1].bar(labels, [r["saved_mib"] for r in rows], color=[f"C{MODELS.index(r['model'])}" for r in rows])
     axes[1].set(title="activations saved for backward (MiB)")
     axes[2].bar(labels, [r["tokens_per_s"] for r in rows], color=[f"C{MODELS.index(r['model'])}" for r in rows])
@@ -146,6 +146,8 @@ def plot(path, rows, curves, meta, args):
     axes[0].legend(fontsize=7)
     for ax in axes:
         ax.grid(alpha=0.3)
+    for ax in axes[1:]:
+        ax.tick_params(axis="x", labelrotation=45, labelsize=7)
     fig.suptitle(f"byte-level LM, dim {args.dim}, {args.heads} heads, {args.tokens} tokens x batch {args.batch} | "
                  f"{meta['device']} | torch {meta['torch']} | commit {meta['commit']}", fontsize=9)
     return save_figure(fig, path)
