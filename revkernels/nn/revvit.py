@@ -79,6 +79,10 @@ class ResidualDropout(nn.Dropout):
     def draws_random(self):
         return self.training and self.p > 0.0
 
+    def scale(self):
+        """What a kept element is multiplied by (native_dropout's 1 / (1 - p); 0 when p is 1)."""
+        return 0.0 if self.p == 1.0 else 1.0 / (1.0 - self.p)
+
     def sample(self, x):
         """(dropout(x), keep mask), or (x, None) when inactive."""
         if not self.draws_random():
@@ -306,7 +310,7 @@ class RevTransformerBlock(ReversibleBlock):
         if rec.g_scale is not None:
             dg = dg * rec.g_scale.expand(rec.hidden.shape[:-1] + (1,)).reshape(-1, 1)
         if rec.g_keep is not None:
-            dg = torch.ops.aten.native_dropout_backward(dg, rec.g_keep.reshape(dg.shape), 1.0 / (1.0 - self.g.dropout.p))
+            dg = torch.ops.aten.native_dropout_backward(dg, rec.g_keep.reshape(dg.shape), self.g.dropout.scale())
         fc1_w, fc2_w = P["g.fc1.weight"], P["g.fc2.weight"]
         named["g.fc2.weight"] = lambda: (dg.t() @ hidden).to(fc2_w.dtype)
         named["g.fc2.bias"] = lambda: dg.sum(0).to(P["g.fc2.bias"].dtype)
@@ -328,8 +332,7 @@ class RevTransformerBlock(ReversibleBlock):
         dproj = dy1_total if rec.f_scale is None else dy1_total * rec.f_scale
         dproj = dproj.reshape(-1, dim).to(o.dtype)
         if rec.f_keep is not None:
-            dproj = torch.ops.aten.native_dropout_backward(dproj, rec.f_keep.reshape(dproj.shape),
-                                                           1.0 / (1.0 - self.f.dropout.p))
+            dproj = torch.ops.aten.native_dropout_backward(dproj, rec.f_keep.reshape(dproj.shape), self.f.dropout.scale())
         proj_w, qkv_w = P["f.proj.weight"], P["f.qkv.weight"]
         named["f.proj.weight"] = lambda: (dproj.t() @ o.reshape(-1, dim)).to(proj_w.dtype)
         named["f.proj.bias"] = lambda: dproj.float().sum(0).to(P["f.proj.bias"].dtype)

@@ -136,3 +136,21 @@ def test_bad_masks_are_named():
         seq(x, x, attn_mask=torch.zeros(BATCH, TOKENS, requires_grad=True))
     with pytest.raises(TypeError, match="attn_mask must be a torch.Tensor"):
         seq(x, x, attn_mask=[1, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_autocast_with_a_padding_mask(causal):
+    seq = _stack(3, causal=causal, dropout=0.1, drop_path=0.1).cuda()
+    mask = _padding().cuda()
+    x1, x2 = torch.randn(BATCH, TOKENS, DIM, device="cuda"), torch.randn(BATCH, TOKENS, DIM, device="cuda")
+    data = (x1, x2, torch.randn_like(x1), torch.randn_like(x2))
+    plain = _plain(seq, {"attn_mask": mask})
+    exact = run_grads(plain, seq, *data, seed=0)
+    for i, (a, e) in enumerate(zip(run_grads(lambda a, b: seq(a, b, attn_mask=mask), seq, *data, seed=0), exact)):
+        assert_close_rel(a, e, 1e-5, f"fp32 output/grad {i}")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        same_dtype = run_grads(plain, seq, *data, seed=0)
+        ours = run_grads(lambda a, b: seq(a, b, attn_mask=mask), seq, *data, seed=0)
+    for i, (o, s, e) in enumerate(zip(ours, same_dtype, exact)):
+        assert rel_err(o, e) <= 2 * rel_err(s, e) + 1e-6, f"output/grad {i}"
