@@ -42,7 +42,8 @@ def reverse_blocks_two_streams(blocks, states, y1, y2, dy1, dy2, params, autocas
                                context=NO_CONTEXT):
     """`reverse_blocks` with block i's steps on stream i % 2 (see the module docstring)."""
     if not y1.is_cuda:
-        return reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state, monitor=monitor, context=context)
+        return reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state, monitor=monitor,
+                              context=context)
     autocast = contextlib.nullcontext if autocast_state is None or autocast_state.off_then_and_now() else autocast_state.enter
     caller = torch.cuda.current_stream(y1.device)
     streams = _side_streams(y1.device)

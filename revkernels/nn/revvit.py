@@ -155,7 +155,8 @@ class AttentionBranch(nn.Module):
 
     def forward(self, x, attn_mask=None, **context):
         if x.dim() != 3:
-            raise ValueError(f"revkernels: RevTransformerBlock input must be (batch, tokens, dim), got shape {tuple(x.shape)}")
+            raise ValueError(f"revkernels: RevTransformerBlock input must be (batch, tokens, dim), "
+                             f"got shape {tuple(x.shape)}")
         out = self.proj(self.attend(self.norm(x), self.qkv.weight, self.qkv.bias, attn_mask))
         return self.drop_path(self.dropout(out))
 
@@ -237,7 +238,8 @@ class RevTransformerBlock(ReversibleBlock):
         # AttentionBranch.forward and MlpBranch.forward with the same ops on the parameters
         # directly (bitwise the module composition, without its per-module call overhead).
         if x2.dim() != 3:
-            raise ValueError(f"revkernels: RevTransformerBlock input must be (batch, tokens, dim), got shape {tuple(x2.shape)}")
+            raise ValueError(f"revkernels: RevTransformerBlock input must be (batch, tokens, dim), "
+                             f"got shape {tuple(x2.shape)}")
         f, g, P = self.f, self.g, self._params()
         keep = preserve_rng_state and self.draws_random()
         devices = cuda_devices_of(x1, x2) if keep else ()
@@ -332,7 +334,8 @@ class RevTransformerBlock(ReversibleBlock):
         dproj = dy1_total if rec.f_scale is None else dy1_total * rec.f_scale
         dproj = dproj.reshape(-1, dim).to(o.dtype)
         if rec.f_keep is not None:
-            dproj = torch.ops.aten.native_dropout_backward(dproj, rec.f_keep.reshape(dproj.shape), self.f.dropout.scale())
+            dproj = torch.ops.aten.native_dropout_backward(dproj, rec.f_keep.reshape(dproj.shape),
+                                                           self.f.dropout.scale())
         proj_w, qkv_w = P["f.proj.weight"], P["f.qkv.weight"]
         named["f.proj.weight"] = lambda: (dproj.t() @ o.reshape(-1, dim)).to(proj_w.dtype)
         named["f.proj.bias"] = lambda: dproj.float().sum(0).to(P["f.proj.bias"].dtype)
