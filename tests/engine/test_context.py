@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import revkernels as rk
-from tests.helpers import assert_close_rel, grads_of, loss_of
+from tests.helpers import assert_close_rel, grads_of, loss_of, rel_err
 
 WIDTH, BATCH, TOKENS, HEADS = 8, 3, 5, 2
 
@@ -178,3 +178,43 @@ def test_petra_stage_passes_context_through():
         assert_close_rel(a, e, 1e-5, name)
     with pytest.raises(ValueError, match="context cond requires grad"):
         stage.backward(y, dy, **_context())
+
+
+class BatchNormCond(nn.Module):
+    """BatchNorm of the stream plus a conditioning vector, then a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn, self.lin = nn.BatchNorm1d(WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, cond=None, **context):
+        return self.lin(self.bn(x + cond))
+
+
+def test_batchnorm_stats_updated_once_with_context():
+    seqs = {engine: rk.nn.ReversibleSequential(*[rk.nn.ReversibleBlock(BatchNormCond(), BatchNormCond())
+                                                 for _ in range(2)], engine=engine) for engine in ("autograd", "sequential")}
+    seqs["sequential"].load_state_dict(seqs["autograd"].state_dict())
+    x, w1, w2 = torch.randn(6, WIDTH), torch.randn(6, WIDTH), torch.randn(6, WIDTH)
+    cond = torch.randn(6, WIDTH)
+    results = {}
+    for engine, seq in seqs.items():
+        c = cond.clone().requires_grad_()
+        loss_of(*seq(x, x, cond=c), w1, w2).backward()
+        results[engine] = [c.grad] + grads_of(seq.parameters()) + [b.clone() for b in seq.buffers()]
+    assert all(int(b) == 1 for n, b in seqs["sequential"].named_buffers() if n.endswith("num_batches_tracked"))
+    for i, (a, e) in enumerate(zip(results["sequential"], results["autograd"])):
+        assert_close_rel(a.double(), e.double(), 1e-5, f"cond grad/param grad/buffer {i}")
+
+
+def test_autocast_with_context_follows_the_low_precision_rule():
+    seq = _seq(2).eval()
+    x1, x2 = torch.randn(BATCH, TOKENS, WIDTH), torch.randn(BATCH, TOKENS, WIDTH)
+    w1, w2, context = torch.randn_like(x1), torch.randn_like(x2), _context()
+    plain = (lambda a, b, c: _plain(seq, a, b, c))
+    exact = _grads(plain, seq, x1, x2, context, w1, w2, seed=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        same_dtype = _grads(plain, seq, x1, x2, context, w1, w2, seed=0)
+        ours = _grads(lambda a, b, c: seq(a, b, **c), seq, x1, x2, context, w1, w2, seed=0)
+    for i, (o, s, e) in enumerate(zip(ours, same_dtype, exact)):
+        assert rel_err(o, e) <= 2 * rel_err(s, e) + 1e-6, f"output/grad {i}"
