@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from revkernels.engine.state import frozen_batchnorm_stats
-from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential, check_streams
+from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential, check_context, check_streams
 
 
 def _relative_error(rebuilt, exact):
@@ -45,10 +45,11 @@ class ReversibilityReport:
 
 
 @torch.no_grad()
-def check_reversibility(module, x1, x2):
+def check_reversibility(module, x1, x2, **context):
     """Runs `module` (a ReversibleSequential or ReversibleBlock) forward on (x1, x2), inverts it,
     and reports the reconstruction error per block. Randomness is replayed exactly and BatchNorm
-    running statistics are left untouched, so the check changes no module state."""
+    running statistics are left untouched, so the check changes no module state. `context`: the
+    keywords of every F and G, as in ``seq(x1, x2, **context)``."""
     if isinstance(module, ReversibleBlock):
         blocks = [module]
     elif isinstance(module, ReversibleSequential):
@@ -56,20 +57,23 @@ def check_reversibility(module, x1, x2):
     else:
         raise TypeError(f"revkernels: module must be a ReversibleSequential or ReversibleBlock, got {type(module).__name__}")
     check_streams(x1, x2)
+    if context:
+        check_context(module, blocks, context)
+    with_context = {"context": context} if context else {}  # without: the steps' pre-context signature
     report = ReversibilityReport(dtype=x1.dtype)
     inputs, states = [], []
     rng_before = torch.get_rng_state()
     with frozen_batchnorm_stats(*blocks):
         for block in blocks:
             inputs.append((x1, x2))
-            y1, y2, state = block.forward_with_state(x1, x2, preserve_rng_state=True)
+            y1, y2, state = block.forward_with_state(x1, x2, preserve_rng_state=True, **with_context)
             states.append(state)
-            r1, r2 = block.inverse(y1, y2, state)
+            r1, r2 = block.inverse(y1, y2, state, **with_context)
             report.block_errors.append((_relative_error(r1, x1), _relative_error(r2, x2)))
             x1, x2 = y1, y2
         chained = []
         for block, state, exact in zip(reversed(blocks), reversed(states), reversed(inputs)):
-            x1, x2 = block.inverse(x1, x2, state)
+            x1, x2 = block.inverse(x1, x2, state, **with_context)
             chained.append((_relative_error(x1, exact[0]), _relative_error(x2, exact[1])))
     report.chained_errors = chained[::-1]
     torch.set_rng_state(rng_before)

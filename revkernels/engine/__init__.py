@@ -9,7 +9,8 @@
                 input signature and replayed: no launch overhead; eager pareprop where a graph
                 cannot be used (CPU, dropout/drop-path to replay, capture failure), with a warning
 
-An engine is a function ``engine(seq, x1, x2) -> (y1, y2)``.
+An engine is a function ``engine(seq, x1, x2, context=NO_CONTEXT) -> (y1, y2)``; `context` is
+the dict of keywords every F and G is called with (``seq(x1, x2, **context)``).
 """
 from revkernels.engine.autograd import run_autograd
 from revkernels.engine.graphs import clear_graphs, run_graphs

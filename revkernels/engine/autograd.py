@@ -1,7 +1,8 @@
 """The reference engine: ordinary autograd through every block (stores every activation)."""
+from revkernels.engine.state import NO_CONTEXT
 
 
-def run_autograd(seq, x1, x2):
+def run_autograd(seq, x1, x2, context=NO_CONTEXT):
     for block in seq.blocks:
-        x1, x2 = block(x1, x2)
+        x1, x2 = block(x1, x2, **context)
     return x1, x2

@@ -36,7 +36,8 @@ on CPU), warning once per run and reason:
   warm-up iteration runs under ``torch.cuda.set_sync_debug_mode("error")``, so such a run is found
   before any capture is attempted;
 - capture failed; the warning carries the error and the signature is not tried again (the
-  failed capture is ended and the caller's stream restored, so the process stays usable).
+  failed capture is ended and the caller's stream restored, so the process stays usable);
+- context keywords (``seq(x1, x2, **context)``): runs are captured without context only.
 
 Forward hooks of the blocks run during warm-up and capture only, not at replay.
 """
@@ -51,6 +52,7 @@ from torch import nn
 
 from revkernels.engine.pareprop import reverse_blocks_two_streams, run_pareprop
 from revkernels.engine.sequential import reverse_blocks, run_reversible
+from revkernels.engine.state import NO_CONTEXT
 
 MAX_GRAPHS = 4  # captured signatures kept per run (each holds its memory pool)
 WARMUP_ITERS = 2
@@ -283,13 +285,16 @@ def _captured(seq, x1, x2, params):
     return None, failed[key]
 
 
-def run_graphs(seq, x1, x2):
+def run_graphs(seq, x1, x2, context=NO_CONTEXT):
     from revkernels.nn.reversible import unique_grad_params
 
     params = unique_grad_params(seq.blocks)
     needs_grad = torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad or params)
     if not (x1.is_cuda and needs_grad):
-        return run_pareprop(seq, x1, x2)
+        return run_pareprop(seq, x1, x2, context)
+    if context:
+        _warn_once(seq, f"context keywords {sorted(context)} are not captured")
+        return run_pareprop(seq, x1, x2, context)
     reason = None
     if seq.preserve_rng_state:
         random = _random_modules(seq)

@@ -19,6 +19,7 @@ import contextlib
 import torch
 
 from revkernels.engine.sequential import reverse_blocks, run_reversible
+from revkernels.engine.state import NO_CONTEXT
 
 _SIDE_STREAMS = {}
 
@@ -37,10 +38,12 @@ def _hand_over(tensors, stream):
             t.record_stream(stream)
 
 
-def reverse_blocks_two_streams(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None, monitor=None):
+def reverse_blocks_two_streams(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None, monitor=None,
+                               context=NO_CONTEXT):
     """`reverse_blocks` with block i's steps on stream i % 2 (see the module docstring)."""
     if not y1.is_cuda:
-        return reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state, monitor=monitor)
+        return reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state, monitor=monitor,
+                              context=context)
     autocast = contextlib.nullcontext if autocast_state is None or autocast_state.off_then_and_now() else autocast_state.enter
     caller = torch.cuda.current_stream(y1.device)
     streams = _side_streams(y1.device)
@@ -56,7 +59,8 @@ def reverse_blocks_two_streams(blocks, states, y1, y2, dy1, dy2, params, autocas
     def recompute(i, a1, a2):
         stream = streams[i % 2]
         with torch.cuda.stream(stream), autocast():
-            rec = blocks[i].recompute(a1, a2, None if states is None else states[i])
+            state = None if states is None else states[i]
+            rec = blocks[i].recompute(a1, a2, state, context) if context else blocks[i].recompute(a1, a2, state)
             if monitor is not None:
                 errors[i] = monitor[0].error(monitor[1][i], rec.x1, rec.x2)
         return rec, stream.record_event()
@@ -96,5 +100,5 @@ def reverse_blocks_two_streams(blocks, states, y1, y2, dy1, dy2, params, autocas
     return x1_out, x2_out, dy1, dy2, param_grads
 
 
-def run_pareprop(seq, x1, x2):
-    return run_reversible(seq, x1, x2, reverse_blocks_two_streams)
+def run_pareprop(seq, x1, x2, context=NO_CONTEXT):
+    return run_reversible(seq, x1, x2, reverse_blocks_two_streams, context)

@@ -6,21 +6,28 @@ Backward, last block first: ``recompute`` rebuilds the block's input from its ou
 forward's autocast mode, ``grads`` turns the output grads into input and parameter grads. The
 parameters are inputs of the Function, so their grads reach ``.grad`` through autograd's normal
 accumulation (tensor hooks, DDP's reducer and gradient accumulation see them as usual).
+
+Context (``seq(x1, x2, **context)``): the context's tensors are saved once per run; those that
+require grad are inputs of the Function too. The backward hands every block the same detached
+leaf per such tensor and differentiates it like a parameter (the walker's `params` end with the
+leaves), so its grad is summed over the blocks before it leaves the Function.
 """
 import contextlib
 
 import torch
 
-from revkernels.engine.state import AutocastState
+from revkernels.engine.state import NO_CONTEXT, AutocastState
 
 
-def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None, monitor=None):
+def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None, monitor=None, context=NO_CONTEXT):
     """Walks `blocks` backwards from their output (y1, y2) and its grads (dy1, dy2).
 
     Returns ``(x1, x2, dx1, dx2, param_grads)`` with `param_grads` aligned to `params` (None for a
     parameter no block used). `states` holds each block's `BlockState` (None: no RNG replay).
     `monitor`: None, or ``(ReconstructionMonitor, samples)`` from a sampled forward: each rebuilt
     input is compared with its sample (see `revkernels.check.monitor_reconstruction`).
+    `context`: the keywords of every F and G (a dict); its tensors that require grad must be in
+    `params` to get grads.
     """
     index = {id(p): i for i, p in enumerate(params)}
     param_grads = [None] * len(params)
@@ -29,7 +36,9 @@ def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None
     for i in reversed(range(len(blocks))):
         block = blocks[i]
         with autocast():
-            rec = block.recompute(y1, y2, None if states is None else states[i])
+            state = None if states is None else states[i]
+            # Without context, the steps' pre-context signature (blocks that override them still work)
+            rec = block.recompute(y1, y2, state, context) if context else block.recompute(y1, y2, state)
         if monitor is not None:
             errors[i] = monitor[0].error(monitor[1][i], rec.x1, rec.x2)
         grads = block.grads(rec, dy1, dy2)
@@ -51,7 +60,9 @@ class ReversibleRun(torch.autograd.Function):
     a function with `reverse_blocks`' signature (sequential here, two streams in pareprop)."""
 
     @staticmethod
-    def forward(ctx, seq, params, walker, x1, x2, *param_tensors):
+    def forward(ctx, seq, params, walker, context, x1, x2, *tensors):
+        # tensors: the parameters, then the context tensors that require grad
+        context = NO_CONTEXT if context is None else context
         states = []
         monitor = getattr(seq, "reconstruction_monitor", None)
         if monitor is not None and (seq.engine == "graphs" or not monitor.begin_forward()):
@@ -61,7 +72,8 @@ class ReversibleRun(torch.autograd.Function):
             for block in seq.blocks:
                 if monitor is not None:
                     samples.append(monitor.sample(x1, x2))
-                x1, x2, state = block.forward_with_state(x1, x2, seq.preserve_rng_state)
+                x1, x2, state = block.forward_with_state(x1, x2, seq.preserve_rng_state, context) if context \
+                    else block.forward_with_state(x1, x2, seq.preserve_rng_state)
                 states.append(state)
         ctx.monitor = None if monitor is None else (monitor, samples)
         ctx.blocks = list(seq.blocks)
@@ -69,32 +81,49 @@ class ReversibleRun(torch.autograd.Function):
         ctx.params = params
         ctx.walker = walker
         ctx.autocast_state = AutocastState.capture(x1.device.type)
-        ctx.save_for_backward(x1, x2)
+        if not context:
+            ctx.context_names = ()
+            ctx.save_for_backward(x1, x2)
+            return x1, x2
+        names = [k for k, v in context.items() if isinstance(v, torch.Tensor)]
+        ctx.context_names = names
+        ctx.context_values = {k: v for k, v in context.items() if k not in names}
+        ctx.context_grad = [context[k].requires_grad for k in names]
+        ctx.save_for_backward(x1, x2, *(context[k] for k in names))
         return x1, x2
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy1, dy2):
-        y1, y2 = ctx.saved_tensors
-        _, _, dx1, dx2, param_grads = ctx.walker(
-            ctx.blocks, ctx.states, y1, y2, dy1, dy2, ctx.params, ctx.autocast_state, monitor=ctx.monitor
+        y1, y2, *saved = ctx.saved_tensors
+        params, context = ctx.params, NO_CONTEXT
+        if ctx.context_names:
+            context, leaves = dict(ctx.context_values), []
+            for name, t, grad in zip(ctx.context_names, saved, ctx.context_grad):
+                context[name] = t.detach().requires_grad_() if grad else t.detach()
+                if grad:
+                    leaves.append(context[name])
+            params = params + leaves
+        _, _, dx1, dx2, grads = ctx.walker(
+            ctx.blocks, ctx.states, y1, y2, dy1, dy2, params, ctx.autocast_state, monitor=ctx.monitor, context=context
         )
         ctx.states = ctx.monitor = None
-        return (None, None, None, dx1, dx2, *param_grads)
+        return (None, None, None, None, dx1, dx2, *grads)
 
 
-def run_reversible(seq, x1, x2, walker):
+def run_reversible(seq, x1, x2, walker, context=NO_CONTEXT):
     """Runs `seq`'s blocks as one `ReversibleRun` whose backward follows `walker`."""
     from revkernels.nn.reversible import unique_grad_params
 
     params = unique_grad_params(seq.blocks)
-    if not torch.is_grad_enabled() or not (x1.requires_grad or x2.requires_grad or params):
+    grad_context = [v for v in context.values() if isinstance(v, torch.Tensor) and v.requires_grad] if context else []
+    if not torch.is_grad_enabled() or not (x1.requires_grad or x2.requires_grad or params or grad_context):
         # Nothing to differentiate: a plain forward that keeps nothing.
         for block in seq.blocks:
-            x1, x2 = block(x1, x2)
+            x1, x2 = block(x1, x2, **context)
         return x1, x2
-    return ReversibleRun.apply(seq, params, walker, x1, x2, *params)
+    return ReversibleRun.apply(seq, params, walker, context or None, x1, x2, *params, *grad_context)
 
 
-def run_sequential(seq, x1, x2):
-    return run_reversible(seq, x1, x2, reverse_blocks)
+def run_sequential(seq, x1, x2, context=NO_CONTEXT):
+    return run_reversible(seq, x1, x2, reverse_blocks, context)

@@ -15,6 +15,10 @@ import torch
 
 from revkernels.engine.structure import frozen_batchnorm_stats  # noqa: F401  (re-exported)
 
+# The context of a run called without keywords. A plain dict (``f(x, **NO_CONTEXT)`` costs least
+# with one); nothing may write to it (a callee's ``**context`` is always a copy).
+NO_CONTEXT = {}
+
 
 class RngState:
     """Generator states of the CPU and of the given CUDA devices, taken at construction."""

@@ -1,5 +1,5 @@
-"""Models built from revkernels' reversible blocks: RevNet-18/34/50 in PETRA's stage layout, Rev-ViT and
-Rev-Swin."""
+"""Models built from revkernels' reversible blocks: RevNet-18/34/50 in PETRA's stage layout, Rev-ViT,
+Rev-Swin and the Rev-Text language models."""
 from revkernels.models.revnet import (
     BasicResidual,
     BottleneckResidual,
@@ -14,7 +14,8 @@ from revkernels.models.revnet import (
     revnet50,
 )
 from revkernels.models.revswin import RevSwin, revswin
+from revkernels.models.revtext import RevText, revtext
 from revkernels.models.revvit import RevViT, revvit
 
-__all__ = ["RevNet", "RevViT", "revvit", "RevSwin", "revswin", "revnet18", "revnet34", "revnet50", "ReversibleStage",
+__all__ = ["RevNet", "RevViT", "revvit", "RevSwin", "revswin", "RevText", "revtext", "revnet18", "revnet34", "revnet50", "ReversibleStage",
            "BasicResidual", "BottleneckResidual", "Stem", "DownBasic", "DownBottleneck", "Head"]

@@ -6,12 +6,18 @@ r"""Reversible blocks and sequences (two-stream additive coupling).
 A `ReversibleSequential` hands its blocks to an engine (`revkernels.engine`); the engines drive
 each block through two steps that fused blocks may override:
 
-    recompute(y1, y2, state) -> BlockRecompute   rebuild (x1, x2), keeping the local graphs of
-                                                 G(y1) and F(x2) built under autograd
+    recompute(y1, y2, state, context) -> BlockRecompute   rebuild (x1, x2), keeping the local
+                                                 graphs of G(y1) and F(x2) built under autograd
     grads(rec, dy1, dy2) -> BlockGrads           dy1' = dy1 + (dG/dy1)^T dy2
                                                  dx2  = dy2 + (dF/dx2)^T dy1',  dx1 = dy1'
                                                  and the parameter grads of F and G
+
+Context: a run called as ``seq(x1, x2, **context)`` calls every F and G as ``f(x2, **context)``
+and ``g(y1, **context)``; the steps take the keywords as one dict, `context`. Context tensors that
+require grad are differentiated like parameters: the local graphs' `aliases` hold them too, so
+`grads` returns their per-block grads among the parameter grads and the walker sums them.
 """
+import inspect
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -21,8 +27,8 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.func import functional_call
 
-from revkernels.engine.state import RngState, cuda_devices_of, maybe_replay
-from revkernels.engine.structure import detached_aliases, draws_random, frozen_batchnorm_stats, param_slots
+from revkernels.engine.state import NO_CONTEXT, RngState, cuda_devices_of, maybe_replay
+from revkernels.engine.structure import cached, detached_aliases, draws_random, frozen_batchnorm_stats, param_slots
 from revkernels.ops.coupling import coupling_add, coupling_sub
 
 
@@ -59,6 +65,48 @@ def _check_residual(out, stream, name, stream_name):
         )
 
 
+def check_context(owner, blocks, context, label=None):
+    """Raises TypeError naming the block whose F or G cannot take the keywords of `context`
+    (a forward without a parameter of that name or ``**kwargs``). Checked once per module
+    structure and set of keywords (cached on `owner`); `label(i)` names block i."""
+    keys = tuple(sorted(context))
+    problem = cached(owner, ("context", keys), lambda _: _context_problem(blocks, keys, label))
+    if problem is not None:
+        raise TypeError(problem)
+
+
+def _context_problem(blocks, keys, label):
+    for i, block in enumerate(blocks):
+        for branch in ("f", "g"):
+            module = block._modules.get(branch)
+            if module is None:
+                continue
+            missing = _unaccepted(module, keys)
+            if missing:
+                name = f"blocks[{i}]" if label is None else label(i)
+                return (f"revkernels: {name}.{branch} ({type(module).__name__}) does not accept the context "
+                        f"keyword(s) {missing}: every F and G of a run is called with the run's context, so "
+                        "one that does not use it must take **kwargs in its forward")
+    return None
+
+
+def _unaccepted(module, keys):
+    """The keywords of `keys` that ``module.forward`` has no parameter for."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: the call itself decides
+        return []
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return []
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return [k for k in keys if k not in named]
+
+
+def _context_leaves(context):
+    """{tensor: tensor} for the context tensors that require grad (what the local graphs differentiate)."""
+    return {t: t for t in context.values() if isinstance(t, torch.Tensor) and t.requires_grad}
+
+
 @dataclass
 class BlockState:
     """Generator states right before F and right before G ran in the forward (None: no replay)."""
@@ -76,7 +124,7 @@ class BlockRecompute:
     y1: torch.Tensor | None  # leaf of G's local graph (requires grad); None without G
     f_out: torch.Tensor
     g_out: torch.Tensor | None
-    f_aliases: dict  # parameter -> detached leaf standing in for it in F's local graph
+    f_aliases: dict  # parameter (or context tensor) -> the tensor to differentiate for it in F's local graph
     g_aliases: dict
 
 
@@ -93,6 +141,7 @@ class ReversibleBlock(nn.Module):
 
     Called directly it is an ordinary module (autograd stores its activations); inside a
     `ReversibleSequential` with a memory-saving engine its input is rebuilt in the backward.
+    ``block(x1, x2, **context)`` calls ``f(x2, **context)`` and ``g(y1, **context)``.
     """
 
     def __init__(self, f, g):
@@ -103,9 +152,11 @@ class ReversibleBlock(nn.Module):
         self.f = f
         self.g = g
 
-    def forward(self, x1, x2):
+    def forward(self, x1, x2, **context):
         check_streams(x1, x2)
-        y1, y2, _ = self.forward_with_state(x1, x2, preserve_rng_state=False)
+        if context:
+            check_context(self, (self,), context, label=lambda _: type(self).__name__)
+        y1, y2, _ = self.forward_with_state(x1, x2, preserve_rng_state=False, context=context)
         return y1, y2
 
     def draws_random(self):
@@ -113,32 +164,33 @@ class ReversibleBlock(nn.Module):
         `revkernels.engine.structure.draws_random`); only then is its generator state kept."""
         return draws_random(self)
 
-    def forward_with_state(self, x1, x2, preserve_rng_state=True):
+    def forward_with_state(self, x1, x2, preserve_rng_state=True, context=NO_CONTEXT):
         """Forward that also returns the `BlockState` a later `recompute` replays (None when
         nothing is to replay: `preserve_rng_state` off, or a block that draws no random numbers)."""
         keep = preserve_rng_state and self.draws_random()
         devices = cuda_devices_of(x1, x2) if keep else ()
         rng_f = RngState(devices) if keep else None
-        fx2 = self.f(x2)
+        fx2 = self.f(x2, **context)
         _check_residual(fx2, x1, "f", "x1")
         y1 = x1 + fx2
         rng_g = RngState(devices) if keep else None
-        gy1 = self.g(y1)
+        gy1 = self.g(y1, **context)
         _check_residual(gy1, x2, "g", "x2")
         return y1, x2 + gy1, BlockState(rng_f, rng_g) if keep else None
 
-    def inverse(self, y1, y2, state=None):
+    def inverse(self, y1, y2, state=None, context=NO_CONTEXT):
         """Rebuilds (x1, x2) from (y1, y2) without autograd. BatchNorm running statistics are left
-        alone; stochastic layers replay `state` when given, else draw fresh randomness."""
+        alone; stochastic layers replay `state` when given, else draw fresh randomness. `context`:
+        the forward's keywords (a dict)."""
         check_streams(y1, y2, ("y1", "y2"))
         with torch.no_grad(), frozen_batchnorm_stats(self):
             with maybe_replay(None if state is None else state.rng_g):
-                x2 = coupling_sub(y2, self.g(y1))
+                x2 = coupling_sub(y2, self.g(y1, **context))
             with maybe_replay(None if state is None else state.rng_f):
-                x1 = coupling_sub(y1, self.f(x2))
+                x1 = coupling_sub(y1, self.f(x2, **context))
         return x1, x2
 
-    def recompute(self, y1, y2, state=None):
+    def recompute(self, y1, y2, state=None, context=NO_CONTEXT):
         """Rebuilds the input from the output, keeping the local graphs of G(y1) and F(x2).
 
         Differentiating the local graphs fires no hook of the parameters and accumulates nothing
@@ -147,10 +199,10 @@ class ReversibleBlock(nn.Module):
         y1_leaf = y1.detach().requires_grad_()  # the local graphs must not reach back into the caller's
         with torch.enable_grad(), frozen_batchnorm_stats(self):
             with maybe_replay(None if state is None else state.rng_g):
-                g_out, g_aliases = _call_with_aliases(self.g, y1_leaf)
+                g_out, g_aliases = _call_with_aliases(self.g, y1_leaf, context)
             x2 = coupling_sub(y2.detach(), g_out.detach()).requires_grad_()
             with maybe_replay(None if state is None else state.rng_f):
-                f_out, f_aliases = _call_with_aliases(self.f, x2)
+                f_out, f_aliases = _call_with_aliases(self.f, x2, context)
             x1 = coupling_sub(y1_leaf.detach(), f_out.detach())
         return BlockRecompute(x1=x1, x2=x2, y1=y1_leaf, f_out=f_out, g_out=g_out,
                               f_aliases=f_aliases, g_aliases=g_aliases)
@@ -165,23 +217,28 @@ class ReversibleBlock(nn.Module):
                           param_grads=f_grads + g_grads)
 
 
-def _call_with_aliases(module, x):
-    """``module(x)`` for a local graph whose parameter grads the engine returns itself. Returns
-    the output and {parameter: the tensor to differentiate for it}: the parameter itself when no
-    parameter has a tensor hook (``torch.autograd.grad`` then captures its grad without running
-    its accumulation), else detached aliases swapped in for the call, so the local graph fires no
-    hook of the parameters (their grads reach ``.grad`` once, through the engine's Function)."""
+def _call_with_aliases(module, x, context=NO_CONTEXT):
+    """``module(x, **context)`` for a local graph whose parameter grads the engine returns itself.
+    Returns the output and {parameter: the tensor to differentiate for it}: the parameter itself
+    when no parameter has a tensor hook (``torch.autograd.grad`` then captures its grad without
+    running its accumulation), else detached aliases swapped in for the call, so the local graph
+    fires no hook of the parameters (their grads reach ``.grad`` once, through the engine's
+    Function). The context tensors that require grad are added as their own entries."""
     slots = param_slots(module)
     if not any(p._backward_hooks for p in slots.params):
-        return module(x), {p: p for p in slots.params if p.requires_grad}
-    aliases = detached_aliases(slots)
-    if slots.parametrized:
-        names = {slots.names[i]: alias for i, alias in aliases.items()}
-        out = functional_call(module, names, (x,))
+        out, wrt = module(x, **context), {p: p for p in slots.params if p.requires_grad}
     else:
-        with slots.substituted(aliases):
-            out = module(x)
-    return out, {slots.params[i]: alias for i, alias in aliases.items()}
+        aliases = detached_aliases(slots)
+        if slots.parametrized:
+            names = {slots.names[i]: alias for i, alias in aliases.items()}
+            out = functional_call(module, names, (x,), dict(context))
+        else:
+            with slots.substituted(aliases):
+                out = module(x, **context)
+        wrt = {slots.params[i]: alias for i, alias in aliases.items()}
+    if context:
+        wrt.update(_context_leaves(context))
+    return out, wrt
 
 
 def _vjp(out, leaf, aliases, grad_out):
@@ -208,22 +265,22 @@ class HalfCouplingBlock(ReversibleBlock):
             raise TypeError(f"revkernels: f must be a torch.nn.Module, got {type(f).__name__}")
         self.f = f
 
-    def forward_with_state(self, x1, x2, preserve_rng_state=True):
+    def forward_with_state(self, x1, x2, preserve_rng_state=True, context=NO_CONTEXT):
         keep = preserve_rng_state and self.draws_random()
         rng_f = RngState(cuda_devices_of(x1, x2)) if keep else None
-        fx2 = self.f(x2)
+        fx2 = self.f(x2, **context)
         _check_residual(fx2, x1, "f", "x1")
         return x2, x1 + fx2, BlockState(rng_f, None) if keep else None
 
-    def inverse(self, y1, y2, state=None):
+    def inverse(self, y1, y2, state=None, context=NO_CONTEXT):
         check_streams(y1, y2, ("y1", "y2"))
         with torch.no_grad(), frozen_batchnorm_stats(self), maybe_replay(None if state is None else state.rng_f):
-            return coupling_sub(y2, self.f(y1)), y1
+            return coupling_sub(y2, self.f(y1, **context)), y1
 
-    def recompute(self, y1, y2, state=None):
+    def recompute(self, y1, y2, state=None, context=NO_CONTEXT):
         x2 = y1.detach().requires_grad_()
         with torch.enable_grad(), frozen_batchnorm_stats(self), maybe_replay(None if state is None else state.rng_f):
-            f_out, f_aliases = _call_with_aliases(self.f, x2)
+            f_out, f_aliases = _call_with_aliases(self.f, x2, context)
         x1 = coupling_sub(y2.detach(), f_out.detach())
         return BlockRecompute(x1=x1, x2=x2, y1=None, f_out=f_out, g_out=None, f_aliases=f_aliases, g_aliases={})
 
@@ -247,6 +304,11 @@ class ReversibleSequential(nn.Module):
             checkpoints each block (torch.utils.checkpoint) instead and warns once.
         preserve_rng_state: replay each block's randomness (dropout, drop-path) in the recompute.
             Costs a few KB of host memory per block; turn off only for deterministic blocks.
+
+    ``seq(x1, x2, **context)``: keywords passed to every F and G (``f(x2, **context)``,
+    ``g(y1, **context)``): tensors (an attention mask, a conditioning vector, rotary tables)
+    or plain values. A context tensor that requires grad gets the sum of its grads over all
+    blocks through autograd; the memory-saving engines save each context tensor once per run.
     """
 
     def __init__(self, *blocks, engine="sequential", preserve_rng_state=True):
@@ -282,11 +344,20 @@ class ReversibleSequential(nn.Module):
     def __iter__(self):
         return iter(self.blocks)
 
-    def forward(self, x1, x2):
+    def forward(self, x1, x2, **context):
         check_streams(x1, x2)
+        if context:
+            return self._forward_with_context(x1, x2, context)
         if torch.compiler.is_compiling() and self._engine_name != "autograd":
             return self._compiled_forward(x1, x2)
         return self._engine_fn(self, x1, x2)
+
+    def _forward_with_context(self, x1, x2, context):
+        if torch.compiler.is_compiling() and self._engine_name != "autograd":
+            raise NotImplementedError(f"revkernels: context keywords {sorted(context)} under torch.compile are not "
+                                      f"supported by engine={self._engine_name!r} yet; use engine='autograd'")
+        check_context(self, self.blocks, context)
+        return self._engine_fn(self, x1, x2, context)
 
     def _compiled_forward(self, x1, x2):
         # The memory-saving engines' backward (autograd.grad inside a custom Function's backward,
@@ -303,23 +374,31 @@ class ReversibleSequential(nn.Module):
             x1, x2 = torch.utils.checkpoint.checkpoint(block, x1, x2, use_reentrant=False)
         return x1, x2
 
-    def inverse(self, y1, y2):
-        """Rebuilds the run's input from its output without autograd (no RNG replay)."""
+    def inverse(self, y1, y2, **context):
+        """Rebuilds the run's input from its output without autograd (no RNG replay); `context`:
+        the forward's keywords."""
         check_streams(y1, y2, ("y1", "y2"))
+        if context:
+            check_context(self, self.blocks, context)
         for block in reversed(self.blocks):
-            y1, y2 = block.inverse(y1, y2)
+            y1, y2 = block.inverse(y1, y2, context=context) if context else block.inverse(y1, y2)
         return y1, y2
 
-    def reverse(self, y1, y2, dy1, dy2):
+    def reverse(self, y1, y2, dy1, dy2, **context):
         """Rebuilds the input and its grads from the output and output grads alone.
 
         What a pipeline stage calls: no graph or activation of the forward is needed. Parameter
         grads are added into ``.grad``. Runs under the caller's autocast mode; stochastic layers
-        draw fresh randomness. Returns ``(x1, x2, dx1, dx2)``, none of them requiring grad.
+        draw fresh randomness. `context`: the forward's keywords. Returns a `ReverseResult`, the
+        tuple ``(x1, x2, dx1, dx2)`` (none of them requiring grad) whose ``context_grads`` maps
+        each context tensor that requires grad to its grad summed over the blocks (None if no
+        block used it); those grads are returned, not added anywhere.
         """
         from revkernels.engine.sequential import reverse_blocks
 
         check_streams(y1, y2, ("y1", "y2"))
+        if context:
+            check_context(self, self.blocks, context)
         for grad, out, name in ((dy1, y1, "dy1"), (dy2, y2, "dy2")):
             if not isinstance(grad, torch.Tensor):
                 raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(grad).__name__}")
@@ -330,8 +409,12 @@ class ReversibleSequential(nn.Module):
             if not grad.is_floating_point():
                 raise TypeError(f"revkernels: {name} must be a floating-point tensor, got {grad.dtype}")
         params = unique_grad_params(self.blocks)
+        leaves = {name: v.detach().requires_grad_() for name, v in context.items()
+                  if isinstance(v, torch.Tensor) and v.requires_grad}
         with torch.no_grad():
-            x1, x2, dx1, dx2, grads = reverse_blocks(self.blocks, None, y1, y2, dy1, dy2, params)
+            x1, x2, dx1, dx2, grads = reverse_blocks(self.blocks, None, y1, y2, dy1, dy2,
+                                                     params + list(leaves.values()), context={**context, **leaves})
+            context_grads = dict(zip(leaves, grads[len(params):]))
             for p, grad in zip(params, grads):
                 if grad is None:
                     continue
@@ -339,7 +422,18 @@ class ReversibleSequential(nn.Module):
                     p.grad = grad
                 else:
                     p.grad.add_(grad)
-        return x1.detach(), x2.detach(), dx1.detach(), dx2.detach()
+        return ReverseResult(x1.detach(), x2.detach(), dx1.detach(), dx2.detach(), context_grads)
+
+
+class ReverseResult(tuple):
+    """``(x1, x2, dx1, dx2)`` from `ReversibleSequential.reverse`, with ``context_grads``:
+    {context name: its grad, or None where no block used it} for the context tensors that
+    require grad."""
+
+    def __new__(cls, x1, x2, dx1, dx2, context_grads):
+        result = super().__new__(cls, (x1, x2, dx1, dx2))
+        result.context_grads = context_grads
+        return result
 
 
 def unique_grad_params(blocks):

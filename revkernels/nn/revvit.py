@@ -1,7 +1,16 @@
-r"""`RevViTBlock`: a reversible transformer block whose rebuild and gradient steps run on fused ops.
+r"""`RevTransformerBlock` (and `RevViTBlock`, its non-causal case): a reversible transformer block
+whose rebuild and gradient steps run on fused ops.
 
-    F(x) = drop_path(proj(attention(LN1(x))))        G(x) = drop_path(fc2(gelu(fc1(LN2(x)))))
-    y1 = x1 + F(x2)                                  y2 = x2 + G(y1)
+    F(x) = drop_path(dropout(proj(attention(LN1(x)))))    G(x) = drop_path(dropout(fc2(gelu(fc1(LN2(x))))))
+    y1 = x1 + F(x2)                                       y2 = x2 + G(y1)
+
+The attention is causal or not (``causal``) and takes an ``attn_mask`` context keyword
+(``seq(x1, x2, attn_mask=m)``): a bool or additive key padding mask (batch, tokens), or a 4-D
+mask scaled_dot_product_attention accepts. `attention_mask` turns it (with the causal mask when
+both are asked for) into one additive mask in q's dtype, which the forward and the rebuild both
+hand to the same attention kernel. Dropout is residual dropout (on each branch's output, through
+``torch.native_dropout``, whose keep mask the rebuild replays and keeps); the attention
+probabilities are not dropped.
 
 The forward is the module composition's ops called on the parameters directly (bitwise the same;
 through the modules themselves when a forward hook is registered on any of them). The engines' two
@@ -13,9 +22,11 @@ recompute(y1, y2), G first::
     ln2, mean2, rstd2 = layer_norm(y1)                              (ATen native_layer_norm)
     pre = fc1(ln2);  h = gelu(pre);  g = drop_path(fc2(h))          (MlpBranch's ops; pre, h kept)
     x2, ln1, mean1, rstd1 = sub_layer_norm(y2, g, w_ln1, b_ln1)     (rebuild + LN1: one pass)
-    q, k, v = heads(qkv(ln1));  a = attention(q, k, v)              (CPU: the flash kernel's lse kept)
+    q, k, v = heads(qkv(ln1));  a = attention(q, k, v, mask)        (CPU: the flash kernel's lse kept)
     o = merge_heads(a);  x1 = coupling_sub(y1, drop_path(proj(o)))  (cuBLAS linear, bias in its
-                                                                     epilogue, + the fused subtract)
+                                                                     epilogue, + the fused subtract;
+                                                                     dropout before drop-path in F
+                                                                     and G)
 
 The rebuild subtracts exactly what the forward added: g and drop_path(proj(o)) are computed with the
 forward's own ops (F.linear with the bias in the GEMM, F.gelu, the same drop-path multiply), so the
@@ -36,10 +47,10 @@ addmm(alpha=-1, beta=1) of ``linear_sub`` at 32768 rows x 4096, and 0.117 ms aga
 
 grads(dy1, dy2), in the forward's dtypes (parameter grads cast back to the parameters' dtypes)::
 
-    dg = s_g * dy2;  dW2 = dg^T h;  db2 = sum_rows(dg);  dpre = gelu'(pre) * (dg @ W2)
+    dg = dropout'(s_g * dy2);  dW2 = dg^T h;  db2 = sum_rows(dg);  dpre = gelu'(pre) * (dg @ W2)
     dW1 = dpre^T ln2;  db1 = sum_rows(dpre);  dln2 = dpre @ W1
     dy1', dw_ln2, db_ln2 = layer_norm_bwd_add(dln2, y1, ..., dres=dy1)     dy1' = dy1 + dG^T dy2
-    dP = s_f * dy1';  dWp = dP^T o;  dbp = sum_rows(dP);  da = heads(dP @ Wp)
+    dP = dropout'(s_f * dy1');  dWp = dP^T o;  dbp = sum_rows(dP);  da = heads(dP @ Wp)
     dq, dk, dv = attention_backward(da)                                    (CPU: flash backward)
     dqkv = merge(dq, dk, dv);  dWqkv = dqkv^T ln1;  dbqkv = sum_rows(dqkv);  dln1 = dqkv @ Wqkv
     dx2, dw_ln1, db_ln1 = layer_norm_bwd_add(dln1, x2, ..., dres=dy2)      dx2 = dy2 + dF^T dy1'
@@ -53,7 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
-from revkernels.engine.state import RngState, cuda_devices_of, maybe_replay
+from revkernels.engine.state import NO_CONTEXT, RngState, cuda_devices_of, maybe_replay
 from revkernels.engine.structure import cached, param_slots
 from revkernels.nn.drop_path import DropPath
 from revkernels.nn.reversible import BlockGrads, BlockState, ReversibleBlock
@@ -61,18 +72,71 @@ from revkernels.ops.coupling import coupling_sub
 from revkernels.ops.layer_norm import layer_norm_bwd_add, sub_layer_norm
 
 
-class AttentionBranch(nn.Module):
-    """F: LayerNorm -> multi-head self-attention (scaled_dot_product_attention) -> proj -> drop-path.
-    Input (batch, tokens, dim)."""
+class ResidualDropout(nn.Dropout):
+    """Dropout through ``torch.native_dropout``, which returns its keep mask: the fused rebuild
+    replays the draw and keeps the mask for the gradient step (same op in every path)."""
 
-    def __init__(self, dim, num_heads, qkv_bias=True, drop_path=0.0, eps=1e-6):
+    def draws_random(self):
+        return self.training and self.p > 0.0
+
+    def scale(self):
+        """What a kept element is multiplied by (native_dropout's 1 / (1 - p); 0 when p is 1)."""
+        return 0.0 if self.p == 1.0 else 1.0 / (1.0 - self.p)
+
+    def sample(self, x):
+        """(dropout(x), keep mask), or (x, None) when inactive."""
+        if not self.draws_random():
+            return x, None
+        return torch.native_dropout(x, self.p, True)
+
+    def forward(self, x):
+        return self.sample(x)[0]
+
+
+def attention_mask(attn_mask, q, causal):
+    """``(mask, is_causal)`` for scaled_dot_product_attention on q (batch, heads, tokens, head_dim)
+    from the `attn_mask` keyword: None, a key padding mask (batch, tokens) (bool: True attends;
+    float: added to that key's scores) or a 4-D bool/additive mask. A mask becomes additive in
+    q's dtype, with the causal mask added when `causal` (SDPA takes one or the other)."""
+    if attn_mask is None:
+        return None, causal
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"revkernels: attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.requires_grad:
+        raise ValueError("revkernels: attn_mask must not require grad (the attention does not differentiate its mask)")
+    batch, _, tokens, _ = q.shape
+    if attn_mask.dim() == 2:
+        if tuple(attn_mask.shape) != (batch, tokens):
+            raise ValueError(f"revkernels: a 2-D attn_mask is a key padding mask of shape (batch, tokens) = "
+                             f"{(batch, tokens)}, got {tuple(attn_mask.shape)}")
+        attn_mask = attn_mask[:, None, None, :]
+    elif attn_mask.dim() != 4:
+        raise ValueError(f"revkernels: attn_mask must be (batch, tokens) or 4-D (broadcastable to (batch, heads, "
+                         f"tokens, tokens)), got shape {tuple(attn_mask.shape)}")
+    if attn_mask.dtype == torch.bool:
+        mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~attn_mask, float("-inf"))
+    else:
+        mask = attn_mask.to(device=q.device, dtype=q.dtype)
+    if causal:
+        future = torch.ones(tokens, tokens, dtype=torch.bool, device=q.device).triu_(1)
+        mask = mask + torch.zeros(tokens, tokens, dtype=q.dtype, device=q.device).masked_fill_(future, float("-inf"))
+    return mask, False
+
+
+class AttentionBranch(nn.Module):
+    """F: LayerNorm -> multi-head self-attention (scaled_dot_product_attention, causal or not,
+    with the `attn_mask` keyword) -> proj -> dropout -> drop-path. Input (batch, tokens, dim)."""
+
+    def __init__(self, dim, num_heads, qkv_bias=True, drop_path=0.0, eps=1e-6, causal=False, dropout=0.0):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"revkernels: dim ({dim}) must be divisible by num_heads ({num_heads})")
         self.num_heads = num_heads
+        self.causal = bool(causal)
         self.norm = nn.LayerNorm(dim, eps=eps)
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
+        self.dropout = ResidualDropout(dropout)
         self.drop_path = DropPath(drop_path)
 
     def heads(self, qkv):
@@ -81,52 +145,58 @@ class AttentionBranch(nn.Module):
         qkv = qkv.reshape(batch, tokens, 3, self.num_heads, dim3 // (3 * self.num_heads))
         return qkv.permute(2, 0, 3, 1, 4).unbind(0)
 
-    def attend(self, h, qkv_weight, qkv_bias):
+    def attend(self, h, qkv_weight, qkv_bias, attn_mask=None):
         """Attention output before the projection, (batch, tokens, dim)."""
         batch, tokens, dim = h.shape
         q, k, v = self.heads(F.linear(h, qkv_weight, qkv_bias))
-        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, tokens, dim)
+        mask, is_causal = attention_mask(attn_mask, q, self.causal)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        return out.transpose(1, 2).reshape(batch, tokens, dim)
 
-    def forward(self, x):
+    def forward(self, x, attn_mask=None, **context):
         if x.dim() != 3:
-            raise ValueError(f"revkernels: RevViTBlock input must be (batch, tokens, dim), got shape {tuple(x.shape)}")
-        return self.drop_path(self.proj(self.attend(self.norm(x), self.qkv.weight, self.qkv.bias)))
+            raise ValueError(f"revkernels: RevTransformerBlock input must be (batch, tokens, dim), "
+                             f"got shape {tuple(x.shape)}")
+        out = self.proj(self.attend(self.norm(x), self.qkv.weight, self.qkv.bias, attn_mask))
+        return self.drop_path(self.dropout(out))
 
 
 class MlpBranch(nn.Module):
-    """G: LayerNorm -> fc1 -> GELU -> fc2 -> drop-path."""
+    """G: LayerNorm -> fc1 -> GELU -> fc2 -> dropout -> drop-path (context keywords are ignored)."""
 
-    def __init__(self, dim, hidden_dim, drop_path=0.0, eps=1e-6, approximate="none"):
+    def __init__(self, dim, hidden_dim, drop_path=0.0, eps=1e-6, approximate="none", dropout=0.0):
         super().__init__()
         self.norm = nn.LayerNorm(dim, eps=eps)
         self.fc1 = nn.Linear(dim, hidden_dim)
         self.fc2 = nn.Linear(hidden_dim, dim)
+        self.dropout = ResidualDropout(dropout)
         self.drop_path = DropPath(drop_path)
         self.approximate = approximate
 
-    def forward(self, x):
-        return self.drop_path(self.fc2(F.gelu(self.fc1(self.norm(x)), approximate=self.approximate)))
+    def forward(self, x, **context):
+        return self.drop_path(self.dropout(self.fc2(F.gelu(self.fc1(self.norm(x)), approximate=self.approximate))))
 
 
-def _attention_with_saved(q, k, v):
-    """scaled_dot_product_attention(q, k, v) and what `_attention_vjp` needs. On CPU the flash
-    kernel F.scaled_dot_product_attention picks for these inputs, called directly, keeps its
-    log-sum-exp so the backward runs without an autograd graph (bitwise the same output);
-    elsewhere a one-node graph from q, k, v leaves."""
-    if q.device.type == "cpu" and torch._fused_sdp_choice(q, k, v) == _SDP_FLASH:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
-        return out, (q, k, v, out, lse)
+def _attention_with_saved(q, k, v, mask, is_causal):
+    """scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal) and what
+    `_attention_vjp` needs. On CPU the flash kernel F.scaled_dot_product_attention picks for these
+    inputs, called directly, keeps its log-sum-exp so the backward runs without an autograd graph
+    (bitwise the same output); elsewhere a one-node graph from q, k, v leaves."""
+    if q.device.type == "cpu" and torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal) == _SDP_FLASH:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask)
+        return out, (q, k, v, out, lse, mask, is_causal)
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     with torch.enable_grad():
-        out = F.scaled_dot_product_attention(q, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
     return out.detach(), (q, k, v, out)
 
 
 def _attention_vjp(saved, d_out):
     """(dq, dk, dv) of the attention saved by `_attention_with_saved` for the output grad d_out."""
-    if len(saved) == 5:
-        q, k, v, out, lse = saved
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(d_out, q, k, v, out, lse, 0.0, False)
+    if len(saved) == 7:
+        q, k, v, out, lse, mask, is_causal = saved
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            d_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask)
     q, k, v, out = saved
     return torch.autograd.grad(out, [q, k, v], d_out.to(out.dtype))
 
@@ -134,17 +204,20 @@ def _attention_vjp(saved, d_out):
 _SDP_FLASH = 1  # torch._fused_sdp_choice's code for the flash kernel (SDPBackend.FLASH_ATTENTION)
 
 
-class RevViTBlock(ReversibleBlock):
-    """Reversible ViT block (F = attention, G = MLP) with fused recompute and gradient steps.
+class RevTransformerBlock(ReversibleBlock):
+    """Reversible transformer block (F = attention, G = MLP) with fused recompute and gradient steps.
 
-    Args: dim, num_heads, mlp_ratio (hidden = dim * mlp_ratio), drop_path (stochastic depth of
-    both branches), qkv_bias, eps (LayerNorm), approximate ("none" or "tanh" GELU).
-    Streams are (batch, tokens, dim).
+    Args: dim, num_heads, mlp_ratio (hidden = dim * mlp_ratio), causal (each token attends to
+    itself and earlier tokens only), drop_path (stochastic depth of both branches), qkv_bias,
+    eps (LayerNorm), approximate ("none" or "tanh" GELU), dropout (residual dropout of both
+    branches' outputs). Streams are (batch, tokens, dim). Context: ``attn_mask`` (see
+    `attention_mask`; the mask gets no gradient); other context keywords are ignored.
     """
 
-    def __init__(self, dim, num_heads, mlp_ratio=4.0, drop_path=0.0, qkv_bias=True, eps=1e-6, approximate="none"):
-        super().__init__(AttentionBranch(dim, num_heads, qkv_bias, drop_path, eps),
-                         MlpBranch(dim, int(dim * mlp_ratio), drop_path, eps, approximate))
+    def __init__(self, dim, num_heads, mlp_ratio=4.0, causal=False, drop_path=0.0, qkv_bias=True, eps=1e-6,
+                 approximate="none", dropout=0.0):
+        super().__init__(AttentionBranch(dim, num_heads, qkv_bias, drop_path, eps, causal, dropout),
+                         MlpBranch(dim, int(dim * mlp_ratio), drop_path, eps, approximate, dropout))
 
     def _params(self):
         # {"f.norm.weight": parameter, ...}, computed once per module structure: a step reads
@@ -159,28 +232,30 @@ class RevViTBlock(ReversibleBlock):
         return any(m._forward_hooks or m._forward_pre_hooks
                    for m in cached(self, "submodules", lambda m: list(m.modules())[1:]))
 
-    def forward_with_state(self, x1, x2, preserve_rng_state=True):
+    def forward_with_state(self, x1, x2, preserve_rng_state=True, context=NO_CONTEXT):
         if self._hooked():
-            return super().forward_with_state(x1, x2, preserve_rng_state)
+            return super().forward_with_state(x1, x2, preserve_rng_state, context)
         # AttentionBranch.forward and MlpBranch.forward with the same ops on the parameters
         # directly (bitwise the module composition, without its per-module call overhead).
         if x2.dim() != 3:
-            raise ValueError(f"revkernels: RevViTBlock input must be (batch, tokens, dim), got shape {tuple(x2.shape)}")
+            raise ValueError(f"revkernels: RevTransformerBlock input must be (batch, tokens, dim), "
+                             f"got shape {tuple(x2.shape)}")
         f, g, P = self.f, self.g, self._params()
         keep = preserve_rng_state and self.draws_random()
         devices = cuda_devices_of(x1, x2) if keep else ()
         rng_f = RngState(devices) if keep else None
         dim = x2.shape[-1]
         h = F.layer_norm(x2, (dim,), P["f.norm.weight"], P["f.norm.bias"], f.norm.eps)
-        f_out = F.linear(f.attend(h, P["f.qkv.weight"], P.get("f.qkv.bias")), P["f.proj.weight"], P["f.proj.bias"])
-        y1 = x1 + f.drop_path(f_out)
+        o = f.attend(h, P["f.qkv.weight"], P.get("f.qkv.bias"), context.get("attn_mask"))
+        f_out = F.linear(o, P["f.proj.weight"], P["f.proj.bias"])
+        y1 = x1 + f.drop_path(f.dropout.sample(f_out)[0])
         rng_g = RngState(devices) if keep else None
         h = F.layer_norm(y1, (dim,), P["g.norm.weight"], P["g.norm.bias"], g.norm.eps)
         h = F.gelu(F.linear(h, P["g.fc1.weight"], P["g.fc1.bias"]), approximate=g.approximate)
-        y2 = x2 + g.drop_path(F.linear(h, P["g.fc2.weight"], P["g.fc2.bias"]))
+        y2 = x2 + g.drop_path(g.dropout.sample(F.linear(h, P["g.fc2.weight"], P["g.fc2.bias"]))[0])
         return y1, y2, BlockState(rng_f, rng_g) if keep else None
 
-    def recompute(self, y1, y2, state=None):
+    def recompute(self, y1, y2, state=None, context=NO_CONTEXT):
         f, g, P = self.f, self.g, self._params()
         y1, y2 = y1.detach(), y2.detach()
         batch, tokens, dim = y1.shape
@@ -191,24 +266,25 @@ class RevViTBlock(ReversibleBlock):
                 # the forward added, under autocast too. No local graph: `grads` differentiates by hand.
                 pre = F.linear(ln2, P["g.fc1.weight"], P["g.fc1.bias"])
                 hidden = F.gelu(pre, approximate=g.approximate)
-                g_out = F.linear(hidden, P["g.fc2.weight"], P["g.fc2.bias"])
+                g_out, g_keep = g.dropout.sample(F.linear(hidden, P["g.fc2.weight"], P["g.fc2.bias"]))
                 g_scale = g.drop_path.sample_scale(g_out)
             if g_scale is not None:
                 g_out = g_out * g_scale
             x2, ln1, mean1, rstd1 = sub_layer_norm(y2, g_out, P["f.norm.weight"], P["f.norm.bias"], f.norm.eps)
             with maybe_replay(None if state is None else state.rng_f):
                 # AttentionBranch.forward's ops, attention with what its backward needs kept.
-                qkv = F.linear(ln1, P["f.qkv.weight"], P.get("f.qkv.bias"))
-                out, attention = _attention_with_saved(*f.heads(qkv))
+                q, k, v = f.heads(F.linear(ln1, P["f.qkv.weight"], P.get("f.qkv.bias")))
+                out, attention = _attention_with_saved(q, k, v, *attention_mask(context.get("attn_mask"), q, f.causal))
                 o = out.transpose(1, 2).reshape(batch, tokens, dim)
-                f_out = F.linear(o, P["f.proj.weight"], P["f.proj.bias"])
+                f_out, f_keep = f.dropout.sample(F.linear(o, P["f.proj.weight"], P["f.proj.bias"]))
                 f_scale = f.drop_path.sample_scale(f_out)
             if f_scale is not None:
                 f_out = f_out * f_scale
             x1 = coupling_sub(y1, f_out)
         return _RevViTRecompute(x1=x1, x2=x2, y1=y1, ln1=ln1, ln2=ln2, mean1=mean1, rstd1=rstd1,
                                 mean2=mean2.reshape(mean2.shape[:-1]), rstd2=rstd2.reshape(rstd2.shape[:-1]),
-                                o=o, attention=attention, pre=pre, hidden=hidden, g_scale=g_scale, f_scale=f_scale)
+                                o=o, attention=attention, pre=pre, hidden=hidden, g_scale=g_scale, f_scale=f_scale,
+                                g_keep=g_keep, f_keep=f_keep)
 
     def grads(self, rec, dy1, dy2):
         P = self._params()
@@ -235,6 +311,8 @@ class RevViTBlock(ReversibleBlock):
         dg = dy2.reshape(-1, dy2.shape[-1]).to(hidden.dtype)
         if rec.g_scale is not None:
             dg = dg * rec.g_scale.expand(rec.hidden.shape[:-1] + (1,)).reshape(-1, 1)
+        if rec.g_keep is not None:
+            dg = torch.ops.aten.native_dropout_backward(dg, rec.g_keep.reshape(dg.shape), self.g.dropout.scale())
         fc1_w, fc2_w = P["g.fc1.weight"], P["g.fc2.weight"]
         named["g.fc2.weight"] = lambda: (dg.t() @ hidden).to(fc2_w.dtype)
         named["g.fc2.bias"] = lambda: dg.sum(0).to(P["g.fc2.bias"].dtype)
@@ -255,6 +333,9 @@ class RevViTBlock(ReversibleBlock):
         batch, tokens, dim = o.shape
         dproj = dy1_total if rec.f_scale is None else dy1_total * rec.f_scale
         dproj = dproj.reshape(-1, dim).to(o.dtype)
+        if rec.f_keep is not None:
+            dproj = torch.ops.aten.native_dropout_backward(dproj, rec.f_keep.reshape(dproj.shape),
+                                                           self.f.dropout.scale())
         proj_w, qkv_w = P["f.proj.weight"], P["f.qkv.weight"]
         named["f.proj.weight"] = lambda: (dproj.t() @ o.reshape(-1, dim)).to(proj_w.dtype)
         named["f.proj.bias"] = lambda: dproj.float().sum(0).to(P["f.proj.bias"].dtype)
@@ -270,6 +351,19 @@ class RevViTBlock(ReversibleBlock):
         dx2, named["f.norm.weight"], named["f.norm.bias"] = layer_norm_bwd_add(
             dln1, rec.x2, P["f.norm.weight"], rec.mean1, rec.rstd1, dy2)
         return dx2
+
+
+class RevViTBlock(RevTransformerBlock):
+    """Reversible ViT block: the non-causal `RevTransformerBlock` without residual dropout.
+
+    Args: dim, num_heads, mlp_ratio (hidden = dim * mlp_ratio), drop_path (stochastic depth of
+    both branches), qkv_bias, eps (LayerNorm), approximate ("none" or "tanh" GELU).
+    Streams are (batch, tokens, dim).
+    """
+
+    def __init__(self, dim, num_heads, mlp_ratio=4.0, drop_path=0.0, qkv_bias=True, eps=1e-6, approximate="none"):
+        super().__init__(dim, num_heads, mlp_ratio, causal=False, drop_path=drop_path, qkv_bias=qkv_bias, eps=eps,
+                         approximate=approximate)
 
 
 class _RevViTRecompute:

@@ -131,11 +131,13 @@ class Stage:
 
     # --- forward / backward ----------------------------------------------------------------------
 
-    def forward(self, x, batch=None):
+    def forward(self, x, batch=None, **context):
         """Forward of one batch with the current parameters, without autograd.
 
         `x`: the image (first stage) or the previous stage's output tuple. A non-reversible stage
         pushes (batch, x) onto its FIFO. Returns the output as a tuple of tensors (detached).
+        `context`: keywords passed to the stage's module (a reversible stage's F and G); the
+        backward of the same batch must get the same ones.
         """
         if self.is_last:
             raise RuntimeError("revkernels: the last stage runs forward and backward together: call forward_backward")
@@ -147,25 +149,30 @@ class Stage:
             self._fifo.append((batch, x, None))
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
         with torch.no_grad():
-            out = self.module(*x)
+            out = self.module(*x, **context)
         return _as_tuple(out, f"the output of stage {self.index}")
 
-    def backward(self, y, dy, batch=None):
+    def backward(self, y, dy, batch=None, **context):
         """Backward of the oldest pending batch: from (output y, output grad dy) to (input x, input grad dx).
 
         Parameter grads are added into ``.grad`` (computed with the current parameters). The first
         stage returns ``dx = None`` (the image needs no grad). `batch`, when given, is checked
-        against the FIFO's oldest entry.
+        against the FIFO's oldest entry. `context`: the forward's keywords, constants here (a
+        context tensor that requires grad is refused: its grad would not leave the stage).
         """
         if self.is_last:
             raise RuntimeError("revkernels: the last stage runs forward and backward together: call forward_backward")
         y, dy = _as_tuple(y, "y"), _as_tuple(dy, "dy")
         if len(y) != len(dy):
             raise ValueError(f"revkernels: y and dy must have as many tensors, got {len(y)} and {len(dy)}")
+        for name, value in context.items():
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                raise ValueError(f"revkernels: context {name} requires grad, but a stage's backward does not return "
+                                 "context grads; pass it detached")
         if self.reversible and not self.delayed:
             if len(y) != 2:
                 raise ValueError(f"revkernels: a reversible stage's output has two streams, got {len(y)} tensors")
-            x1, x2, dx1, dx2 = self._run.reverse(y[0].detach(), y[1].detach(), dy[0], dy[1])
+            x1, x2, dx1, dx2 = self._run.reverse(y[0].detach(), y[1].detach(), dy[0], dy[1], **context)
             return (x1, x2), (None if self.is_first else (dx1, dx2))
         if not self._fifo:
             raise RuntimeError(f"revkernels: stage {self.index} has no pending input for a backward")
@@ -174,13 +181,13 @@ class Stage:
             raise RuntimeError(f"revkernels: stage {self.index} backward of batch {batch} but its oldest input "
                                f"is batch {stored_batch}")
         if stored_params is None:
-            return x, self._vjp(x, y, dy)
+            return x, self._vjp(x, y, dy, context)
         params = self.parameters()
         current = [p.data for p in params]
         for p, old in zip(params, stored_params):  # the forward's (stale) parameters for the recompute
             p.data = old
         try:
-            dx = self._vjp(x, y, dy)
+            dx = self._vjp(x, y, dy, context)
         finally:
             for p, now in zip(params, current):
                 p.data = now
@@ -191,10 +198,10 @@ class Stage:
             return x
         return tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in x)
 
-    def _vjp(self, x, y, dy):
+    def _vjp(self, x, y, dy, context):
         leaves = self._leaves(x)
         with torch.enable_grad(), frozen_batchnorm_stats(self.module):
-            out = _as_tuple(self.module(*leaves), f"the output of stage {self.index}")
+            out = _as_tuple(self.module(*leaves, **context), f"the output of stage {self.index}")
         if len(out) != len(dy):
             raise ValueError(f"revkernels: stage {self.index} has {len(out)} outputs but got {len(dy)} output grads")
         pairs = [(o, g) for o, g in zip(out, dy) if o.requires_grad]

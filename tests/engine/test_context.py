@@ -1,0 +1,220 @@
+"""Context keywords (``seq(x1, x2, **context)``) on every engine, against plain autograd through
+the same modules called with the same keywords."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import revkernels as rk
+from tests.helpers import assert_close_rel, grads_of, loss_of, rel_err
+
+WIDTH, BATCH, TOKENS, HEADS = 8, 3, 5, 2
+
+
+def _perturbed_norm(width):
+    norm = nn.LayerNorm(width)
+    nn.init.normal_(norm.weight, 1.0, 0.3)
+    nn.init.normal_(norm.bias, 0.0, 0.3)
+    return norm
+
+
+class MaskedAttention(nn.Module):
+    """F: LayerNorm, FiLM by the conditioning vector, attention with a key padding mask, dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.film = _perturbed_norm(WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.qkv, self.drop = nn.Linear(WIDTH, 3 * WIDTH), nn.Dropout(0.2)
+
+    def forward(self, x, attn_mask=None, cond=None, scale=1.0):
+        h = self.norm(x) * (1 + self.film(cond)[:, None, :])
+        q, k, v = self.qkv(h).reshape(BATCH, TOKENS, 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask[:, None, None, :])
+        return self.drop(scale * a.transpose(1, 2).reshape(BATCH, TOKENS, WIDTH))
+
+
+class CondMlp(nn.Module):
+    """G: LayerNorm, + conditioning vector, MLP, dropout; ignores the other keywords."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = _perturbed_norm(WIDTH)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH), nn.Dropout(0.2))
+
+    def forward(self, x, cond=None, **context):
+        return self.mlp(self.norm(x) + cond[:, None, :])
+
+
+def _seq(depth, engine="sequential"):
+    return rk.nn.ReversibleSequential(*[rk.nn.ReversibleBlock(MaskedAttention(), CondMlp()) for _ in range(depth)],
+                                      engine=engine)
+
+
+def _context(cond_grad=True):
+    mask = torch.rand(BATCH, TOKENS) > 0.3
+    mask[:, 0] = True  # every query sees at least one key
+    return {"attn_mask": mask, "cond": torch.randn(BATCH, WIDTH, requires_grad=cond_grad), "scale": 0.7}
+
+
+def _plain(seq, x1, x2, context):
+    for block in seq.blocks:
+        x1 = x1 + block.f(x2, **context)
+        x2 = x2 + block.g(x1, **context)
+    return x1, x2
+
+
+def _grads(fn, seq, x1, x2, context, w1, w2, seed):
+    """Outputs, input grads, the cond grad and the parameter grads of one step of `fn`."""
+    seq.zero_grad(set_to_none=True)
+    cond = context["cond"].detach().requires_grad_()
+    a1, a2 = x1.clone().requires_grad_(), x2.clone().requires_grad_()
+    torch.manual_seed(seed)
+    y1, y2 = fn(a1, a2, {**context, "cond": cond})
+    loss_of(y1, y2, w1, w2).backward()
+    return [y1.detach(), y2.detach(), a1.grad, a2.grad, cond.grad] + grads_of(seq.parameters())
+
+
+@pytest.mark.parametrize("engine", ["autograd", "sequential", "pareprop", "graphs"])
+@pytest.mark.parametrize("depth", [1, 2, 5])
+def test_context_grads_equal_plain_autograd(engine, depth):
+    seq = _seq(depth, engine)
+    x1, x2 = torch.randn(BATCH, TOKENS, WIDTH), torch.randn(BATCH, TOKENS, WIDTH)
+    w1, w2, context = torch.randn_like(x1), torch.randn_like(x2), _context()
+    expected = _grads(lambda a, b, c: _plain(seq, a, b, c), seq, x1, x2, context, w1, w2, seed=11)
+    actual = _grads(lambda a, b, c: seq(a, b, **c), seq, x1, x2, context, w1, w2, seed=11)
+    assert expected[4].abs().sum() > 0
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert_close_rel(a, e, 1e-5, f"output/grad {i}")
+
+
+def test_context_tensors_are_saved_once_per_run():
+    def saved_bytes(depth):
+        seq = _seq(depth)
+        x = torch.randn(BATCH, TOKENS, WIDTH, requires_grad=True)
+        context = _context()
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            seq(x, x, **context)
+        param_ptrs = {p.untyped_storage().data_ptr() for p in seq.parameters()}
+        return sum(n for ptr, n in storages.items() if ptr not in param_ptrs)
+
+    outputs = 2 * BATCH * TOKENS * WIDTH * 4
+    assert saved_bytes(1) == saved_bytes(6) == outputs + BATCH * TOKENS + BATCH * WIDTH * 4  # y1, y2, mask, cond
+
+
+def test_context_without_grad_and_rng_stream():
+    # No context tensor requires grad: the run still differentiates the parameters; the global RNG
+    # stream after a step is what plain autograd leaves.
+    seq = _seq(2)
+    x = torch.randn(BATCH, TOKENS, WIDTH, requires_grad=True)
+    context = _context(cond_grad=False)
+    torch.manual_seed(3)
+    loss_of(*_plain(seq, x, x, context), 1.0, 1.0).backward()
+    after_plain = torch.rand(4)
+    expected = grads_of(seq.parameters())
+    seq.zero_grad(set_to_none=True)
+    torch.manual_seed(3)
+    loss_of(*seq(x, x, **context), 1.0, 1.0).backward()
+    assert torch.equal(torch.rand(4), after_plain)
+    for i, (a, e) in enumerate(zip(grads_of(seq.parameters()), expected)):
+        assert_close_rel(a, e, 1e-5, f"param grad {i}")
+
+
+def test_inverse_reverse_and_check_reversibility_with_context():
+    seq = _seq(3).eval()  # no dropout: reverse and inverse draw no randomness to replay
+    x1, x2 = torch.randn(BATCH, TOKENS, WIDTH), torch.randn(BATCH, TOKENS, WIDTH)
+    w1, w2, context = torch.randn_like(x1), torch.randn_like(x2), _context()
+    expected = _grads(lambda a, b, c: _plain(seq, a, b, c), seq, x1, x2, context, w1, w2, seed=0)
+    y1, y2 = expected[0], expected[1]
+    seq.zero_grad(set_to_none=True)
+    result = seq.reverse(y1, y2, w1, 2 * y2 * w2, **context)
+    r1, r2, dx1, dx2 = result
+    for i, (a, e) in enumerate(zip([r1, r2, dx1, dx2, result.context_grads["cond"]] + grads_of(seq.parameters()),
+                                   [x1, x2] + expected[2:])):
+        assert_close_rel(a, e, 1e-5, f"reverse output {i}")
+    assert set(result.context_grads) == {"cond"}
+    i1, i2 = seq.inverse(y1, y2, **context)
+    assert_close_rel(i1, x1, 1e-5, "inverse x1")
+    assert_close_rel(i2, x2, 1e-5, "inverse x2")
+    assert rk.check_reversibility(seq, x1, x2, **context).max_error < 1e-5
+    # Without the context the rebuild is a different function: the check must see it.
+    with pytest.raises(TypeError):
+        rk.check_reversibility(seq, x1, x2)
+
+
+def test_block_without_kwargs_is_named():
+    plain = nn.Sequential(nn.Linear(WIDTH, WIDTH))
+    seq = rk.nn.ReversibleSequential(rk.nn.ReversibleBlock(MaskedAttention(), CondMlp()),
+                                     rk.nn.ReversibleBlock(MaskedAttention(), plain))
+    x = torch.randn(BATCH, TOKENS, WIDTH)
+    for call in (lambda: seq(x, x, **_context()), lambda: seq.inverse(x, x, **_context()),
+                 lambda: seq.reverse(x, x, x, x, **_context()), lambda: rk.check_reversibility(seq, x, x, **_context())):
+        with pytest.raises(TypeError, match=r"blocks\[1\]\.g \(Sequential\) does not accept the context keyword"):
+            call()
+    with pytest.raises(TypeError, match=r"ReversibleBlock\.g \(Sequential\) does not accept"):
+        seq.blocks[1](x, x, cond=torch.zeros(BATCH, WIDTH))
+    # Blocks whose F and G take **kwargs work with any context; a run without context passes none.
+    rk.nn.ReversibleSequential(rk.nn.ReversibleBlock(CondMlp(), CondMlp()))(x, x, cond=torch.zeros(BATCH, WIDTH))
+    rk.nn.ReversibleSequential(rk.nn.ReversibleBlock(plain, nn.Linear(WIDTH, WIDTH)))(x, x)
+
+
+def test_petra_stage_passes_context_through():
+    block = rk.nn.ReversibleBlock(MaskedAttention(), CondMlp()).eval()
+    stage = rk.petra.partition([nn.Identity(), block, nn.Identity()])[1]
+    x1, x2 = torch.randn(BATCH, TOKENS, WIDTH), torch.randn(BATCH, TOKENS, WIDTH)
+    context = _context(cond_grad=False)
+    y = stage.forward((x1, x2), **context)
+    dy = (torch.randn_like(x1), torch.randn_like(x2))
+    (r1, r2), (dx1, dx2) = stage.backward(y, dy, **context)
+    a1, a2 = x1.clone().requires_grad_(), x2.clone().requires_grad_()
+    z1, z2 = block(a1, a2, **context)
+    torch.autograd.backward((z1, z2), dy)
+    for a, e, name in ((r1, x1, "x1"), (r2, x2, "x2"), (dx1, a1.grad, "dx1"), (dx2, a2.grad, "dx2")):
+        assert_close_rel(a, e, 1e-5, name)
+    with pytest.raises(ValueError, match="context cond requires grad"):
+        stage.backward(y, dy, **_context())
+
+
+class BatchNormCond(nn.Module):
+    """BatchNorm of the stream plus a conditioning vector, then a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn, self.lin = nn.BatchNorm1d(WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, cond=None, **context):
+        return self.lin(self.bn(x + cond))
+
+
+def test_batchnorm_stats_updated_once_with_context():
+    seqs = {engine: rk.nn.ReversibleSequential(*[rk.nn.ReversibleBlock(BatchNormCond(), BatchNormCond())
+                                                 for _ in range(2)], engine=engine) for engine in ("autograd", "sequential")}
+    seqs["sequential"].load_state_dict(seqs["autograd"].state_dict())
+    x, w1, w2 = torch.randn(6, WIDTH), torch.randn(6, WIDTH), torch.randn(6, WIDTH)
+    cond = torch.randn(6, WIDTH)
+    results = {}
+    for engine, seq in seqs.items():
+        c = cond.clone().requires_grad_()
+        loss_of(*seq(x, x, cond=c), w1, w2).backward()
+        results[engine] = [c.grad] + grads_of(seq.parameters()) + [b.clone() for b in seq.buffers()]
+    assert all(int(b) == 1 for n, b in seqs["sequential"].named_buffers() if n.endswith("num_batches_tracked"))
+    for i, (a, e) in enumerate(zip(results["sequential"], results["autograd"])):
+        assert_close_rel(a.double(), e.double(), 1e-5, f"cond grad/param grad/buffer {i}")
+
+
+def test_autocast_with_context_follows_the_low_precision_rule():
+    seq = _seq(2).eval()
+    x1, x2 = torch.randn(BATCH, TOKENS, WIDTH), torch.randn(BATCH, TOKENS, WIDTH)
+    w1, w2, context = torch.randn_like(x1), torch.randn_like(x2), _context()
+    plain = (lambda a, b, c: _plain(seq, a, b, c))
+    exact = _grads(plain, seq, x1, x2, context, w1, w2, seed=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        same_dtype = _grads(plain, seq, x1, x2, context, w1, w2, seed=0)
+        ours = _grads(lambda a, b, c: seq(a, b, **c), seq, x1, x2, context, w1, w2, seed=0)
+    for i, (o, s, e) in enumerate(zip(ours, same_dtype, exact)):
+        assert rel_err(o, e) <= 2 * rel_err(s, e) + 1e-6, f"output/grad {i}"

@@ -1,0 +1,91 @@
+"""Rev-Text models: parameter counts, causality, padding, and each engine's grads against autograd."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import revkernels as rk
+from tests.helpers import assert_close_rel
+
+VOCAB, MAX_LEN = 40, 12
+
+
+def _tiny(name, **overrides):
+    model = rk.models.revtext(name, VOCAB, MAX_LEN, depth=2, dim=16, heads=2, **overrides)
+    for m in model.modules():  # non-identity norms: a swapped parameter cannot pass
+        if isinstance(m, nn.LayerNorm):
+            nn.init.normal_(m.weight, 1.0, 0.3)
+            nn.init.normal_(m.bias, 0.0, 0.3)
+    return model
+
+
+def _padding_mask(batch, tokens):
+    mask = torch.ones(batch, tokens, dtype=torch.long)  # HF: 1 = token, 0 = padding (right-padded)
+    mask[1, 5:] = 0
+    return mask
+
+
+@pytest.mark.parametrize("name,vocab,max_len,millions", [("gpt2_small", 50257, 1024, 124.44),
+                                                         ("roberta_base", 50265, 514, 124.65)])
+def test_parameter_counts_match_the_non_reversible_models(name, vocab, max_len, millions):
+    with torch.device("meta"):
+        model = rk.models.revtext(name, vocab, max_len)
+    assert abs(sum(p.numel() for p in model.parameters()) / 1e6 - millions) <= 0.01 * millions
+
+
+@pytest.mark.parametrize("name", ["gpt2_small", "roberta_base"])
+def test_sequential_grads_equal_autograd(name):
+    model = _tiny(name, dropout=0.2)
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    mask = _padding_mask(2, 8)
+    results = []
+    for engine in ("autograd", "sequential"):
+        model.set_engine(engine).zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        out = model(tokens, attention_mask=mask)
+        loss = F.cross_entropy(out.flatten(0, 1), tokens.flatten()) if name == "gpt2_small" else out.square().mean()
+        loss.backward()
+        results.append([out.detach()] + [p.grad for p in model.parameters()])
+    for i, (a, e) in enumerate(zip(results[1], results[0])):
+        assert_close_rel(a, e, 1e-5, f"output/grad {i}")
+
+
+def test_gpt2_is_causal_with_tied_weights():
+    model = _tiny("gpt2_small").eval()
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    changed = tokens.clone()
+    changed[:, 5:] = (tokens[:, 5:] + 1) % VOCAB
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    assert a.shape == (2, 8, VOCAB)
+    assert_close_rel(b[:, :5], a[:, :5], 1e-6, "logits before the change")
+    assert not torch.allclose(b[:, 5:], a[:, 5:])
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in set(model.parameters()))
+    assert not any(p.shape == (VOCAB, 16) for n, p in model.named_parameters() if n != "tok_embed.weight")
+
+
+def test_roberta_padding_does_not_change_real_tokens():
+    model = _tiny("roberta_base").eval()
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    mask = _padding_mask(2, 8)
+    changed = torch.where(mask.bool(), tokens, (tokens + 3) % VOCAB)
+    with torch.no_grad():
+        a, b = model(tokens, attention_mask=mask), model(changed, attention_mask=mask)
+    assert a.shape == (2, 8, 16)
+    real = mask.bool()
+    assert_close_rel(b[real], a[real], 1e-6, "hidden states of real tokens")
+    assert not torch.allclose(b[~real], a[~real])
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="name must be one of"):
+        rk.models.revtext("gpt3", VOCAB, MAX_LEN)
+    with pytest.raises(TypeError, match=r"unknown overrides \['width'\]"):
+        rk.models.revtext("gpt2_small", VOCAB, MAX_LEN, width=8)
+    model = _tiny("roberta_base")
+    with pytest.raises(ValueError, match="attention_mask must have the shape of tokens"):
+        model(torch.zeros(2, 8, dtype=torch.long), attention_mask=torch.ones(2, 7))
+    with pytest.raises(ValueError, match="more than max_len"):
+        model(torch.zeros(1, MAX_LEN + 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="tokens must be integer ids"):
+        model(torch.zeros(2, 8))
