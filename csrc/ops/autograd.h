@@ -9,6 +9,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 
+#include "coupling_layout.h"  // check_defined: Function::apply reads every tensor argument's device
+
 namespace revkernels {
 
 using torch::autograd::AutogradContext;

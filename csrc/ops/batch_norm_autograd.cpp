@@ -44,6 +44,9 @@ struct BatchNormAct : torch::autograd::Function<BatchNormAct> {
 
 Tensors3 batch_norm_act_autograd(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps,
                                  bool relu) {
+  check_defined(x, "x");
+  check_defined(weight, "weight");
+  check_defined(bias, "bias");
   const variable_list out = BatchNormAct::apply(x, weight, bias, eps, relu);
   return {out[0], out[1], out[2]};
 }

@@ -40,6 +40,8 @@ struct BiasGelu : torch::autograd::Function<BiasGelu> {
 };
 
 at::Tensor bias_gelu_autograd(const at::Tensor& x, const at::Tensor& bias, c10::string_view approximate) {
+  check_defined(x, "x");
+  check_defined(bias, "bias");
   return BiasGelu::apply(x, bias, approximate);
 }
 

@@ -27,8 +27,17 @@ struct Coupling : torch::autograd::Function<Coupling<kSub>> {
   }
 };
 
-at::Tensor coupling_sub_autograd(const at::Tensor& y, const at::Tensor& f) { return Coupling<true>::apply(y, f); }
-at::Tensor coupling_add_autograd(const at::Tensor& a, const at::Tensor& b) { return Coupling<false>::apply(a, b); }
+at::Tensor coupling_sub_autograd(const at::Tensor& y, const at::Tensor& f) {
+  check_defined(y, "y");
+  check_defined(f, "f");
+  return Coupling<true>::apply(y, f);
+}
+
+at::Tensor coupling_add_autograd(const at::Tensor& a, const at::Tensor& b) {
+  check_defined(a, "a");
+  check_defined(b, "b");
+  return Coupling<false>::apply(a, b);
+}
 
 }  // namespace
 

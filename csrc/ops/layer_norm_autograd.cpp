@@ -46,6 +46,10 @@ struct SubLayerNorm : torch::autograd::Function<SubLayerNorm> {
 
 Tensors4 sub_layer_norm_autograd(const at::Tensor& y, const at::Tensor& g, const at::Tensor& weight,
                                  const at::Tensor& bias, double eps) {
+  check_defined(y, "y");
+  check_defined(g, "g");
+  check_defined(weight, "weight");
+  check_defined(bias, "bias");
   const variable_list out = SubLayerNorm::apply(y, g, weight, bias, eps);
   return {out[0], out[1], out[2], out[3]};
 }

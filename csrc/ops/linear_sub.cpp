@@ -9,10 +9,13 @@
 #include <optional>
 #include <vector>
 
+#include "coupling_layout.h"  // check_defined
+
 namespace revkernels {
 namespace {
 
 void check_floating(const at::Tensor& t, const char* name) {
+  check_defined(t, name);
   TORCH_CHECK_TYPE(at::isFloatingType(t.scalar_type()), "revkernels: ", name,
                    " must be a floating-point tensor, got ", t.scalar_type());
 }

@@ -52,6 +52,9 @@ struct LinearSub : torch::autograd::Function<LinearSub> {
 
 at::Tensor linear_sub_autograd(const at::Tensor& y, const at::Tensor& a, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias) {
+  check_defined(y, "y");
+  check_defined(a, "a");
+  check_defined(weight, "weight");
   return LinearSub::apply(y, a, weight, bias);
 }
 

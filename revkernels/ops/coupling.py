@@ -97,7 +97,7 @@ register_cuda_kernel("coupling_sub", _coupling_sub_triton)
 register_cuda_kernel("coupling_add", _coupling_add_triton)
 
 
-# The fake (meta) kernels run the entry points' checks: a call mixing a meta tensor with a real one
+# The fake (meta) kernels run the Python checks: a call mixing a meta tensor with a real one
 # dispatches here and must fail as the device kernels would.
 @torch.library.register_fake("revkernels::coupling_sub")
 def _coupling_sub_fake(y, f):

@@ -196,8 +196,17 @@ def _rg(*shape):
     (TypeError, "a must be a floating-point tensor", lambda: R.linear_sub(_rg(3, 6), torch.ones(3, 4, dtype=torch.int64), _rg(6, 4))),
     (ValueError, r"weight must be on the device of y \(cpu\), got meta",
      lambda: R.linear_sub(_rg(3, 6), _rg(3, 4), torch.randn(6, 4, device="meta"))),
+    # None for a Tensor argument reaches C++ as an undefined tensor.
+    (TypeError, "f must be a torch.Tensor, got None", lambda: R.coupling_sub(_rg(3), None)),
+    (TypeError, "y must be a torch.Tensor, got None", lambda: R.sub_layer_norm(None, _rg(2, 3), _rg(3), _rg(3))),
+    (TypeError, "bias must be a torch.Tensor, got None", lambda: R.bias_gelu(_rg(2, 3), None)),
+    (TypeError, "weight must be a torch.Tensor, got None", lambda: R.batch_norm_act(_rg(2, 3), None, _rg(3))),
+    (TypeError, "a must be a torch.Tensor, got None", lambda: R.linear_sub(_rg(3, 6), None, _rg(6, 4))),
+    (TypeError, "dy must be a torch.Tensor, got None", lambda: R.bias_gelu_bwd(None, _rg(2, 3), _rg(3))),
+    (TypeError, "mean must be a torch.Tensor, got None",
+     lambda: R.layer_norm_bwd_add(_rg(2, 3), _rg(2, 3), _rg(3), None, _rg(2), _rg(2, 3))),
 ])
-def test_checks_through_the_autograd_kernels(error, message, call):
+def test_checks_under_autograd(error, message, call):
     with pytest.raises(error, match=message):
         call()
 
