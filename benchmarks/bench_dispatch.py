@@ -8,7 +8,7 @@ ATen version. The backward ops (no autograd of their own) are timed forward only
     PYTHONPATH=. python benchmarks/bench_dispatch.py [--rows 8] [--width 64] [--repeats 200] [--calls 50]
 
 One thread; each sample is the mean over `--calls` calls, the reported value the median of
-`--repeats` samples after a warm-up.
+`--repeats` samples after a warm-up, revkernels' and ATen's samples taken alternately.
 """
 import argparse
 import statistics
@@ -23,16 +23,19 @@ ops = rk.ops
 aten = torch.ops.aten
 
 
-def per_call_us(fn, repeats, calls):
-    for _ in range(calls * 5):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter_ns()
-        for _ in range(calls):
+def per_call_us(fns, repeats, calls):
+    """Median us per call of each of `fns`, their samples interleaved (load drift hits all alike)."""
+    for fn in fns:
+        for _ in range(calls * 5):
             fn()
-        samples.append((time.perf_counter_ns() - start) / calls / 1e3)
-    return statistics.median(samples)
+    samples = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, samples):
+            start = time.perf_counter_ns()
+            for _ in range(calls):
+                fn()
+            out.append((time.perf_counter_ns() - start) / calls / 1e3)
+    return [statistics.median(s) for s in samples]
 
 
 def cases(rows, width):
@@ -96,7 +99,7 @@ def main():
         if inputs is not None:
             modes.append(("fwd+bwd", with_backward(rk_call, inputs), with_backward(aten_call, inputs)))
         for mode, ours, theirs in modes:
-            t_ours, t_aten = per_call_us(ours, args.repeats, args.calls), per_call_us(theirs, args.repeats, args.calls)
+            t_ours, t_aten = per_call_us([ours, theirs], args.repeats, args.calls)
             print(f"{name:<20} {mode:<9} {t_ours:>10.2f} {t_aten:>8.2f} {t_ours / t_aten:>6.2f}")
 
 
