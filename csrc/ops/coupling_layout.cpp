@@ -6,7 +6,12 @@
 
 namespace revkernels {
 
+void check_defined(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(t.defined(), "revkernels: ", name, " must be a torch.Tensor, got None");
+}
+
 ScalarKind scalar_kind(const at::Tensor& t, const char* name) {
+  check_defined(t, name);
   switch (t.scalar_type()) {
     case at::kFloat: return ScalarKind::Float32;
     case at::kDouble: return ScalarKind::Float64;

@@ -8,6 +8,10 @@
 
 namespace revkernels {
 
+// TypeError naming `name` unless `t` is defined (a None passed for a Tensor argument arrives undefined).
+void check_defined(const at::Tensor& t, const char* name);
+
+// The dtype of `t`; TypeError naming `name` unless it is defined and a float dtype the kernels take.
 ScalarKind scalar_kind(const at::Tensor& t, const char* name);
 
 // Checks the arguments of out = a + alpha * b: same shape and device, float dtypes.

@@ -2,17 +2,24 @@
 
 - Schemas come from the compiled library (`csrc/ops/<family>.cpp`); without it, `define_op`
   defines them here so `torch.ops.revkernels.<op>` exists everywhere.
+- Entry points (`entry_point`): with the compiled library, `revkernels.ops.<op>` is the op
+  `torch.ops.revkernels.<op>` itself; its argument checks (in the device kernels) and autograd
+  formula (`csrc/ops/<family>_autograd.cpp`) are C++, so a CPU call never enters Python. Without
+  it, a Python function that runs the Python checks first, and the formula registered from Python
+  (`register_autograd_fallback`).
 - CPU: the C++ kernel, or the pure-PyTorch reference when the library was not built
-  (`fill_missing_cpu_kernel`).
+  (`fill_missing_kernel`).
 - CUDA: `register_cuda_kernel` registers a Python kernel that runs the Triton implementation
   (default) or the CUDA C++ one (internal op `revkernels::cuda_<op>`), chosen by
   `set_cuda_backend` or the environment variable REVKERNELS_CUDA_BACKEND=triton|cuda.
+- Kernels written in Python (fake, Triton, fallback) declare the schema's defaults: the dispatcher
+  leaves out trailing arguments equal to their defaults when it calls a Python kernel.
 """
 import os
 
 import torch
 
-import revkernels._extension  # noqa: F401  (loads the compiled schemas first, when built)
+from revkernels._extension import HAS_C_EXTENSION  # (loads the compiled schemas first, when built)
 
 # Keeps the Python-side registrations alive for the life of the process.
 _FRAGMENT = torch.library.Library("revkernels", "FRAGMENT")
@@ -67,18 +74,32 @@ def define_op(name, schema):
     return getattr(torch.ops.revkernels, name)
 
 
-def has_compiled_kernel(name, device):
-    """Whether `revkernels::<name>` has a compiled kernel for `device` ("CPU"), or a CUDA C++
-    kernel (internal op `revkernels::cuda_<name>`) for "CUDA"."""
-    if device == "CUDA":
+def has_compiled_kernel(name, key):
+    """Whether `revkernels::<name>` has a compiled kernel for dispatch key `key` ("CPU", "Autograd",
+    "CompositeExplicitAutograd"), or a CUDA C++ kernel (internal op `revkernels::cuda_<name>`) for
+    "CUDA"."""
+    if key == "CUDA":
         return _has_schema(f"revkernels::cuda_{name}")
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"revkernels::{name}", device)
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"revkernels::{name}", key)
 
 
-def fill_missing_cpu_kernel(name, reference):
-    """Registers `reference` as the CPU kernel of `revkernels::<name>` when none was compiled."""
-    if not has_compiled_kernel(name, "CPU"):
-        _FRAGMENT.impl(name, reference, "CPU")
+def fill_missing_kernel(name, key, kernel):
+    """Registers `kernel` (a pure-PyTorch reference) for `revkernels::<name>` and dispatch key `key`
+    when none was compiled."""
+    if not has_compiled_kernel(name, key):
+        _FRAGMENT.impl(name, kernel, key)
+
+
+def register_autograd_fallback(name, backward, setup_context):
+    """Registers the Python autograd formula of `revkernels::<name>` when no C++ one was compiled."""
+    if not has_compiled_kernel(name, "Autograd"):
+        torch.library.register_autograd(f"revkernels::{name}", backward, setup_context=setup_context)
+
+
+def entry_point(name, checked):
+    """The public `revkernels.ops.<name>`: the op `torch.ops.revkernels.<name>` itself when the
+    compiled library is loaded, else `checked` (Python checks, then the op)."""
+    return getattr(torch.ops.revkernels, name) if HAS_C_EXTENSION else checked
 
 
 def register_cuda_kernel(name, triton_impl):

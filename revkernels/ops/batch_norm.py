@@ -37,7 +37,12 @@ VJP of batch_norm_act (registered; mean and rstd are not differentiable), with g
     (dx, dweight, dbias) = batch_norm_act_bwd(dout, x, weight, bias, mean, rstd, relu)
     d x = dx,   d weight = dweight,   d bias = dbias
 
-batch_norm_act_bwd itself has no autograd formula (no double backward).
+The formula is C++ (``csrc/ops/batch_norm_autograd.cpp``), or registered from Python without the
+compiled library. batch_norm_act_bwd itself has no autograd formula (no double backward).
+
+Entry points: ``batch_norm_act`` / ``batch_norm_act_bwd`` are the ops themselves when the compiled
+library is loaded (C++ checks and autograd); without it, Python functions that check the arguments
+first.
 
 Kernels: C++ on CPU (``csrc/kernels/batch_norm.h``: one thread per channel range, two passes for the
 statistics); Triton on CUDA (``revkernels/triton/batch_norm.py``: each channel's reduction split over
@@ -51,7 +56,8 @@ import math
 
 import torch
 
-from revkernels.ops._library import check_float_tensor, define_op, fill_missing_cpu_kernel, register_cuda_kernel
+from revkernels.ops._library import (check_float_tensor, define_op, entry_point, fill_missing_kernel,
+                                     register_autograd_fallback, register_cuda_kernel)
 
 
 def _accumulate_dtype(x):
@@ -170,39 +176,39 @@ def _check_batch_norm_act_bwd_args(dout, x, weight, bias, mean, rstd, relu):
 
 _batch_norm_act = define_op(
     "batch_norm_act",
-    "(Tensor x, Tensor weight, Tensor bias, float eps, bool relu) -> (Tensor out, Tensor mean, Tensor rstd)")
+    "(Tensor x, Tensor weight, Tensor bias, float eps=1e-05, bool relu=True) -> (Tensor out, Tensor mean, Tensor rstd)")
 _batch_norm_act_bwd = define_op(
     "batch_norm_act_bwd",
-    "(Tensor dout, Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor rstd, bool relu) "
+    "(Tensor dout, Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor rstd, bool relu=True) "
     "-> (Tensor dx, Tensor dweight, Tensor dbias)")
 
 
 # Kernels registered in Python get the same argument checks as the C++ ones (a direct
 # torch.ops.revkernels call bypasses the entry points below).
-def _batch_norm_act_checked_reference(x, weight, bias, eps, relu):
+def _batch_norm_act_checked_reference(x, weight, bias, eps=1e-5, relu=True):
     _check_batch_norm_act_args(x, weight, bias, eps, relu)
     return batch_norm_act_reference(x, weight, bias, eps, relu)
 
 
-def _batch_norm_act_bwd_checked_reference(dout, x, weight, bias, mean, rstd, relu):
+def _batch_norm_act_bwd_checked_reference(dout, x, weight, bias, mean, rstd, relu=True):
     _check_batch_norm_act_bwd_args(dout, x, weight, bias, mean, rstd, relu)
     return batch_norm_act_bwd_reference(dout, x, weight, bias, mean, rstd, relu)
 
 
-fill_missing_cpu_kernel("batch_norm_act", _batch_norm_act_checked_reference)
-fill_missing_cpu_kernel("batch_norm_act_bwd", _batch_norm_act_bwd_checked_reference)
+fill_missing_kernel("batch_norm_act", "CPU", _batch_norm_act_checked_reference)
+fill_missing_kernel("batch_norm_act_bwd", "CPU", _batch_norm_act_bwd_checked_reference)
 
 
 # --- CUDA: Triton ----------------------------------------------------------------------------------
 
-def _batch_norm_act_triton(x, weight, bias, eps, relu):
+def _batch_norm_act_triton(x, weight, bias, eps=1e-5, relu=True):
     from revkernels.triton.batch_norm import batch_norm_act as kernel
 
     _check_batch_norm_act_args(x, weight, bias, eps, relu)
     return kernel(x, weight, bias, eps, relu)
 
 
-def _batch_norm_act_bwd_triton(dout, x, weight, bias, mean, rstd, relu):
+def _batch_norm_act_bwd_triton(dout, x, weight, bias, mean, rstd, relu=True):
     from revkernels.triton.batch_norm import batch_norm_act_bwd as kernel
 
     _check_batch_norm_act_bwd_args(dout, x, weight, bias, mean, rstd, relu)
@@ -216,7 +222,7 @@ register_cuda_kernel("batch_norm_act_bwd", _batch_norm_act_bwd_triton)
 # --- fake (meta) implementations -------------------------------------------------------------------
 
 @torch.library.register_fake("revkernels::batch_norm_act")
-def _batch_norm_act_fake(x, weight, bias, eps, relu):
+def _batch_norm_act_fake(x, weight, bias, eps=1e-5, relu=True):
     _check_batch_norm_act_args(x, weight, bias, eps, relu)  # a meta argument must not slip past the checks
     out = torch.empty_like(laid_out(x))
     mean = torch.empty(x.shape[1], dtype=_accumulate_dtype(x), device=x.device)
@@ -224,7 +230,7 @@ def _batch_norm_act_fake(x, weight, bias, eps, relu):
 
 
 @torch.library.register_fake("revkernels::batch_norm_act_bwd")
-def _batch_norm_act_bwd_fake(dout, x, weight, bias, mean, rstd, relu):
+def _batch_norm_act_bwd_fake(dout, x, weight, bias, mean, rstd, relu=True):
     _check_batch_norm_act_bwd_args(dout, x, weight, bias, mean, rstd, relu)
     c = x.shape[1]
     return (torch.empty_like(laid_out(x)), torch.empty(c, dtype=weight.dtype, device=x.device),
@@ -248,13 +254,12 @@ def _batch_norm_act_backward(ctx, dout, dmean, drstd):
             dbias.to(bias.dtype) if ctx.needs_input_grad[2] else None, None, None)
 
 
-torch.library.register_autograd("revkernels::batch_norm_act", _batch_norm_act_backward,
-                                setup_context=_batch_norm_act_setup_context)
+register_autograd_fallback("batch_norm_act", _batch_norm_act_backward, _batch_norm_act_setup_context)
 
 
 # --- entry points ----------------------------------------------------------------------------------
 
-def batch_norm_act(x, weight, bias, eps=1e-5, relu=True):
+def _batch_norm_act_checked(x, weight, bias, eps=1e-5, relu=True):
     """``(out, mean, rstd)``: training-mode BatchNorm of x (N, C, *spatial) with batch statistics per
     channel, affine (weight, bias of shape (C,)), then ReLU if `relu`; out in x's dtype, mean and
     rstd in fp32 (fp64 for fp64 x). Differentiable in x, weight and bias."""
@@ -262,7 +267,11 @@ def batch_norm_act(x, weight, bias, eps=1e-5, relu=True):
     return _batch_norm_act(x, weight, bias, float(eps), relu)
 
 
-def batch_norm_act_bwd(dout, x, weight, bias, mean, rstd, relu=True):
+def _batch_norm_act_bwd_checked(dout, x, weight, bias, mean, rstd, relu=True):
     """``(dx, dweight, dbias)``: the VJP of ``batch_norm_act`` (mean, rstd from its forward)."""
     _check_batch_norm_act_bwd_args(dout, x, weight, bias, mean, rstd, relu)
     return _batch_norm_act_bwd(dout, x, weight, bias, mean, rstd, relu)
+
+
+batch_norm_act = entry_point("batch_norm_act", _batch_norm_act_checked)
+batch_norm_act_bwd = entry_point("batch_norm_act_bwd", _batch_norm_act_bwd_checked)

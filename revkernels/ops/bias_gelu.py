@@ -36,14 +36,18 @@ Kernels: C++ on CPU (``csrc/kernels/bias_gelu.h``); on CUDA Triton (``revkernels
 default) or CUDA C++ (``csrc/kernels/bias_gelu.cu``, ``set_cuda_backend("cuda")``); without a
 compiled CPU kernel, the references below.
 
-Autograd: bias_gelu's VJP is bias_gelu_bwd (grads for x and bias; none for ``approximate``).
-bias_gelu_bwd itself has no autograd formula (no double backward).
+Autograd: bias_gelu's VJP is bias_gelu_bwd (grads for x and bias; none for ``approximate``), in C++
+(``csrc/ops/bias_gelu_autograd.cpp``), or from Python without the compiled library. bias_gelu_bwd
+itself has no autograd formula (no double backward).
+
+Entry points: ``bias_gelu`` / ``bias_gelu_bwd`` are the ops themselves when the compiled library is
+loaded (C++ checks and autograd); without it, Python functions that check the arguments first.
 """
 import torch
 import torch.nn.functional as F
 
-from revkernels.ops._library import (FLOAT_DTYPES, check_float_tensor, define_op, fill_missing_cpu_kernel,
-                                     register_cuda_kernel)
+from revkernels.ops._library import (FLOAT_DTYPES, check_float_tensor, define_op, entry_point, fill_missing_kernel,
+                                     register_autograd_fallback, register_cuda_kernel)
 
 APPROXIMATIONS = ("none", "tanh")
 
@@ -110,8 +114,8 @@ def _bias_gelu_bwd_checked_reference(dy, x, bias, approximate="none"):
     return bias_gelu_bwd_reference(dy, x, bias, approximate)
 
 
-fill_missing_cpu_kernel("bias_gelu", _bias_gelu_checked_reference)
-fill_missing_cpu_kernel("bias_gelu_bwd", _bias_gelu_bwd_checked_reference)
+fill_missing_kernel("bias_gelu", "CPU", _bias_gelu_checked_reference)
+fill_missing_kernel("bias_gelu_bwd", "CPU", _bias_gelu_bwd_checked_reference)
 
 
 def _bias_gelu_triton(x, bias, approximate="none"):
@@ -177,17 +181,21 @@ def _bias_gelu_backward(ctx, grad):
     return (dx if ctx.needs_input_grad[0] else None), (dbias if ctx.needs_input_grad[1] else None), None
 
 
-torch.library.register_autograd("revkernels::bias_gelu", _bias_gelu_backward, setup_context=_setup_context)
+register_autograd_fallback("bias_gelu", _bias_gelu_backward, _setup_context)
 
 
-def bias_gelu(x, bias, approximate="none"):
+def _bias_gelu_checked(x, bias, approximate="none"):
     """``gelu(x + bias)`` in x's dtype, one pass (the MLP's fc1 epilogue); x (..., N), bias (N,)."""
     _check_args(None, x, bias, approximate)
     return _bias_gelu(x, bias, approximate)
 
 
-def bias_gelu_bwd(dy, x, bias, approximate="none"):
+def _bias_gelu_bwd_checked(dy, x, bias, approximate="none"):
     """``(dx, dbias)`` with dx = dy * gelu'(x + bias) in x's dtype and dbias = dx summed over all rows
     (in fp32) in bias's dtype, one pass over dy and x."""
     _check_args(dy, x, bias, approximate)
     return _bias_gelu_bwd(dy, x, bias, approximate)
+
+
+bias_gelu = entry_point("bias_gelu", _bias_gelu_checked)
+bias_gelu_bwd = entry_point("bias_gelu_bwd", _bias_gelu_bwd_checked)

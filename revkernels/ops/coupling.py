@@ -22,14 +22,20 @@ Kernels: C++ on CPU (``csrc/kernels/coupling.h``); on CUDA Triton (``revkernels/
 default) or CUDA C++ (``csrc/kernels/coupling.cu``, ``set_cuda_backend("cuda")``); without a
 compiled CPU kernel, the reference below.
 
-VJP (linear, so the backward needs nothing saved)::
+VJP (linear, so the backward needs nothing saved; ``csrc/ops/coupling_autograd.cpp``, or the
+Python formula below without the compiled library)::
 
     coupling_sub:  d y = g,   d f = -g         coupling_add:  d a = g,   d b = g
+
+(d f and d b in the second input's dtype).
+
+Entry points: ``coupling_sub`` / ``coupling_add`` are the ops themselves when the compiled library
+is loaded (C++ checks and autograd); without it, Python functions that check the arguments first.
 """
 import torch
 
-from revkernels.ops._library import check_float_tensor, define_op, fill_missing_cpu_kernel, register_cuda_kernel
-
+from revkernels.ops._library import (check_float_tensor, define_op, entry_point, fill_missing_kernel,
+                                     register_autograd_fallback, register_cuda_kernel)
 
 
 def _accumulate_dtype(a, b):
@@ -60,24 +66,8 @@ def _preserve_layout(reference):
 
 _coupling_sub = define_op("coupling_sub", "(Tensor y, Tensor f) -> Tensor")
 _coupling_add = define_op("coupling_add", "(Tensor a, Tensor b) -> Tensor")
-fill_missing_cpu_kernel("coupling_sub", _preserve_layout(coupling_sub_reference))
-fill_missing_cpu_kernel("coupling_add", _preserve_layout(coupling_add_reference))
-
-
-def _coupling_sub_triton(y, f):
-    from revkernels.triton.coupling import coupling_sub as kernel
-
-    return kernel(y, f)
-
-
-def _coupling_add_triton(a, b):
-    from revkernels.triton.coupling import coupling_add as kernel
-
-    return kernel(a, b)
-
-
-register_cuda_kernel("coupling_sub", _coupling_sub_triton)
-register_cuda_kernel("coupling_add", _coupling_add_triton)
+fill_missing_kernel("coupling_sub", "CPU", _preserve_layout(coupling_sub_reference))
+fill_missing_kernel("coupling_add", "CPU", _preserve_layout(coupling_add_reference))
 
 
 def _check_pair(a, a_name, b, b_name):
@@ -89,7 +79,25 @@ def _check_pair(a, a_name, b, b_name):
         raise ValueError(f"revkernels: {b_name} must be on the device of {a_name} ({a.device}), got {b.device}")
 
 
-# The fake (meta) kernels run the entry points' checks: a call mixing a meta tensor with a real one
+def _coupling_sub_triton(y, f):
+    from revkernels.triton.coupling import coupling_sub as kernel
+
+    _check_pair(y, "y", f, "f")
+    return kernel(y, f)
+
+
+def _coupling_add_triton(a, b):
+    from revkernels.triton.coupling import coupling_add as kernel
+
+    _check_pair(a, "a", b, "b")
+    return kernel(a, b)
+
+
+register_cuda_kernel("coupling_sub", _coupling_sub_triton)
+register_cuda_kernel("coupling_add", _coupling_add_triton)
+
+
+# The fake (meta) kernels run the Python checks: a call mixing a meta tensor with a real one
 # dispatches here and must fail as the device kernels would.
 @torch.library.register_fake("revkernels::coupling_sub")
 def _coupling_sub_fake(y, f):
@@ -115,17 +123,21 @@ def _coupling_add_backward(ctx, grad):
     return grad, grad.to(ctx.second_dtype)
 
 
-torch.library.register_autograd("revkernels::coupling_sub", _coupling_sub_backward, setup_context=_setup_context)
-torch.library.register_autograd("revkernels::coupling_add", _coupling_add_backward, setup_context=_setup_context)
+register_autograd_fallback("coupling_sub", _coupling_sub_backward, _setup_context)
+register_autograd_fallback("coupling_add", _coupling_add_backward, _setup_context)
 
 
-def coupling_sub(y, f):
+def _coupling_sub_checked(y, f):
     """``y - f`` in y's dtype, one pass (the coupling rebuild ``x = y - F(.)``)."""
     _check_pair(y, "y", f, "f")
     return _coupling_sub(y, f)
 
 
-def coupling_add(a, b):
+def _coupling_add_checked(a, b):
     """``a + b`` in a's dtype, one pass (the coupling gradient add ``dx = dy + vjp``)."""
     _check_pair(a, "a", b, "b")
     return _coupling_add(a, b)
+
+
+coupling_sub = entry_point("coupling_sub", _coupling_sub_checked)
+coupling_add = entry_point("coupling_add", _coupling_add_checked)

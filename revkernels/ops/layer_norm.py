@@ -32,7 +32,8 @@ dx is in dres's dtype (one rounding, after the add); dln must have x's dtype. dw
 are accumulated in fp32 (fp64 when x or dres is fp64) as partial sums per block of rows, reduced in
 a fixed order (deterministic), and returned in weight's dtype.
 
-VJP of sub_layer_norm (registered, so the op works inside an autograd graph; mean and rstd are
+VJP of sub_layer_norm (registered, so the op works inside an autograd graph: in C++,
+``csrc/ops/layer_norm_autograd.cpp``, or from Python without the compiled library; mean and rstd are
 not differentiable), with grads (dx_out, dln) of its outputs (x, ln)::
 
     (dx, dweight, dbias) = layer_norm_bwd_add(dln, x, weight, mean, rstd, dres=dx_out)
@@ -42,6 +43,9 @@ layer_norm_bwd_add itself has no autograd formula (no double backward through su
 
 Kernels: C++ on CPU (``csrc/kernels/layer_norm.h``); Triton on CUDA (``revkernels/triton/layer_norm.py``;
 there is no CUDA C++ kernel for these ops); without a compiled CPU kernel, the references below.
+Entry points: ``sub_layer_norm`` / ``layer_norm_bwd_add`` are the ops themselves when the compiled
+library is loaded (C++ checks and autograd); without it, Python functions that check the arguments
+first.
 Layouts: inputs may be non-contiguous; the kernels read each as (rows, N) with unit stride along N
 (any row stride, 0 included), copying one that has no such view with ``.contiguous()``. Outputs
 are contiguous.
@@ -50,15 +54,15 @@ import math
 
 import torch
 
-from revkernels.ops._library import check_float_tensor, define_op, fill_missing_cpu_kernel, register_cuda_kernel
-
+from revkernels.ops._library import (check_float_tensor, define_op, entry_point, fill_missing_kernel,
+                                     register_autograd_fallback, register_cuda_kernel)
 
 
 def _accumulate_dtype(a, b):
     return torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
 
 
-def sub_layer_norm_reference(y, g, weight, bias, eps):
+def sub_layer_norm_reference(y, g, weight, bias, eps=1e-5):
     """Pure-PyTorch (x, ln, mean, rstd) of ``sub_layer_norm``, in fp32 (fp64 if y or g is fp64)."""
     acc = _accumulate_dtype(y, g)
     x = (y.to(acc) - g.to(acc)).to(y.dtype)
@@ -94,13 +98,13 @@ def _contiguous_outputs(reference):
 
 _sub_layer_norm = define_op(
     "sub_layer_norm",
-    "(Tensor y, Tensor g, Tensor weight, Tensor bias, float eps) -> (Tensor x, Tensor ln, Tensor mean, Tensor rstd)")
+    "(Tensor y, Tensor g, Tensor weight, Tensor bias, float eps=1e-05) -> (Tensor x, Tensor ln, Tensor mean, Tensor rstd)")
 _layer_norm_bwd_add = define_op(
     "layer_norm_bwd_add",
     "(Tensor dln, Tensor x, Tensor weight, Tensor mean, Tensor rstd, Tensor dres) "
     "-> (Tensor dx, Tensor dweight, Tensor dbias)")
-fill_missing_cpu_kernel("sub_layer_norm", _contiguous_outputs(sub_layer_norm_reference))
-fill_missing_cpu_kernel("layer_norm_bwd_add", _contiguous_outputs(layer_norm_bwd_add_reference))
+fill_missing_kernel("sub_layer_norm", "CPU", _contiguous_outputs(sub_layer_norm_reference))
+fill_missing_kernel("layer_norm_bwd_add", "CPU", _contiguous_outputs(layer_norm_bwd_add_reference))
 
 
 # --- argument checks (the C++ kernels repeat them; these also guard the Triton path) -------------
@@ -162,7 +166,7 @@ def _check_layer_norm_bwd_add_args(dln, x, weight, mean, rstd, dres):
 
 # --- CUDA: Triton ----------------------------------------------------------------------------------
 
-def _sub_layer_norm_triton(y, g, weight, bias, eps):
+def _sub_layer_norm_triton(y, g, weight, bias, eps=1e-5):
     from revkernels.triton.layer_norm import sub_layer_norm as kernel
 
     _check_sub_layer_norm_args(y, g, weight, bias, eps)
@@ -183,7 +187,7 @@ register_cuda_kernel("layer_norm_bwd_add", _layer_norm_bwd_add_triton)
 # --- fake (meta) implementations -------------------------------------------------------------------
 
 @torch.library.register_fake("revkernels::sub_layer_norm")
-def _sub_layer_norm_fake(y, g, weight, bias, eps):
+def _sub_layer_norm_fake(y, g, weight, bias, eps=1e-5):
     _check_sub_layer_norm_args(y, g, weight, bias, eps)  # a meta argument must not slip past the checks
     x = torch.empty(y.shape, dtype=y.dtype, device=y.device)
     stats_dtype = _accumulate_dtype(y, g)
@@ -216,13 +220,12 @@ def _sub_layer_norm_backward(ctx, dx_out, dln, dmean, drstd):
     return dx, (-dx).to(ctx.g_dtype), dweight, dbias.to(ctx.bias_dtype), None
 
 
-torch.library.register_autograd("revkernels::sub_layer_norm", _sub_layer_norm_backward,
-                                setup_context=_sub_layer_norm_setup_context)
+register_autograd_fallback("sub_layer_norm", _sub_layer_norm_backward, _sub_layer_norm_setup_context)
 
 
 # --- entry points ----------------------------------------------------------------------------------
 
-def sub_layer_norm(y, g, weight, bias, eps=1e-5):
+def _sub_layer_norm_checked(y, g, weight, bias, eps=1e-5):
     """``(x, ln, mean, rstd)`` with ``x = y - g`` in y's dtype and ``ln = LayerNorm(x)`` over the last
     dim (weight, bias of shape (N,)), one pass: the coupling rebuild fused with F's first LayerNorm.
     Differentiable in y, g, weight and bias."""
@@ -230,8 +233,12 @@ def sub_layer_norm(y, g, weight, bias, eps=1e-5):
     return _sub_layer_norm(y, g, weight, bias, float(eps))
 
 
-def layer_norm_bwd_add(dln, x, weight, mean, rstd, dres):
+def _layer_norm_bwd_add_checked(dln, x, weight, mean, rstd, dres):
     """``(dx, dweight, dbias)``: the LayerNorm backward of ``ln = LayerNorm(x)`` (mean, rstd from the
     forward) with the residual gradient added, ``dx = dres + LN_bwd(dln)`` in dres's dtype."""
     _check_layer_norm_bwd_add_args(dln, x, weight, mean, rstd, dres)
     return _layer_norm_bwd_add(dln, x, weight, mean, rstd, dres)
+
+
+sub_layer_norm = entry_point("sub_layer_norm", _sub_layer_norm_checked)
+layer_norm_bwd_add = entry_point("layer_norm_bwd_add", _layer_norm_bwd_add_checked)

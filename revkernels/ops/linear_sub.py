@@ -18,13 +18,17 @@ VJP (linear in every input)::
 
 Kernels: one cuBLAS / CPU BLAS ``addmm`` per call (the bias is subtracted from y in the same pass
 that makes the accumulator), so there is no device-specific code: the op is a composite of ATen
-calls, registered for every device.
+calls, registered for every device (``csrc/ops/linear_sub.cpp``, its autograd formula in
+``csrc/ops/linear_sub_autograd.cpp``; without the compiled library, the Python versions below).
+
+Entry point: ``linear_sub`` is the op itself when the compiled library is loaded (C++ checks and
+autograd); without it, a Python function that checks the arguments first.
 """
 import torch
 
-from revkernels.ops._library import define_op
+from revkernels.ops._library import define_op, entry_point, fill_missing_kernel, register_autograd_fallback
 
-_linear_sub = define_op("linear_sub", "(Tensor y, Tensor a, Tensor weight, Tensor? bias) -> Tensor")
+_linear_sub = define_op("linear_sub", "(Tensor y, Tensor a, Tensor weight, Tensor? bias=None) -> Tensor")
 
 
 def _accumulate_dtype(*tensors):
@@ -64,7 +68,7 @@ def _gemm_dtype(y, a, weight):
     return torch.promote_types(a.dtype, weight.dtype)
 
 
-def _linear_sub_impl(y, a, weight, bias):
+def _linear_sub_impl(y, a, weight, bias=None):
     _check_linear_sub_args(y, a, weight, bias)
     gemm_dtype = _gemm_dtype(y, a, weight)
     n, k = weight.shape
@@ -83,11 +87,11 @@ def _linear_sub_impl(y, a, weight, bias):
     return out.reshape(y.shape).to(y.dtype)
 
 
-torch.library.impl("revkernels::linear_sub", "CompositeExplicitAutograd")(_linear_sub_impl)
+fill_missing_kernel("linear_sub", "CompositeExplicitAutograd", _linear_sub_impl)
 
 
 @torch.library.register_fake("revkernels::linear_sub")
-def _linear_sub_fake(y, a, weight, bias):
+def _linear_sub_fake(y, a, weight, bias=None):
     _check_linear_sub_args(y, a, weight, bias)
     return torch.empty_like(y)
 
@@ -113,10 +117,13 @@ def _backward(ctx, grad):
     return grad.to(ctx.y_dtype), da, dweight, dbias
 
 
-torch.library.register_autograd("revkernels::linear_sub", _backward, setup_context=_setup_context)
+register_autograd_fallback("linear_sub", _backward, _setup_context)
 
 
-def linear_sub(y, a, weight, bias=None):
+def _linear_sub_checked(y, a, weight, bias=None):
     """``y - (a @ weight^T + bias)`` in y's dtype, as one GEMM with y as the accumulator."""
     _check_linear_sub_args(y, a, weight, bias)
     return _linear_sub(y, a, weight, bias)
+
+
+linear_sub = entry_point("linear_sub", _linear_sub_checked)

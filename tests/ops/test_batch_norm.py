@@ -254,8 +254,10 @@ def test_bad_input_names_the_argument():
     for error, message, call in _bad_cases(batch_norm_act, batch_norm_act_bwd):
         with pytest.raises(error, match=message):
             call()
-    with pytest.raises(TypeError, match="relu must be a bool"):
-        batch_norm_act(torch.randn(2, 3), *_params(3), EPS, 1)
+    # The entry point is the op: PyTorch's schema parser takes relu as a bool (1 and None convert,
+    # as for any torch op) and rejects what does not convert, naming the argument.
+    with pytest.raises(RuntimeError, match="for argument 'relu'"):
+        batch_norm_act(torch.randn(2, 3), *_params(3), EPS, "yes")
 
 
 def test_torch_op_checks_in_cpp():

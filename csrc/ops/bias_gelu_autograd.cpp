@@ -1,0 +1,52 @@
+// Autograd kernel of revkernels::bias_gelu; its VJP is bias_gelu_bwd (which itself has no autograd
+// formula): (dx, dbias) = bias_gelu_bwd(g in x's dtype, x, bias, approximate); no grad for approximate.
+#include <torch/library.h>
+
+#include <string>
+#include <tuple>
+
+#include "autograd.h"
+
+namespace revkernels {
+namespace {
+
+using BiasGeluOp = at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view);
+using BiasGeluBwdOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                         c10::string_view);
+
+struct BiasGelu : torch::autograd::Function<BiasGelu> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& bias,
+                            c10::string_view approximate) {
+    static const auto op = typed_op<BiasGeluOp>("revkernels::bias_gelu");
+    at::Tensor y;
+    {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      y = op.call(x, bias, approximate);
+    }
+    ctx->save_for_backward({x, bias});
+    ctx->saved_data["approximate"] = std::string(approximate);
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto bwd = typed_op<BiasGeluBwdOp>("revkernels::bias_gelu_bwd");
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    auto [dx, dbias] = bwd.call(grads[0].to(x.scalar_type()), x, saved[1],
+                                ctx->saved_data["approximate"].toStringView());
+    return {ctx->needs_input_grad(0) ? dx : at::Tensor(), ctx->needs_input_grad(1) ? dbias : at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+at::Tensor bias_gelu_autograd(const at::Tensor& x, const at::Tensor& bias, c10::string_view approximate) {
+  check_defined(x, "x");
+  check_defined(bias, "bias");
+  return BiasGelu::apply(x, bias, approximate);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(revkernels, Autograd, m) { m.impl("bias_gelu", &bias_gelu_autograd); }
+
+}  // namespace revkernels

@@ -1,0 +1,61 @@
+// Autograd kernel of revkernels::sub_layer_norm; its VJP is layer_norm_bwd_add (which itself has
+// no autograd formula). With grads (dx_out, dln) of the outputs (x, ln); mean and rstd are not
+// differentiable:
+//   (dx, dweight, dbias) = layer_norm_bwd_add(dln, x, weight, mean, rstd, dres=dx_out)
+//   d y = dx,   d g = -dx in g's dtype,   d weight = dweight,   d bias = dbias in bias's dtype.
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "autograd.h"
+
+namespace revkernels {
+namespace {
+
+using Tensors3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using Tensors4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using SubLayerNormOp = Tensors4(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+using LayerNormBwdAddOp = Tensors3(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, const at::Tensor&);
+
+struct SubLayerNorm : torch::autograd::Function<SubLayerNorm> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& y, const at::Tensor& g,
+                               const at::Tensor& weight, const at::Tensor& bias, double eps) {
+    static const auto op = typed_op<SubLayerNormOp>("revkernels::sub_layer_norm");
+    at::Tensor x, ln, mean, rstd;
+    {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      std::tie(x, ln, mean, rstd) = op.call(y, g, weight, bias, eps);
+    }
+    ctx->save_for_backward({x, weight, mean, rstd});
+    ctx->saved_data["g_dtype"] = g.scalar_type();
+    ctx->saved_data["bias_dtype"] = bias.scalar_type();
+    ctx->mark_non_differentiable({mean, rstd});
+    return {x, ln, mean, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto bwd = typed_op<LayerNormBwdAddOp>("revkernels::layer_norm_bwd_add");
+    const variable_list saved = ctx->get_saved_variables();
+    auto [dx, dweight, dbias] = bwd.call(grads[1], saved[0], saved[1], saved[2], saved[3], grads[0]);
+    at::Tensor dg;
+    if (ctx->needs_input_grad(1)) dg = dx.neg().to(ctx->saved_data["g_dtype"].toScalarType());
+    return {dx, dg, dweight, dbias.to(ctx->saved_data["bias_dtype"].toScalarType()), at::Tensor()};
+  }
+};
+
+Tensors4 sub_layer_norm_autograd(const at::Tensor& y, const at::Tensor& g, const at::Tensor& weight,
+                                 const at::Tensor& bias, double eps) {
+  check_defined(y, "y");
+  check_defined(g, "g");
+  check_defined(weight, "weight");
+  check_defined(bias, "bias");
+  const variable_list out = SubLayerNorm::apply(y, g, weight, bias, eps);
+  return {out[0], out[1], out[2], out[3]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(revkernels, Autograd, m) { m.impl("sub_layer_norm", &sub_layer_norm_autograd); }
+
+}  // namespace revkernels

@@ -1,0 +1,94 @@
+// revkernels::linear_sub: the GEMM-side rebuild x = y - (a @ W^T + b) as one addmm with y as the
+// accumulator (math and semantics: revkernels/ops/linear_sub.py). A composite of ATen calls, so one
+// kernel serves every device (CompositeExplicitAutograd); its autograd formula is in
+// linear_sub_autograd.cpp.
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+#include "coupling_layout.h"  // check_defined
+
+namespace revkernels {
+namespace {
+
+void check_floating(const at::Tensor& t, const char* name) {
+  check_defined(t, name);
+  TORCH_CHECK_TYPE(at::isFloatingType(t.scalar_type()), "revkernels: ", name,
+                   " must be a floating-point tensor, got ", t.scalar_type());
+}
+
+void check_device(const at::Tensor& t, const char* name, const at::Tensor& y) {
+  TORCH_CHECK_VALUE(t.device() == y.device(), "revkernels: ", name, " must be on the device of y (", y.device(),
+                    "), got ", t.device());
+}
+
+// y (..., N), a (..., K), weight (N, K), bias (N,) or None: float dtypes, y's device.
+void check_linear_sub_args(const at::Tensor& y, const at::Tensor& a, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias) {
+  check_floating(y, "y");
+  check_floating(a, "a");
+  check_floating(weight, "weight");
+  if (bias) check_floating(*bias, "bias");
+  TORCH_CHECK_VALUE(weight.dim() == 2, "revkernels: weight must be 2-D (out_features, in_features), got shape ",
+                    weight.sizes());
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK_VALUE(a.dim() >= 1 && a.size(-1) == k, "revkernels: a must have last dim ", k,
+                    " (weight's in_features), got shape ", a.sizes());
+  std::vector<int64_t> y_shape(a.sizes().begin(), a.sizes().end() - 1);
+  y_shape.push_back(n);
+  TORCH_CHECK_VALUE(y.sizes() == at::IntArrayRef(y_shape), "revkernels: y must have shape ", at::IntArrayRef(y_shape),
+                    " (a's leading dims, weight's out_features), got ", y.sizes());
+  if (bias) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n, "revkernels: bias must have shape (", n, ",), got ",
+                      bias->sizes());
+  }
+  check_device(a, "a", y);
+  check_device(weight, "weight", y);
+  if (bias) check_device(*bias, "bias", y);
+}
+
+// The GEMM runs in the autocast dtype when autocast is on for a's device (as F.linear would),
+// else in the promoted dtype of a and weight.
+at::ScalarType gemm_dtype(const at::Tensor& a, const at::Tensor& weight) {
+  const auto device_type = a.device().type();
+  if (at::autocast::is_autocast_available(device_type) && at::autocast::is_autocast_enabled(device_type)) {
+    return at::autocast::get_autocast_dtype(device_type);
+  }
+  return at::promote_types(a.scalar_type(), weight.scalar_type());
+}
+
+at::Tensor linear_sub_composite(const at::Tensor& y, const at::Tensor& a, const at::Tensor& weight,
+                                const std::optional<at::Tensor>& bias) {
+  check_linear_sub_args(y, a, weight, bias);
+  const at::ScalarType gemm = gemm_dtype(a, weight);
+  // The casts are explicit; ATen's autocast must not recast the GEMM's operands.
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const at::Tensor a2d = a.reshape({-1, k}).to(gemm), w = weight.to(gemm);
+  at::Tensor acc = y.reshape({-1, n});  // addmm reads its accumulator and writes a new tensor: y is not modified
+  if (bias) acc = (acc - *bias).to(at::promote_types(y.scalar_type(), gemm));
+  at::Tensor out;
+  if (acc.scalar_type() == gemm) {
+    out = at::addmm(acc, a2d, w.t(), /*beta=*/1, /*alpha=*/-1);
+  } else if (acc.is_cuda() && acc.scalar_type() == at::kFloat) {
+    // bf16/fp16 GEMM accumulating into the fp32 stream: cuBLAS with an fp32 C matrix.
+    out = at::addmm(acc, a2d, w.t(), at::kFloat, /*beta=*/1, /*alpha=*/-1);
+  } else {  // CPU BLAS has no mixed-dtype GEMM: subtract the product in the wider dtype
+    out = acc - at::mm(a2d, w.t()).to(acc.scalar_type());
+  }
+  return out.reshape(y.sizes()).to(y.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(revkernels, m) {
+  // y - (a @ weight^T + bias) in y's dtype; y (..., N), a (..., K), weight (N, K), bias (N,) or None.
+  m.def("linear_sub(Tensor y, Tensor a, Tensor weight, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(revkernels, CompositeExplicitAutograd, m) { m.impl("linear_sub", &linear_sub_composite); }
+
+}  // namespace revkernels
