@@ -56,8 +56,16 @@ heartbeat (a watchdog thread in every rank bumps a counter in the rendezvous sto
 watches the others') makes the rank that notices write ``rank r (stages ...) failed: why`` into the
 store and exit with status 1; every other rank's watchdog sees it within a poll and exits 1 with the
 same message on stderr; losing the store means rank 0 (its host) died. So every process exits non-zero
-within about ``timeout`` + 1 s of a failure, naming the failed rank and its stages; never a hang. Test
-hook: ``REVKERNELS_PETRA_FAULT_AFTER=rank:tick`` SIGKILLs that rank at the start of that tick.
+within ``timeout`` + 1 s of a failure, naming the failed rank and its stages; never a hang: a killed rank
+is usually noticed at once (its connections close), a hung one (alive but silent, e.g. stopped) by its
+stalled heartbeat after ``timeout`` s. Test hook: ``REVKERNELS_PETRA_FAULT_AFTER=rank:tick[:STOP]``
+SIGKILLs (SIGSTOPs) that rank at the start of that tick, in the first attempt of a run only.
+
+Restarts. ``torchrun --max-restarts N`` (or the trainer's ``--nproc R --max-restarts N``, which relaunches
+the R processes itself) restarts every rank when one fails; `restart_attempt()` is the attempt's number
+(``TORCHELASTIC_RESTART_COUNT`` under torchrun, ``REVKERNELS_PETRA_ATTEMPT`` under `launch`), and the
+trainer resumes from its last complete set of rank checkpoints, so a run that lost a rank ends with the
+parameters of an uninterrupted one.
 """
 import copy
 import datetime
@@ -76,6 +84,7 @@ import torch.distributed as dist
 from revkernels.petra.simulate import PIPELINED, Trainer
 
 FAULT_ENV = "REVKERNELS_PETRA_FAULT_AFTER"
+ATTEMPT_ENV = "REVKERNELS_PETRA_ATTEMPT"
 _FWD, _BWD = 0, 1
 _PREFIX = "revkernels_petra/"
 
@@ -86,6 +95,11 @@ def _tag(tick, kind, i):
 
 def _stages_str(indices):
     return f"stage {indices[0]}" if len(indices) == 1 else f"stages {indices[0]}-{indices[-1]}"
+
+
+def restart_attempt():
+    """0 for a run's first attempt, n after n restarts (torchrun's or `launch`'s count)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get(ATTEMPT_ENV) or 0)
 
 
 def pick_backend(world_size):
@@ -186,11 +200,11 @@ class PipelineRank:
         self._control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout)) \
             if dist.get_backend() != "gloo" else dist.group.WORLD
         fault = os.environ.get(FAULT_ENV)
-        self._fault_tick = None
-        if fault:
-            r, t = fault.split(":")
+        self._fault_tick = self._fault_signal = None
+        if fault and restart_attempt() == 0:
+            r, t, *sig = fault.split(":")
             if int(r) == self.rank:
-                self._fault_tick = int(t)
+                self._fault_tick, self._fault_signal = int(t), getattr(signal, "SIG" + (sig[0] if sig else "KILL"))
         self._names = [_stages_str(g) for g in self.trainer.groups]
         self._watchdog = _Watchdog(self)
         self._watchdog.start()
@@ -283,9 +297,11 @@ class PipelineRank:
     def _tick(self, batch, new):
         t = self.tick
         if self._fault_tick is not None and t >= self._fault_tick:
-            sys.stderr.write(f"revkernels petra: {FAULT_ENV}: killing rank {self.rank} at tick {t}\n")
+            sys.stderr.write(f"revkernels petra: {FAULT_ENV}: {self._fault_signal.name} to rank {self.rank} at tick {t} "
+                             f"(time {time.time():.3f})\n")
             sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+            self._fault_tick = None
+            os.kill(os.getpid(), self._fault_signal)
         self._fed[t] = batch
         for old in [s for s in self._fed if s < t - 2 * self.num_workers]:
             del self._fed[old]
@@ -652,9 +668,13 @@ def _child(rank, world, port, fn, args, log_dir, env, threads):
 
 
 class LaunchError(RuntimeError):
-    def __init__(self, msg, exitcodes):
+    """A failed `launch`: ``exitcodes`` per rank and ``exit_times``, the wall-clock time (``time.time()``,
+    to the launcher's 0.05 s poll) at which each rank was seen to have exited."""
+
+    def __init__(self, msg, exitcodes, exit_times):
         super().__init__(msg)
         self.exitcodes = exitcodes
+        self.exit_times = exit_times
 
 
 def launch(fn, nprocs, args=(), log_dir=None, env=None, threads=1, grace=60.0, timeout=None):
@@ -675,10 +695,14 @@ def launch(fn, nprocs, args=(), log_dir=None, env=None, threads=1, grace=60.0, t
     for p in procs:
         p.start()
     start, first_fail = time.monotonic(), None
+    exit_times = [None] * nprocs
     try:
         while any(p.exitcode is None for p in procs):
             time.sleep(0.05)
             now = time.monotonic()
+            for r, p in enumerate(procs):
+                if exit_times[r] is None and p.exitcode is not None:
+                    exit_times[r] = time.time()
             if first_fail is None and any(p.exitcode not in (None, 0) for p in procs):
                 first_fail = now
             if (first_fail is not None and now - first_fail > grace) or (timeout is not None and now - start > timeout):
@@ -698,7 +722,8 @@ def launch(fn, nprocs, args=(), log_dir=None, env=None, threads=1, grace=60.0, t
         def how(c):
             return f"signal {signal.Signals(-c).name}" if c is not None and c < 0 else f"status {c}"
         bad = ", ".join(f"rank {r} exited with {how(c)}" for r, c in enumerate(codes) if c != 0)
-        raise LaunchError(f"revkernels: distributed PETRA run failed: {bad}", codes)
+        raise LaunchError(f"revkernels: distributed PETRA run failed: {bad}", codes,
+                          [t if t is not None else time.time() for t in exit_times])
     results = []
     for r in range(nprocs):
         path = os.path.join(log_dir, f"rank{r}.pt") if log_dir else None
