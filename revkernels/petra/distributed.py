@@ -86,7 +86,6 @@ from revkernels.petra.simulate import PIPELINED, Trainer
 FAULT_ENV = "REVKERNELS_PETRA_FAULT_AFTER"
 ATTEMPT_ENV = "REVKERNELS_PETRA_ATTEMPT"
 _FWD, _BWD = 0, 1
-_PREFIX = "revkernels_petra/"
 
 
 def _tag(tick, kind, i):
@@ -115,7 +114,17 @@ def init(timeout=30.0, backend=None):
     if not dist.is_initialized():
         world = int(os.environ["WORLD_SIZE"])
         backend = backend or pick_backend(world)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+            # torchrun's agent keeps one store across restarts: a restarted group would read the dead attempt's
+            # keys (gloo's peer addresses among them), so each attempt gets its own prefix.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                                  timeout=datetime.timedelta(seconds=timeout))
+            dist.init_process_group(backend, store=dist.PrefixStore(f"revkernels_petra/attempt{restart_attempt()}",
+                                                                    store),
+                                    rank=int(os.environ["RANK"]), world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout))
+        else:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -282,7 +291,10 @@ class PipelineRank:
         if self._batched:
             ops.append(((t, peer), dist.P2POp(dist.isend, t, peer, tag=tag)))
         else:
-            self._sends.append((t, peer, dist.isend(t, dst=peer, tag=tag)))
+            try:
+                self._sends.append((t, peer, dist.isend(t, dst=peer, tag=tag)))
+            except Exception as e:  # noqa: BLE001 - the receiver is the peer that failed
+                self.fail(peer, f"a send to it at tick {self.tick} failed ({_short(e)})")
 
     def _wait(self, peer, works, what):
         deadline = datetime.timedelta(seconds=self.timeout)
@@ -562,8 +574,9 @@ def _abort(rank_obj, msg, publish):
     store = rank_obj._watchdog.store
     if publish and store is not None:
         try:
-            store.compare_set(_PREFIX + "failed", "", msg)
-            msg = store.get(_PREFIX + "failed").decode()
+            key = rank_obj._watchdog.prefix + "failed"
+            store.compare_set(key, "", msg)
+            msg = store.get(key).decode()
         except Exception:  # noqa: BLE001 - the store is gone: with rank 0 (its host), or with torchrun's agent
             if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
                 msg = f"{msg}; the torchrun agent's rendezvous store is gone too"
@@ -584,6 +597,7 @@ class _Watchdog(threading.Thread):
     def __init__(self, rank_obj):
         super().__init__(daemon=True, name="petra-watchdog")
         self.rank_obj = rank_obj
+        self.prefix = "revkernels_petra/"
         self._stop_event = threading.Event()
         try:
             self.store = dist.distributed_c10d._get_default_store()
@@ -599,18 +613,18 @@ class _Watchdog(threading.Thread):
         if self.store is None:
             return
         r = self.rank_obj
-        me, world, timeout = r.rank, r.world_size, r.timeout
+        me, world, timeout, prefix = r.rank, r.world_size, r.timeout, self.prefix
         last = {p: (-1, time.monotonic()) for p in range(world) if p != me}
         while not self._stop_event.wait(self.POLL):
             try:
-                self.store.add(f"{_PREFIX}hb/{me}", 1)
-                if self.store.check([_PREFIX + "failed"]):
-                    _abort(r, self.store.get(_PREFIX + "failed").decode(), publish=False)
+                self.store.add(f"{prefix}hb/{me}", 1)
+                if self.store.check([prefix + "failed"]):
+                    _abort(r, self.store.get(prefix + "failed").decode(), publish=False)
                 now = time.monotonic()
                 for p in last:
-                    if self.store.check([f"{_PREFIX}done/{p}"]):
+                    if self.store.check([f"{prefix}done/{p}"]):
                         continue
-                    count = self.store.add(f"{_PREFIX}hb/{p}", 0)
+                    count = self.store.add(f"{prefix}hb/{p}", 0)
                     if count != last[p][0]:
                         last[p] = (count, now)
                     elif now - last[p][1] > timeout:
@@ -626,7 +640,7 @@ class _Watchdog(threading.Thread):
     def mark_done(self):
         if self.store is not None:
             try:
-                self.store.set(f"{_PREFIX}done/{self.rank_obj.rank}", "1")
+                self.store.set(f"{self.prefix}done/{self.rank_obj.rank}", "1")
             except Exception:  # noqa: BLE001
                 pass
 
