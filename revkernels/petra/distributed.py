@@ -50,15 +50,17 @@ backward; i the tensor's position: output streams, then for a backward the grads
 Shapes are static: each rank computes every boundary's shapes and dtypes once by running the stages'
 forwards on the ``meta`` device from the first batch's image shape (deep copies; no real compute).
 
-Faults. The process group's timeout (``timeout`` s, default 30) bounds every wait; receives are waited
-on with that deadline. A failed or timed-out wait, a dead peer's closed connection, or a stalled
-heartbeat (a watchdog thread in every rank bumps a counter in the rendezvous store every 0.25 s and
-watches the others') makes the rank that notices write ``rank r (stages ...) failed: why`` into the
-store and exit with status 1; every other rank's watchdog sees it within a poll and exits 1 with the
-same message on stderr; losing the store means rank 0 (its host) died. So every process exits non-zero
-within ``timeout`` + 1 s of a failure, naming the failed rank and its stages; never a hang: a killed rank
-is usually noticed at once (its connections close), a hung one (alive but silent, e.g. stopped) by its
-stalled heartbeat after ``timeout`` s. Test hook: ``REVKERNELS_PETRA_FAULT_AFTER=rank:tick[:STOP]``
+Faults. The process group's timeout (``timeout`` s, default 30) bounds every wait; receives and sends
+are waited on for ``timeout`` + 0.8 s (past the heartbeat's horizon, so that a silent rank is named by
+its own stalled heartbeat rather than by a neighbour that waits on it). A failed or timed-out wait, a
+dead peer's closed connection, a stalled heartbeat (a watchdog thread in every rank bumps a counter in
+the rendezvous store every 0.2 s and watches the others'), or a store that stops answering for
+``timeout`` s (rank 0 hung) makes the rank that notices write ``rank r (stages ...) failed: why`` into
+the store and exit with status 1 (rank 0, the store's host, two polls later); every other rank's
+watchdog sees it within a poll and exits 1 with the same message on stderr; losing the store means rank
+0 (its host) died. So every process exits non-zero within ``timeout`` + 1 s of a failure, naming the
+failed rank and its stages; never a hang: a killed rank is usually noticed at once (its connections
+close), a hung one (alive but silent, e.g. stopped) by its stalled heartbeat after ``timeout`` s. Test hook: ``REVKERNELS_PETRA_FAULT_AFTER=rank:tick[:STOP]``
 SIGKILLs (SIGSTOPs) that rank at the start of that tick, in the first attempt of a run only.
 
 Restarts. ``torchrun --max-restarts N`` (or the trainer's ``--nproc R --max-restarts N``, which relaunches
@@ -85,6 +87,7 @@ from revkernels.petra.simulate import PIPELINED, Trainer
 
 FAULT_ENV = "REVKERNELS_PETRA_FAULT_AFTER"
 ATTEMPT_ENV = "REVKERNELS_PETRA_ATTEMPT"
+_PREFIX = "revkernels_petra/"
 _FWD, _BWD = 0, 1
 
 
@@ -179,6 +182,9 @@ class PipelineRank:
             raise RuntimeError("revkernels: call revkernels.petra.distributed.init() first (or launch with torchrun)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.timeout = float(timeout)
+        # Waits end past the watchdog's horizon (timeout + 2 polls): a silent rank is named by its stalled
+        # heartbeat, not by a neighbour that is waiting on it.
+        self._wait_s = self.timeout + 4 * _Watchdog.POLL
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
         model.to(self.device)
@@ -297,11 +303,11 @@ class PipelineRank:
                 self.fail(peer, f"a send to it at tick {self.tick} failed ({_short(e)})")
 
     def _wait(self, peer, works, what):
-        deadline = datetime.timedelta(seconds=self.timeout)
+        deadline = datetime.timedelta(seconds=self._wait_s)
         try:
             for _, work in works:
                 if work is not None and not work.wait(deadline):  # None: restored from a checkpoint
-                    raise TimeoutError(f"no message within {self.timeout:g} s")
+                    raise TimeoutError(f"no message within {self._wait_s:g} s")
         except Exception as e:  # noqa: BLE001 - any failure of a peer ends the run
             self.fail(peer, f"{what} from it at tick {self.tick} did not arrive ({_short(e)})".strip())
         return tuple(t for t, _ in works)
@@ -457,7 +463,7 @@ class PipelineRank:
 
     def _wait_sends(self):
         """Waits for the previous tick's sends (their tensors are released only then)."""
-        deadline = datetime.timedelta(seconds=self.timeout)
+        deadline = datetime.timedelta(seconds=self._wait_s)
         for _, peer, work in self._sends:
             try:
                 work.wait(deadline)
@@ -570,18 +576,32 @@ def _short(e):
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
+def _store_lost(rank_obj, why):
+    """The failure behind a rendezvous store that failed or stopped answering: its host's (rank 0, or torchrun's
+    agent)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return f"the torchrun agent's rendezvous store {why}"
+    if rank_obj.rank == 0:
+        return f"the rendezvous store {why}"
+    return f"{rank_obj.describe(0)} failed: the rendezvous store it hosts {why}"
+
+
 def _abort(rank_obj, msg, publish):
     store = rank_obj._watchdog.store
     if publish and store is not None:
+        # a store that stopped answering (its host hung) must not hold this exit up
+        timer = threading.Timer(1.0, _abort, (rank_obj, f"{_store_lost(rank_obj, 'did not answer')} (then: {msg})",
+                                              False))
+        timer.daemon = True
+        timer.start()
         try:
-            key = rank_obj._watchdog.prefix + "failed"
+            key = _PREFIX + "failed"
             store.compare_set(key, "", msg)
             msg = store.get(key).decode()
-        except Exception:  # noqa: BLE001 - the store is gone: with rank 0 (its host), or with torchrun's agent
-            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-                msg = f"{msg}; the torchrun agent's rendezvous store is gone too"
-            elif rank_obj.rank != 0:
-                msg = f"{rank_obj.describe(0)} failed: the rendezvous store it hosts is gone (then: {msg})"
+        except Exception as e:  # noqa: BLE001 - the store is gone: with rank 0 (its host), or with torchrun's agent
+            msg = f"{_store_lost(rank_obj, f'is gone ({_short(e)})')} (then: {msg})"  # the likelier first failure
+    if store is not None and rank_obj.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        time.sleep(2 * _Watchdog.POLL)  # the store lives in this process: the others' watchdogs read the failure first
     sys.stderr.write(f"revkernels petra: rank {rank_obj.rank} ({rank_obj._names[rank_obj.rank]}) exiting: {msg}\n")
     sys.stderr.flush()
     sys.stdout.flush()
@@ -590,15 +610,16 @@ def _abort(rank_obj, msg, publish):
 
 class _Watchdog(threading.Thread):
     """Heartbeats through the rendezvous store; exits the process when a failure is published, when a
-    peer's heartbeat stalls for `timeout` s, or when the store (rank 0) is gone."""
+    peer's heartbeat stalls for `timeout` s, or when the store (rank 0) is gone or stops answering for
+    `timeout` s (a second thread, `_guard`, watches the store calls)."""
 
-    POLL = 0.25
+    POLL = 0.2
 
     def __init__(self, rank_obj):
         super().__init__(daemon=True, name="petra-watchdog")
         self.rank_obj = rank_obj
-        self.prefix = "revkernels_petra/"
         self._stop_event = threading.Event()
+        self._calling_since = None  # when the current poll's store calls began (None between polls)
         try:
             self.store = dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001 - no store: no watchdog (the waits' deadlines still apply)
@@ -613,18 +634,20 @@ class _Watchdog(threading.Thread):
         if self.store is None:
             return
         r = self.rank_obj
-        me, world, timeout, prefix = r.rank, r.world_size, r.timeout, self.prefix
+        me, world, timeout = r.rank, r.world_size, r.timeout
         last = {p: (-1, time.monotonic()) for p in range(world) if p != me}
+        threading.Thread(target=self._guard, daemon=True, name="petra-watchdog-guard").start()
         while not self._stop_event.wait(self.POLL):
+            self._calling_since = time.monotonic()
             try:
-                self.store.add(f"{prefix}hb/{me}", 1)
-                if self.store.check([prefix + "failed"]):
-                    _abort(r, self.store.get(prefix + "failed").decode(), publish=False)
+                self.store.add(f"{_PREFIX}hb/{me}", 1)
+                if self.store.check([_PREFIX + "failed"]):
+                    _abort(r, self.store.get(_PREFIX + "failed").decode(), publish=False)
                 now = time.monotonic()
                 for p in last:
-                    if self.store.check([f"{prefix}done/{p}"]):
+                    if self.store.check([f"{_PREFIX}done/{p}"]):
                         continue
-                    count = self.store.add(f"{prefix}hb/{p}", 0)
+                    count = self.store.add(f"{_PREFIX}hb/{p}", 0)
                     if count != last[p][0]:
                         last[p] = (count, now)
                     elif now - last[p][1] > timeout:
@@ -632,15 +655,22 @@ class _Watchdog(threading.Thread):
             except Exception as e:  # noqa: BLE001 - the store lives in rank 0
                 if self._stop_event.is_set():
                     return
-                if me == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-                    _abort(r, f"lost the rendezvous store ({_short(e)})", publish=False)
-                _abort(r, f"{r.describe(0)} failed: lost the rendezvous store it hosts "
-                          f"({_short(e)})", publish=False)
+                _abort(r, _store_lost(r, f"is gone ({_short(e)})"), publish=False)
+            self._calling_since = None
+
+    def _guard(self):
+        """Exits the process when one poll's store calls have not returned for `timeout` s."""
+        timeout = self.rank_obj.timeout
+        while not self._stop_event.wait(self.POLL):
+            since = self._calling_since
+            if since is not None and time.monotonic() - since > timeout:
+                _abort(self.rank_obj, _store_lost(self.rank_obj, f"stopped answering for {timeout:g} s (hung)"),
+                       publish=False)
 
     def mark_done(self):
         if self.store is not None:
             try:
-                self.store.set(f"{self.prefix}done/{self.rank_obj.rank}", "1")
+                self.store.set(f"{_PREFIX}done/{self.rank_obj.rank}", "1")
             except Exception:  # noqa: BLE001
                 pass
 

@@ -155,7 +155,8 @@ def make_parser():
                    help="with --nproc: relaunch the processes up to N times after a failure, resuming from the last "
                         "checkpoint (under torchrun, pass --max-restarts to torchrun)")
     p.add_argument("--timeout", type=float, default=30.0,
-                   help="distributed: seconds before a silent rank counts as failed (every process then exits non-zero)")
+                   help="distributed: seconds before a silent rank counts as failed (every process then exits non-zero within "
+                        "--timeout + 1 s, naming it)")
     p.add_argument("--accum", type=int, default=1, help="backward steps per optimizer step (k)")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=64)
