@@ -142,3 +142,28 @@ def test_balance_time_balances_a_tiny_revnet():
     t_time, t_count = _group_tick_s(timed, x, labels), _group_tick_s(counted, x, labels)
     assert max(t_time) < 0.9 * max(t_count), (t_time, t_count)
     assert min(t_time) / max(t_time) > 1.5 * min(t_count) / max(t_count), (t_time, t_count)
+
+
+def test_trainer_balance_flag_writes_the_grouping_to_config(tmp_path):
+    """``--balance time`` times the stages on the first training batch and writes the grouping (the optimal split
+    of those times) and the times to config.json; ``--balance count`` splits by count; bad values fail clearly."""
+    import json
+
+    from revkernels.petra.train import main
+
+    args = ["--model", "revnet18", "--dataset", "synthetic", "--image-size", "8", "--epochs", "1", "--batch-size", "8",
+            "--max-steps", "2", "--threads", "1", "--no-progress", "--ranks", "2"]
+    configs = {}
+    for balance in ("time", "count"):
+        main(args + ["--balance", balance, "--out", str(tmp_path / balance)])
+        with open(tmp_path / balance / "config.json") as f:
+            configs[balance] = json.load(f)
+    timed, counted = configs["time"], configs["count"]
+    assert timed["balance"] == "time" and len(timed["stage_costs_s"]) == 10
+    sizes = balanced_sizes(timed["stage_costs_s"], 2)
+    assert [len(g) for g in timed["groups"]] == sizes and sum(timed["groups"], []) == list(range(10))
+    assert counted["groups"] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]] and counted["stage_costs_s"] is None
+    with pytest.raises(ValueError, match="--balance must be one of"):
+        main(args + ["--balance", "flops"])
+    with pytest.raises(ValueError, match="--balance time needs --ranks R"):
+        main(args[:-2] + ["--balance", "time"])
