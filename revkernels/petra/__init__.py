@@ -6,9 +6,9 @@
         out = trainer.train_step(images, labels)   # one tick; out["loss"] is None while filling
     trainer.flush()                                # drain the pending backwards
 
-`partition` (stages that rebuild or buffer their inputs; ``groups=R, balance="time"`` splits them into R
-contiguous groups minimising the largest group's per-tick cost, from `stage_costs` or given costs), `simulate` (the exact one-process,
-tick-by-tick runtime, with the backprop, reversible-backprop and delayed-gradient (input + parameter
+`partition` (stages that rebuild or buffer their inputs; ``groups=R, balance="time"`` splits them into
+R contiguous groups minimising the largest group's per-tick cost, from `stage_costs` or given costs),
+`simulate` (the exact one-process, tick-by-tick runtime, with the backprop, reversible-backprop and delayed-gradient (input + parameter
 buffers) baselines; ``groups=R`` runs R groups of consecutive stages as R workers; ``analyze_every=N``
 compares each method's applied gradient with the end-to-end one; ``state_dict`` / ``load_state_dict``
 checkpoint the whole in-flight pipeline), `distributed` (one process per worker over torch.distributed,
