@@ -8,9 +8,9 @@
 
 `partition` (stages that rebuild or buffer their inputs; ``groups=R, balance="time"`` splits them into
 R contiguous groups minimising the largest group's per-tick cost, from `stage_costs` or given costs),
-`simulate` (the exact one-process, tick-by-tick runtime, with the backprop, reversible-backprop and delayed-gradient (input + parameter
-buffers) baselines; ``groups=R`` runs R groups of consecutive stages as R workers; ``analyze_every=N``
-compares each method's applied gradient with the end-to-end one; ``state_dict`` / ``load_state_dict``
+`simulate` (the exact one-process, tick-by-tick runtime, with the backprop, reversible-backprop and
+delayed-gradient (input + parameter buffers) baselines; ``groups=R`` runs R groups of consecutive stages
+as R workers; ``analyze_every=N`` compares each method's applied gradient with the end-to-end one; ``state_dict`` / ``load_state_dict``
 checkpoint the whole in-flight pipeline), `distributed` (one process per worker over torch.distributed,
 bit-identical to the simulator, petra and delayed, with per-rank checkpoints that resume it exactly and
 convert to and from the simulator's: ``torchrun --nproc-per-node R -m revkernels.petra.train

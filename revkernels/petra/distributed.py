@@ -60,8 +60,9 @@ the store and exit with status 1 (rank 0, the store's host, two polls later); ev
 watchdog sees it within a poll and exits 1 with the same message on stderr; losing the store means rank
 0 (its host) died. So every process exits non-zero within ``timeout`` + 1 s of a failure, naming the
 failed rank and its stages; never a hang: a killed rank is usually noticed at once (its connections
-close), a hung one (alive but silent, e.g. stopped) by its stalled heartbeat after ``timeout`` s. Test hook: ``REVKERNELS_PETRA_FAULT_AFTER=rank:tick[:STOP]``
-SIGKILLs (SIGSTOPs) that rank at the start of that tick, in the first attempt of a run only.
+close), a hung one (alive but silent, e.g. stopped) by its stalled heartbeat after ``timeout`` s.
+Test hook: ``REVKERNELS_PETRA_FAULT_AFTER=rank:tick[:STOP]`` SIGKILLs (SIGSTOPs) that rank at the start
+of that tick, in the first attempt of a run only.
 
 Restarts. ``torchrun --max-restarts N`` (or the trainer's ``--nproc R --max-restarts N``, which relaunches
 the R processes itself) restarts every rank when one fails; `restart_attempt()` is the attempt's number
@@ -99,6 +100,11 @@ def _stages_str(indices):
     return f"stage {indices[0]}" if len(indices) == 1 else f"stages {indices[0]}-{indices[-1]}"
 
 
+def _agent_store():
+    """True under torchrun, whose agent (not rank 0) hosts the rendezvous store."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
 def restart_attempt():
     """0 for a run's first attempt, n after n restarts (torchrun's or `launch`'s count)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get(ATTEMPT_ENV) or 0)
@@ -117,7 +123,7 @@ def init(timeout=30.0, backend=None):
     if not dist.is_initialized():
         world = int(os.environ["WORLD_SIZE"])
         backend = backend or pick_backend(world)
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        if _agent_store():
             # torchrun's agent keeps one store across restarts: a restarted group would read the dead attempt's
             # keys (gloo's peer addresses among them), so each attempt gets its own prefix.
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
@@ -579,7 +585,7 @@ def _short(e):
 def _store_lost(rank_obj, why):
     """The failure behind a rendezvous store that failed or stopped answering: its host's (rank 0, or torchrun's
     agent)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+    if _agent_store():
         return f"the torchrun agent's rendezvous store {why}"
     if rank_obj.rank == 0:
         return f"the rendezvous store {why}"
@@ -600,7 +606,7 @@ def _abort(rank_obj, msg, publish):
             msg = store.get(key).decode()
         except Exception as e:  # noqa: BLE001 - the store is gone: with rank 0 (its host), or with torchrun's agent
             msg = f"{_store_lost(rank_obj, f'is gone ({_short(e)})')} (then: {msg})"  # the likelier first failure
-    if store is not None and rank_obj.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+    if store is not None and rank_obj.rank == 0 and not _agent_store():
         time.sleep(2 * _Watchdog.POLL)  # the store lives in this process: the others' watchdogs read the failure first
     sys.stderr.write(f"revkernels petra: rank {rank_obj.rank} ({rank_obj._names[rank_obj.rank]}) exiting: {msg}\n")
     sys.stderr.flush()

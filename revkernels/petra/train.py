@@ -155,8 +155,8 @@ def make_parser():
                    help="with --nproc: relaunch the processes up to N times after a failure, resuming from the last "
                         "checkpoint (under torchrun, pass --max-restarts to torchrun)")
     p.add_argument("--timeout", type=float, default=30.0,
-                   help="distributed: seconds before a silent rank counts as failed (every process then exits non-zero within "
-                        "--timeout + 1 s, naming it)")
+                   help="distributed: seconds before a silent rank counts as failed (every process then exits "
+                        "non-zero within --timeout + 1 s, naming it)")
     p.add_argument("--accum", type=int, default=1, help="backward steps per optimizer step (k)")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=64)
@@ -410,12 +410,13 @@ def _run(args):
 
 
 def _groups(args, model, data, device, ckpt):
-    """(the stage grouping for `Trainer` / `PipelineRank`, the timed per-stage costs or None): a checkpoint's
-    grouping, or ``--ranks`` by ``--balance`` (under the distributed runtime rank 0's timings decide)."""
-    if ckpt is not None:
-        return [len(g) for g in ckpt["trainer"]["groups"]], None
+    """(the stage grouping for `Trainer` / `PipelineRank`, the timed per-stage costs or None): ``--ranks`` by
+    ``--balance`` (time: the checkpoint's grouping when resuming; under the distributed runtime rank 0's timings
+    decide)."""
     if args.balance == "count":
         return args.ranks, None
+    if ckpt is not None:  # timings differ from run to run: the grouping the checkpoint was made with
+        return [len(g) for g in ckpt["trainer"]["groups"]], None
     example = data.train_images[:args.batch_size]
     costs = stage_costs(model, example if device is None else example.to(device))
     if args.runtime == "distributed":
@@ -430,8 +431,8 @@ def _groups(args, model, data, device, ckpt):
 
 # Arguments a resumed run must share with the checkpoint's (the rest, e.g. --epochs, --max-steps, --out,
 # --checkpoint-every, --threads, may differ).
-_RESUME_SAME = ("model", "stem", "dataset", "data", "method", "ranks", "balance", "accum", "batch_size", "lr", "warmup_epochs",
-                "milestones", "gamma", "weight_decay", "image_size", "seed", "split_seed", "analyze_every")
+_RESUME_SAME = ("model", "stem", "dataset", "data", "method", "ranks", "balance", "accum", "batch_size", "lr",
+                "warmup_epochs", "milestones", "gamma", "weight_decay", "image_size", "seed", "split_seed", "analyze_every")
 
 
 def _save_checkpoint(path, pipe, state):
@@ -452,10 +453,11 @@ def _rank_files(folder):
 def _check_checkpoint(args, ckpt, path):
     if not isinstance(ckpt, dict) or ckpt.get("kind") != "revkernels.petra.train checkpoint":
         raise ValueError(f"revkernels: --resume {path!r} is not a revkernels.petra.train checkpoint")
-    diff = [k for k in _RESUME_SAME if ckpt["args"].get(k) != getattr(args, k)]
+    saved = dict({"balance": "count"}, **ckpt["args"])  # checkpoints older than --balance split by count
+    diff = [k for k in _RESUME_SAME if saved.get(k) != getattr(args, k)]
     if diff:
         raise ValueError("revkernels: --resume: the checkpoint was made with other " + ", ".join(
-            f"--{k.replace('_', '-')} ({ckpt['args'].get(k)!r}, not {getattr(args, k)!r})" for k in diff))
+            f"--{k.replace('_', '-')} ({saved.get(k)!r}, not {getattr(args, k)!r})" for k in diff))
     if ckpt["args"].get("runtime", "simulate") != args.runtime:
         raise ValueError(f"revkernels: --resume: the checkpoint is from --runtime {ckpt['args'].get('runtime')}, "
                          f"not {args.runtime} (revkernels.petra.distributed.merge_rank_states / split_trainer_state "
