@@ -19,7 +19,8 @@ speed-up; the CSV also has it against each baseline); the issue's target is >= 1
 on a machine with 2+ free cores.
 
 Bound. Before the runs, `revkernels.petra.stage_costs` times every stage's tick (forward + rebuild +
-VJP) in this process on one thread; a group's tick is the sum of its stages'. The partition's bound is
+VJP, and 1 / --accum of its optimizer step) in this process on one thread; a group's tick is the sum of
+its stages'. The partition's bound is
 ``revbackprop_1thread / the largest group's tick`` (what PETRA would reach if each rank did only its
 stages' compute); ``efficiency`` is the measured speed-up over revbackprop_1thread divided by the bound
 (the issue's target: >= 0.9). CSV columns ``max_group_ms``, ``bound``, ``efficiency`` (PETRA's row). On a shared machine the numbers are noisy (a 2-thread baseline on 2
@@ -243,7 +244,7 @@ def _profile(cfg):
     torch.set_num_threads(1)
     try:
         return stage_costs(_model(cfg), _data(cfg, 1)[0][0], warmup=1 if cfg["steps"] < 10 else 2,
-                           reps=3 if cfg["steps"] < 10 else 7)
+                           reps=3 if cfg["steps"] < 10 else 9, accum_k=cfg["accum"])
     finally:
         torch.set_num_threads(old)
 

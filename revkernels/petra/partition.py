@@ -29,11 +29,11 @@ Groups. ``partition(model, groups=R)`` returns the stages split into R contiguou
 pipeline worker): ``balance="count"`` by stage count (sizes differing by at most one, the larger
 first), ``balance="time"`` minimising the largest group's per-tick cost, the sum of its stages'
 costs (`balanced_sizes`: exact, deterministic). The costs are `stage_costs` (forward + rebuild + VJP
-of each stage, timed on the example's device) or a list given by the user (``costs=``).
+of each stage and its share of an optimizer step, timed on the example's device) or a list given by
+the user (``costs=``).
 """
 import copy
 import math
-import statistics
 import time
 from collections import deque
 
@@ -268,7 +268,8 @@ def partition(model, delayed=False, groups=None, balance="count", costs=None, ex
     ``groups=R`` (an int in [1, J]) returns R lists of consecutive stages instead (module docstring,
     "Groups"): `balance` "count" or "time"; for "time", `costs` (J non-negative per-stage costs) or
     `example` (the first stage's input, e.g. a batch of images, on the model's device: `stage_costs`
-    times the stages on it).
+    times the stages on it, an optimizer step every tick; for accumulation over k batches pass
+    ``costs=stage_costs(model, example, accum_k=k)``).
     """
     modules = _stage_modules(model)
     stages = [Stage(m, i, len(modules), delayed=delayed) for i, m in enumerate(modules)]
@@ -341,17 +342,24 @@ def balanced_sizes(costs, groups):
     return sizes + [n - i]
 
 
-def stage_costs(model, example, warmup=1, reps=3):
+def stage_costs(model, example, warmup=1, reps=5, accum_k=1):
     """Seconds per tick of each stage of `model` on `example` (the first stage's input, a tensor or a tuple
-    of tensors, on the model's device): the median over `reps` runs, after `warmup`, of its forward plus
+    of tensors, on the model's device): the shortest of `reps` runs (other load only lengthens a run),
+    after `warmup`, of its forward plus
     its backward (rebuild + VJP for a reversible stage, recompute + VJP from the FIFO for the others,
-    forward + loss + backward for the last stage), the device synchronised around each.
+    forward + loss + backward for the last stage) plus 1 / `accum_k` of an optimizer step over its
+    parameters (the PETRA trainer's SGD with Nesterov momentum: a parameter-heavy stage pays for it every
+    k ticks), the device synchronised around each.
 
     Runs on a deep copy: the model's parameters, grads, BatchNorm statistics and the global RNG state are
     left as they were.
     """
+    from revkernels.petra.simulate import make_optimizer  # simulate imports this module
+
     if warmup < 0 or reps < 1:
         raise ValueError(f"revkernels: warmup must be >= 0 and reps >= 1, got {warmup} and {reps}")
+    if isinstance(accum_k, bool) or not isinstance(accum_k, int) or accum_k < 1:
+        raise ValueError(f"revkernels: accum_k must be an int >= 1, got {accum_k!r}")
     modules = copy.deepcopy(_stage_modules(model))
     stages = [Stage(m, i, len(modules)) for i, m in enumerate(modules)]
     x = _as_tuple(example, "example")
@@ -371,6 +379,7 @@ def stage_costs(model, example, warmup=1, reps=3):
         labels = torch.zeros(x[0].shape[0], dtype=torch.long, device=device)
         for s in stages:
             s.module.train()
+            optimizer = make_optimizer([s.module], 0.1, 5e-4) if s.parameters() else None
             times = []
             for r in range(warmup + reps):
                 if s.is_last:
@@ -380,9 +389,11 @@ def stage_costs(model, example, warmup=1, reps=3):
                     dy = tuple(torch.full_like(t, 1e-3) for t in y)
                     t_b, _ = timed(lambda: s.backward(y, dy))
                     t = t_f + t_b
+                if optimizer is not None:
+                    t += timed(lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)))[0] / accum_k
                 if r >= warmup:
                     times.append(t)
-            out.append(statistics.median(times))
+            out.append(min(times))
             if not s.is_last:
                 x = y  # the next stage's input
     return out

@@ -90,7 +90,7 @@ simulator with the same grouping::
 runtime, so ``--runtime simulate --ranks R`` simulates exactly what R distributed ranks do); the
 default is one worker per stage (simulate) or one group per rank (distributed). ``--balance count``
 (default) splits by stage count; ``--balance time`` minimises the largest group's per-tick cost, each
-stage's forward + rebuild + VJP timed on the first training batch (`revkernels.petra.stage_costs`; under
+stage's forward + rebuild + VJP and 1 / ``--accum`` of its optimizer step timed on the first training batch (`revkernels.petra.stage_costs`; under
 the distributed runtime every rank times them at once and rank 0's times decide, within ``--timeout``).
 ``config.json`` has the grouping (``groups``) and the timed ``stage_costs_s``; a resumed run keeps the
 checkpoint's grouping. Every rank iterates
@@ -418,7 +418,7 @@ def _groups(args, model, data, device, ckpt):
     if ckpt is not None:  # timings differ from run to run: the grouping the checkpoint was made with
         return [len(g) for g in ckpt["trainer"]["groups"]], None
     example = data.train_images[:args.batch_size]
-    costs = stage_costs(model, example if device is None else example.to(device))
+    costs = stage_costs(model, example if device is None else example.to(device), accum_k=args.accum)
     if args.runtime == "distributed":
         import torch.distributed as dist
 
