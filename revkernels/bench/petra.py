@@ -9,12 +9,21 @@ Variants (same model, same seed, random images and labels, fp32 on CPU):
     revbackprop_<T>thread   `Trainer(method="revbackprop")` in this process with T torch threads, for
                             T = 1 and T = --nproc (the same cores the distributed run uses)
     petra_distributed       `revkernels.petra.distributed` with --nproc processes (one torch thread each),
-                            the model's stages split into --nproc contiguous groups (--groups to choose)
+                            the model's stages split into --nproc contiguous groups: ``--balance time``
+                            (default) minimises the largest group's profiled tick, ``--balance count``
+                            splits by stage count, --groups gives the sizes
 Time per training batch: the median over the steps after --warmup (for PETRA the median tick time on
 the last rank, the pipeline's steady state: every rank runs one forward and one backward per tick).
 The ratio printed is the fastest reversible-backprop variant's time per batch over PETRA's (the
 speed-up; the CSV also has it against each baseline); the issue's target is >= 1.6x with 2 processes
-on a machine with 2+ free cores. On a shared machine the numbers are noisy (a 2-thread baseline on 2
+on a machine with 2+ free cores.
+
+Bound. Before the runs, `revkernels.petra.stage_costs` times every stage's tick (forward + rebuild +
+VJP, and 1 / --accum of its optimizer step) in this process on one thread; a group's tick is the sum of
+its stages'. The partition's bound is
+``revbackprop_1thread / the largest group's tick`` (what PETRA would reach if each rank did only its
+stages' compute); ``efficiency`` is the measured speed-up over revbackprop_1thread divided by the bound
+(the issue's target: >= 0.9). CSV columns ``max_group_ms``, ``bound``, ``efficiency`` (PETRA's row). On a shared machine the numbers are noisy (a 2-thread baseline on 2
 busy cores can be much slower than 1 thread): the CSV records the load average with the commit and
 versions.
 Results: ``petra_<device>.csv`` under --out.
@@ -75,8 +84,9 @@ import torch
 from tqdm import tqdm
 
 from revkernels.bench.report import DEFAULT_OUT, provenance, write_csv
-from revkernels.petra import Trainer
+from revkernels.petra import Trainer, balanced_sizes, stage_costs
 from revkernels.petra.distributed import PipelineRank, init, launch
+from revkernels.petra.partition import BALANCES, count_sizes
 
 
 def _model(cfg):
@@ -134,8 +144,10 @@ def parse_args(argv=None, default_out=DEFAULT_OUT):
     p.add_argument("--batch", type=int, default=None, help="default 32 (quick: 4)")
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--nproc", type=int, default=2, help="distributed ranks (processes)")
+    p.add_argument("--balance", default="time", choices=BALANCES,
+                   help="stage groups: time (the largest group's profiled tick minimised; default) or count")
     p.add_argument("--groups", type=int, nargs="*", default=None,
-                   help="stage-group sizes, one per rank (default: an even split)")
+                   help="stage-group sizes, one per rank (overrides --balance)")
     p.add_argument("--warmup", type=int, default=None, help="steps not timed (default 2*nproc + 2; quick: same)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 20; quick: 4)")
     p.add_argument("--out", default=default_out, help=f"folder for the CSV (default: {default_out})")
@@ -161,12 +173,27 @@ def run(args):
     cfg = {"model": args.model, "stem": args.stem, "accum": args.accum,
            "image_size": args.image_size or (8 if args.quick else 16), "batch": args.batch or (4 if args.quick else 32),
            "warmup": args.warmup if args.warmup is not None else 2 * args.nproc + 2,
-           "steps": args.steps or (4 if args.quick else 20),
-           "groups": args.groups if args.groups else args.nproc}
+           "steps": args.steps or (4 if args.quick else 20)}
+    costs = _profile(cfg)
+    if args.groups:
+        cfg["groups"] = list(args.groups)
+    elif args.balance == "time":
+        cfg["groups"] = balanced_sizes(costs, args.nproc)
+    else:
+        cfg["groups"] = count_sizes(len(costs), args.nproc)
+    if len(cfg["groups"]) != args.nproc or sum(cfg["groups"]) != len(costs):
+        raise ValueError(f"revkernels: --groups must be {args.nproc} sizes summing to {len(costs)}, got {args.groups}")
+    group_ms, start = [], 0
+    for n in cfg["groups"]:
+        group_ms.append(sum(costs[start:start + n]) * 1e3)
+        start += n
+    print(f"stage ticks (ms, 1 thread): {' '.join(f'{c * 1e3:.1f}' for c in costs)}; group ticks (ms): "
+          f"{' '.join(f'{g:.1f}' for g in group_ms)}", flush=True)
 
     meta = provenance("cpu")
     meta.update(model=cfg["model"], stem=cfg["stem"], image_size=cfg["image_size"], batch=cfg["batch"],
-                accum=cfg["accum"], warmup=cfg["warmup"], steps=cfg["steps"],
+                accum=cfg["accum"], warmup=cfg["warmup"], steps=cfg["steps"], balance="given" if args.groups else
+                args.balance, stage_ms=" ".join(f"{c * 1e3:.2f}" for c in costs),
                 loadavg=" ".join(f"{v:.2f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "")
     rows, times = [], {}
     progress = tqdm(total=len({1, args.nproc}) + 1, desc="petra", unit="variant", file=sys.stderr, leave=False)
@@ -188,19 +215,38 @@ def run(args):
           f"{cfg['batch'] / times['petra_distributed']:8.1f} images/s  ({args.nproc} processes, stage groups "
           f"{[f'{g[0]}-{g[-1]}' for g in groups]})", flush=True)
     base = f"revbackprop_{args.nproc}thread"
+    bound = times["revbackprop_1thread"] / (max(group_ms) / 1e3)
+    speedup = times["revbackprop_1thread"] / times["petra_distributed"]
     for row in rows:
         t = times[row["variant"]]
+        petra = row["variant"] == "petra_distributed"
         row.update(step_ms=round(t * 1e3, 3), images_per_s=round(cfg["batch"] / t, 2),
                    speedup_vs_revbackprop_1thread=round(times["revbackprop_1thread"] / t, 3),
                    speedup_vs_revbackprop_same_cores=round(times[base] / t, 3),
-                   speedup_vs_revbackprop_best=round(min(times[k] for k in times if k.startswith("revbackprop")) / t, 3))
+                   speedup_vs_revbackprop_best=round(min(times[k] for k in times if k.startswith("revbackprop")) / t, 3),
+                   max_group_ms=round(max(group_ms), 3) if petra else "", bound=round(bound, 3) if petra else "",
+                   efficiency=round(speedup / bound, 3) if petra else "")
     path = write_csv(os.path.join(args.out, "petra_cpu.csv"), rows, meta)
     best = min((k for k in times if k.startswith("revbackprop")), key=times.get)
     ratio = times[best] / times["petra_distributed"]
     print(f"speed-up of PETRA ({args.nproc} processes) over reversible backprop: {ratio:.2f}x (over the fastest, "
           f"{best}; {times[base] / times['petra_distributed']:.2f}x over {base}); target >= 1.6x; wrote {path}",
           flush=True)
+    print(f"over revbackprop_1thread: {speedup:.2f}x of a bound of {bound:.2f}x for stage groups "
+          f"{[f'{g[0]}-{g[-1]}' for g in groups]} (largest group tick {max(group_ms):.1f} ms): efficiency "
+          f"{speedup / bound:.0%}; target >= 90%", flush=True)
     return rows
+
+
+def _profile(cfg):
+    """Per-stage tick seconds (`stage_costs`) of the benchmark's model on its first batch, on one thread."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return stage_costs(_model(cfg), _data(cfg, 1)[0][0], warmup=1 if cfg["steps"] < 10 else 2,
+                           reps=3 if cfg["steps"] < 10 else 9, accum_k=cfg["accum"])
+    finally:
+        torch.set_num_threads(old)
 
 
 def main(argv=None, default_out=DEFAULT_OUT):

@@ -6,10 +6,11 @@
         out = trainer.train_step(images, labels)   # one tick; out["loss"] is None while filling
     trainer.flush()                                # drain the pending backwards
 
-`partition` (stages that rebuild or buffer their inputs), `simulate` (the exact one-process,
-tick-by-tick runtime, with the backprop, reversible-backprop and delayed-gradient (input + parameter
-buffers) baselines; ``groups=R`` runs R groups of consecutive stages as R workers; ``analyze_every=N``
-compares each method's applied gradient with the end-to-end one; ``state_dict`` / ``load_state_dict``
+`partition` (stages that rebuild or buffer their inputs; ``groups=R, balance="time"`` splits them into
+R contiguous groups minimising the largest group's per-tick cost, from `stage_costs` or given costs),
+`simulate` (the exact one-process, tick-by-tick runtime, with the backprop, reversible-backprop and
+delayed-gradient (input + parameter buffers) baselines; ``groups=R`` runs R groups of consecutive stages
+as R workers; ``analyze_every=N`` compares each method's applied gradient with the end-to-end one; ``state_dict`` / ``load_state_dict``
 checkpoint the whole in-flight pipeline), `distributed` (one process per worker over torch.distributed,
 bit-identical to the simulator, petra and delayed, with per-rank checkpoints that resume it exactly and
 convert to and from the simulator's: ``torchrun --nproc-per-node R -m revkernels.petra.train
@@ -17,8 +18,8 @@ convert to and from the simulator's: ``torchrun --nproc-per-node R -m revkernels
 See /PETRA.md.
 """
 from revkernels.petra import simulate
-from revkernels.petra.partition import Stage, partition
+from revkernels.petra.partition import Stage, balanced_sizes, group_sizes, partition, stage_costs
 from revkernels.petra.simulate import METHODS, PIPELINED, Trainer, Worker, make_optimizer, param_groups, split_groups
 
-__all__ = ["partition", "Stage", "simulate", "Trainer", "Worker", "METHODS", "PIPELINED", "make_optimizer", "param_groups",
+__all__ = ["partition", "Stage", "balanced_sizes", "group_sizes", "stage_costs", "simulate", "Trainer", "Worker", "METHODS", "PIPELINED", "make_optimizer", "param_groups",
            "split_groups"]

@@ -50,14 +50,25 @@ backward; i the tensor's position: output streams, then for a backward the grads
 Shapes are static: each rank computes every boundary's shapes and dtypes once by running the stages'
 forwards on the ``meta`` device from the first batch's image shape (deep copies; no real compute).
 
-Faults. The process group's timeout (``timeout`` s, default 30) bounds every wait; receives are waited
-on with that deadline. A failed or timed-out wait, a dead peer's closed connection, or a stalled
-heartbeat (a watchdog thread in every rank bumps a counter in the rendezvous store every 0.25 s and
-watches the others') makes the rank that notices write ``rank r (stages ...) failed: why`` into the
-store and exit with status 1; every other rank's watchdog sees it within a poll and exits 1 with the
-same message on stderr; losing the store means rank 0 (its host) died. So every process exits non-zero
-within about ``timeout`` + 1 s of a failure, naming the failed rank and its stages; never a hang. Test
-hook: ``REVKERNELS_PETRA_FAULT_AFTER=rank:tick`` SIGKILLs that rank at the start of that tick.
+Faults. The process group's timeout (``timeout`` s, default 30) bounds every wait; receives and sends
+are waited on for ``timeout`` + 0.8 s (past the heartbeat's horizon, so that a silent rank is named by
+its own stalled heartbeat rather than by a neighbour that waits on it). A failed or timed-out wait, a
+dead peer's closed connection, a stalled heartbeat (a watchdog thread in every rank bumps a counter in
+the rendezvous store every 0.2 s and watches the others'), or a store that stops answering for
+``timeout`` s (rank 0 hung) makes the rank that notices write ``rank r (stages ...) failed: why`` into
+the store and exit with status 1 (rank 0, the store's host, two polls later); every other rank's
+watchdog sees it within a poll and exits 1 with the same message on stderr; losing the store means rank
+0 (its host) died. So every process exits non-zero within ``timeout`` + 1 s of a failure, naming the
+failed rank and its stages; never a hang: a killed rank is usually noticed at once (its connections
+close), a hung one (alive but silent, e.g. stopped) by its stalled heartbeat after ``timeout`` s.
+Test hook: ``REVKERNELS_PETRA_FAULT_AFTER=rank:tick[:STOP]`` SIGKILLs (SIGSTOPs) that rank at the start
+of that tick, in the first attempt of a run only.
+
+Restarts. ``torchrun --max-restarts N`` (or the trainer's ``--nproc R --max-restarts N``, which relaunches
+the R processes itself) restarts every rank when one fails; `restart_attempt()` is the attempt's number
+(``TORCHELASTIC_RESTART_COUNT`` under torchrun, ``REVKERNELS_PETRA_ATTEMPT`` under `launch`), and the
+trainer resumes from its last complete set of rank checkpoints, so a run that lost a rank ends with the
+parameters of an uninterrupted one.
 """
 import copy
 import datetime
@@ -76,8 +87,9 @@ import torch.distributed as dist
 from revkernels.petra.simulate import PIPELINED, Trainer
 
 FAULT_ENV = "REVKERNELS_PETRA_FAULT_AFTER"
-_FWD, _BWD = 0, 1
+ATTEMPT_ENV = "REVKERNELS_PETRA_ATTEMPT"
 _PREFIX = "revkernels_petra/"
+_FWD, _BWD = 0, 1
 
 
 def _tag(tick, kind, i):
@@ -86,6 +98,16 @@ def _tag(tick, kind, i):
 
 def _stages_str(indices):
     return f"stage {indices[0]}" if len(indices) == 1 else f"stages {indices[0]}-{indices[-1]}"
+
+
+def _agent_store():
+    """True under torchrun, whose agent (not rank 0) hosts the rendezvous store."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+def restart_attempt():
+    """0 for a run's first attempt, n after n restarts (torchrun's or `launch`'s count)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get(ATTEMPT_ENV) or 0)
 
 
 def pick_backend(world_size):
@@ -101,7 +123,17 @@ def init(timeout=30.0, backend=None):
     if not dist.is_initialized():
         world = int(os.environ["WORLD_SIZE"])
         backend = backend or pick_backend(world)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        if _agent_store():
+            # torchrun's agent keeps one store across restarts: a restarted group would read the dead attempt's
+            # keys (gloo's peer addresses among them), so each attempt gets its own prefix.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                                  timeout=datetime.timedelta(seconds=timeout))
+            dist.init_process_group(backend, store=dist.PrefixStore(f"revkernels_petra/attempt{restart_attempt()}",
+                                                                    store),
+                                    rank=int(os.environ["RANK"]), world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout))
+        else:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -156,6 +188,9 @@ class PipelineRank:
             raise RuntimeError("revkernels: call revkernels.petra.distributed.init() first (or launch with torchrun)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.timeout = float(timeout)
+        # Waits end past the watchdog's horizon (timeout + 2 polls): a silent rank is named by its stalled
+        # heartbeat, not by a neighbour that is waiting on it.
+        self._wait_s = self.timeout + 4 * _Watchdog.POLL
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
         model.to(self.device)
@@ -186,11 +221,11 @@ class PipelineRank:
         self._control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout)) \
             if dist.get_backend() != "gloo" else dist.group.WORLD
         fault = os.environ.get(FAULT_ENV)
-        self._fault_tick = None
-        if fault:
-            r, t = fault.split(":")
+        self._fault_tick = self._fault_signal = None
+        if fault and restart_attempt() == 0:
+            r, t, *sig = fault.split(":")
             if int(r) == self.rank:
-                self._fault_tick = int(t)
+                self._fault_tick, self._fault_signal = int(t), getattr(signal, "SIG" + (sig[0] if sig else "KILL"))
         self._names = [_stages_str(g) for g in self.trainer.groups]
         self._watchdog = _Watchdog(self)
         self._watchdog.start()
@@ -268,14 +303,17 @@ class PipelineRank:
         if self._batched:
             ops.append(((t, peer), dist.P2POp(dist.isend, t, peer, tag=tag)))
         else:
-            self._sends.append((t, peer, dist.isend(t, dst=peer, tag=tag)))
+            try:
+                self._sends.append((t, peer, dist.isend(t, dst=peer, tag=tag)))
+            except Exception as e:  # noqa: BLE001 - the receiver is the peer that failed
+                self.fail(peer, f"a send to it at tick {self.tick} failed ({_short(e)})")
 
     def _wait(self, peer, works, what):
-        deadline = datetime.timedelta(seconds=self.timeout)
+        deadline = datetime.timedelta(seconds=self._wait_s)
         try:
             for _, work in works:
                 if work is not None and not work.wait(deadline):  # None: restored from a checkpoint
-                    raise TimeoutError(f"no message within {self.timeout:g} s")
+                    raise TimeoutError(f"no message within {self._wait_s:g} s")
         except Exception as e:  # noqa: BLE001 - any failure of a peer ends the run
             self.fail(peer, f"{what} from it at tick {self.tick} did not arrive ({_short(e)})".strip())
         return tuple(t for t, _ in works)
@@ -283,9 +321,11 @@ class PipelineRank:
     def _tick(self, batch, new):
         t = self.tick
         if self._fault_tick is not None and t >= self._fault_tick:
-            sys.stderr.write(f"revkernels petra: {FAULT_ENV}: killing rank {self.rank} at tick {t}\n")
+            sys.stderr.write(f"revkernels petra: {FAULT_ENV}: {self._fault_signal.name} to rank {self.rank} at tick {t} "
+                             f"(time {time.time():.3f})\n")
             sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+            self._fault_tick = None
+            os.kill(os.getpid(), self._fault_signal)
         self._fed[t] = batch
         for old in [s for s in self._fed if s < t - 2 * self.num_workers]:
             del self._fed[old]
@@ -429,7 +469,7 @@ class PipelineRank:
 
     def _wait_sends(self):
         """Waits for the previous tick's sends (their tensors are released only then)."""
-        deadline = datetime.timedelta(seconds=self.timeout)
+        deadline = datetime.timedelta(seconds=self._wait_s)
         for _, peer, work in self._sends:
             try:
                 work.wait(deadline)
@@ -542,17 +582,32 @@ def _short(e):
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
+def _store_lost(rank_obj, why):
+    """The failure behind a rendezvous store that failed or stopped answering: its host's (rank 0, or torchrun's
+    agent)."""
+    if _agent_store():
+        return f"the torchrun agent's rendezvous store {why}"
+    if rank_obj.rank == 0:
+        return f"the rendezvous store {why}"
+    return f"{rank_obj.describe(0)} failed: the rendezvous store it hosts {why}"
+
+
 def _abort(rank_obj, msg, publish):
     store = rank_obj._watchdog.store
     if publish and store is not None:
+        # a store that stopped answering (its host hung) must not hold this exit up
+        timer = threading.Timer(1.0, _abort, (rank_obj, f"{_store_lost(rank_obj, 'did not answer')} (then: {msg})",
+                                              False))
+        timer.daemon = True
+        timer.start()
         try:
-            store.compare_set(_PREFIX + "failed", "", msg)
-            msg = store.get(_PREFIX + "failed").decode()
-        except Exception:  # noqa: BLE001 - the store is gone: with rank 0 (its host), or with torchrun's agent
-            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-                msg = f"{msg}; the torchrun agent's rendezvous store is gone too"
-            elif rank_obj.rank != 0:
-                msg = f"{rank_obj.describe(0)} failed: the rendezvous store it hosts is gone (then: {msg})"
+            key = _PREFIX + "failed"
+            store.compare_set(key, "", msg)
+            msg = store.get(key).decode()
+        except Exception as e:  # noqa: BLE001 - the store is gone: with rank 0 (its host), or with torchrun's agent
+            msg = f"{_store_lost(rank_obj, f'is gone ({_short(e)})')} (then: {msg})"  # the likelier first failure
+    if store is not None and rank_obj.rank == 0 and not _agent_store():
+        time.sleep(2 * _Watchdog.POLL)  # the store lives in this process: the others' watchdogs read the failure first
     sys.stderr.write(f"revkernels petra: rank {rank_obj.rank} ({rank_obj._names[rank_obj.rank]}) exiting: {msg}\n")
     sys.stderr.flush()
     sys.stdout.flush()
@@ -561,14 +616,16 @@ def _abort(rank_obj, msg, publish):
 
 class _Watchdog(threading.Thread):
     """Heartbeats through the rendezvous store; exits the process when a failure is published, when a
-    peer's heartbeat stalls for `timeout` s, or when the store (rank 0) is gone."""
+    peer's heartbeat stalls for `timeout` s, or when the store (rank 0) is gone or stops answering for
+    `timeout` s (a second thread, `_guard`, watches the store calls)."""
 
-    POLL = 0.25
+    POLL = 0.2
 
     def __init__(self, rank_obj):
         super().__init__(daemon=True, name="petra-watchdog")
         self.rank_obj = rank_obj
         self._stop_event = threading.Event()
+        self._calling_since = None  # when the current poll's store calls began (None between polls)
         try:
             self.store = dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001 - no store: no watchdog (the waits' deadlines still apply)
@@ -585,7 +642,9 @@ class _Watchdog(threading.Thread):
         r = self.rank_obj
         me, world, timeout = r.rank, r.world_size, r.timeout
         last = {p: (-1, time.monotonic()) for p in range(world) if p != me}
+        threading.Thread(target=self._guard, daemon=True, name="petra-watchdog-guard").start()
         while not self._stop_event.wait(self.POLL):
+            self._calling_since = time.monotonic()
             try:
                 self.store.add(f"{_PREFIX}hb/{me}", 1)
                 if self.store.check([_PREFIX + "failed"]):
@@ -602,10 +661,17 @@ class _Watchdog(threading.Thread):
             except Exception as e:  # noqa: BLE001 - the store lives in rank 0
                 if self._stop_event.is_set():
                     return
-                if me == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-                    _abort(r, f"lost the rendezvous store ({_short(e)})", publish=False)
-                _abort(r, f"{r.describe(0)} failed: lost the rendezvous store it hosts "
-                          f"({_short(e)})", publish=False)
+                _abort(r, _store_lost(r, f"is gone ({_short(e)})"), publish=False)
+            self._calling_since = None
+
+    def _guard(self):
+        """Exits the process when one poll's store calls have not returned for `timeout` s."""
+        timeout = self.rank_obj.timeout
+        while not self._stop_event.wait(self.POLL):
+            since = self._calling_since
+            if since is not None and time.monotonic() - since > timeout:
+                _abort(self.rank_obj, _store_lost(self.rank_obj, f"stopped answering for {timeout:g} s (hung)"),
+                       publish=False)
 
     def mark_done(self):
         if self.store is not None:
@@ -652,9 +718,13 @@ def _child(rank, world, port, fn, args, log_dir, env, threads):
 
 
 class LaunchError(RuntimeError):
-    def __init__(self, msg, exitcodes):
+    """A failed `launch`: ``exitcodes`` per rank and ``exit_times``, the wall-clock time (``time.time()``,
+    to the launcher's 0.05 s poll) at which each rank was seen to have exited."""
+
+    def __init__(self, msg, exitcodes, exit_times):
         super().__init__(msg)
         self.exitcodes = exitcodes
+        self.exit_times = exit_times
 
 
 def launch(fn, nprocs, args=(), log_dir=None, env=None, threads=1, grace=60.0, timeout=None):
@@ -675,10 +745,14 @@ def launch(fn, nprocs, args=(), log_dir=None, env=None, threads=1, grace=60.0, t
     for p in procs:
         p.start()
     start, first_fail = time.monotonic(), None
+    exit_times = [None] * nprocs
     try:
         while any(p.exitcode is None for p in procs):
             time.sleep(0.05)
             now = time.monotonic()
+            for r, p in enumerate(procs):
+                if exit_times[r] is None and p.exitcode is not None:
+                    exit_times[r] = time.time()
             if first_fail is None and any(p.exitcode not in (None, 0) for p in procs):
                 first_fail = now
             if (first_fail is not None and now - first_fail > grace) or (timeout is not None and now - start > timeout):
@@ -698,7 +772,8 @@ def launch(fn, nprocs, args=(), log_dir=None, env=None, threads=1, grace=60.0, t
         def how(c):
             return f"signal {signal.Signals(-c).name}" if c is not None and c < 0 else f"status {c}"
         bad = ", ".join(f"rank {r} exited with {how(c)}" for r, c in enumerate(codes) if c != 0)
-        raise LaunchError(f"revkernels: distributed PETRA run failed: {bad}", codes)
+        raise LaunchError(f"revkernels: distributed PETRA run failed: {bad}", codes,
+                          [t if t is not None else time.time() for t in exit_times])
     results = []
     for r in range(nprocs):
         path = os.path.join(log_dir, f"rank{r}.pt") if log_dir else None

@@ -24,7 +24,17 @@ which the optimizer then applies to the *current* parameters. It returns the sto
 The first stage receives the image (its input grad is not computed); every other stage receives
 the previous stage's outputs (a tuple of tensors). Outputs are always tuples of tensors except the
 last stage's logits.
+
+Groups. ``partition(model, groups=R)`` returns the stages split into R contiguous groups (one per
+pipeline worker): ``balance="count"`` by stage count (sizes differing by at most one, the larger
+first), ``balance="time"`` minimising the largest group's per-tick cost, the sum of its stages'
+costs (`balanced_sizes`: exact, deterministic). The costs are `stage_costs` (forward + rebuild + VJP
+of each stage and its share of an optimizer step, timed on the example's device) or a list given by
+the user (``costs=``).
 """
+import copy
+import math
+import time
 from collections import deque
 
 import torch
@@ -232,16 +242,10 @@ class Stage:
         return loss.detach(), logits.detach(), x, dx
 
 
-def partition(model, delayed=False):
-    """The PETRA stages of `model`: one `Stage` per entry of ``model.stages``, in order
-    (``delayed=True``: the delayed-gradient baseline's stages, see the module docstring).
+BALANCES = ("count", "time")
 
-    `model` may also be a list/tuple/ModuleList of stage modules, or a module without ``stages``
-    (one stage: J = 1, i.e. plain backprop; pass ``[model]`` to run a model that has ``stages`` as
-    one stage). The stages share the model's parameters. Raises ValueError for an empty list, a
-    module used twice or a reversible last stage; TypeError for a non-module or a stage claiming
-    ``reversible = True`` that is not a `ReversibleBlock`.
-    """
+
+def _stage_modules(model):
     if isinstance(model, (list, tuple, nn.ModuleList)):
         modules = list(model)
     elif isinstance(model, nn.Module):
@@ -255,4 +259,148 @@ def partition(model, delayed=False):
         if id(m) in seen:
             raise ValueError(f"revkernels: stage {i} repeats a module already used by another stage")
         seen.add(id(m))
-    return [Stage(m, i, len(modules), delayed=delayed) for i, m in enumerate(modules)]
+    return modules
+
+
+def partition(model, delayed=False, groups=None, balance="count", costs=None, example=None):
+    """The PETRA stages of `model`: one `Stage` per entry of ``model.stages``, in order
+    (``delayed=True``: the delayed-gradient baseline's stages, see the module docstring).
+
+    `model` may also be a list/tuple/ModuleList of stage modules, or a module without ``stages``
+    (one stage: J = 1, i.e. plain backprop; pass ``[model]`` to run a model that has ``stages`` as
+    one stage). The stages share the model's parameters. Raises ValueError for an empty list, a
+    module used twice or a reversible last stage; TypeError for a non-module or a stage claiming
+    ``reversible = True`` that is not a `ReversibleBlock`.
+
+    ``groups=R`` (an int in [1, J]) returns R lists of consecutive stages instead (module docstring,
+    "Groups"): `balance` "count" or "time"; for "time", `costs` (J non-negative per-stage costs) or
+    `example` (the first stage's input, e.g. a batch of images, on the model's device: `stage_costs`
+    times the stages on it, an optimizer step every tick; for accumulation over k batches pass
+    ``costs=stage_costs(model, example, accum_k=k)``).
+    """
+    modules = _stage_modules(model)
+    stages = [Stage(m, i, len(modules), delayed=delayed) for i, m in enumerate(modules)]
+    if groups is None:
+        if balance != "count" or costs is not None or example is not None:
+            raise ValueError("revkernels: balance, costs and example apply to partition(model, groups=R) only")
+        return stages
+    sizes = group_sizes(modules, groups, balance, costs, example)
+    out, start = [], 0
+    for n in sizes:
+        out.append(stages[start:start + n])
+        start += n
+    return out
+
+
+def group_sizes(model, groups, balance="count", costs=None, example=None):
+    """The sizes of the R = `groups` contiguous stage groups `partition(model, groups=R, ...)` makes."""
+    n = len(_stage_modules(model))
+    if isinstance(groups, bool) or not isinstance(groups, int) or not 1 <= groups <= n:
+        raise ValueError(f"revkernels: groups must be an int in [1, {n}] (the number of stages), got {groups!r}")
+    if balance not in BALANCES:
+        raise ValueError(f"revkernels: balance must be one of {list(BALANCES)}, got {balance!r}")
+    if balance == "count":
+        if costs is not None or example is not None:
+            raise ValueError('revkernels: costs and example apply to balance="time" only')
+        return count_sizes(n, groups)
+    if (costs is None) == (example is None):
+        raise ValueError('revkernels: balance="time" needs exactly one of costs (per-stage costs) and example '
+                         '(an input batch to time the stages on)')
+    if costs is None:
+        costs = stage_costs(model, example)
+    elif len(costs) != n:
+        raise ValueError(f"revkernels: costs must have one entry per stage ({n}), got {len(costs)}")
+    return balanced_sizes(costs, groups)
+
+
+def count_sizes(num_stages, groups):
+    """Sizes of `groups` contiguous groups of `num_stages` stages by count: differing by at most one, the larger first."""
+    q, r = divmod(num_stages, groups)
+    return [q + (1 if g < r else 0) for g in range(groups)]
+
+
+def balanced_sizes(costs, groups):
+    """Sizes of the split of `costs` into `groups` contiguous non-empty groups whose largest group sum is
+    the smallest possible (exact dynamic programming); among the optimal splits, the lexicographically
+    smallest sizes (deterministic)."""
+    costs = list(costs)
+    if any(isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0 for c in costs):
+        raise ValueError(f"revkernels: costs must be finite non-negative numbers, got {costs!r}")
+    n = len(costs)
+    if isinstance(groups, bool) or not isinstance(groups, int) or not 1 <= groups <= n:
+        raise ValueError(f"revkernels: groups must be an int in [1, {n}] (the number of costs), got {groups!r}")
+
+    def cost(a, b):
+        return math.fsum(costs[a:b])
+
+    # best[g][i]: the smallest largest-group sum of costs[i:] in g groups (i <= n - g).
+    best = [[math.inf] * (n + 1) for _ in range(groups + 1)]
+    for i in range(n):
+        best[1][i] = cost(i, n)
+    for g in range(2, groups + 1):
+        for i in range(n - g + 1):
+            best[g][i] = min(max(cost(i, j), best[g - 1][j]) for j in range(i + 1, n - g + 2))
+    bound = best[groups][0]
+    sizes, i = [], 0
+    for g in range(groups, 1, -1):  # the shortest first group that leaves an optimal split of the rest
+        j = next(j for j in range(i + 1, n - g + 2) if cost(i, j) <= bound and best[g - 1][j] <= bound)
+        sizes.append(j - i)
+        i = j
+    return sizes + [n - i]
+
+
+def stage_costs(model, example, warmup=1, reps=5, accum_k=1):
+    """Seconds per tick of each stage of `model` on `example` (the first stage's input, a tensor or a tuple
+    of tensors, on the model's device): the shortest of `reps` runs (other load only lengthens a run),
+    after `warmup`, of its forward plus
+    its backward (rebuild + VJP for a reversible stage, recompute + VJP from the FIFO for the others,
+    forward + loss + backward for the last stage) plus 1 / `accum_k` of an optimizer step over its
+    parameters (the PETRA trainer's SGD with Nesterov momentum: a parameter-heavy stage pays for it every
+    k ticks), the device synchronised around each.
+
+    Runs on a deep copy: the model's parameters, grads, BatchNorm statistics and the global RNG state are
+    left as they were.
+    """
+    from revkernels.petra.simulate import make_optimizer  # simulate imports this module
+
+    if warmup < 0 or reps < 1:
+        raise ValueError(f"revkernels: warmup must be >= 0 and reps >= 1, got {warmup} and {reps}")
+    if isinstance(accum_k, bool) or not isinstance(accum_k, int) or accum_k < 1:
+        raise ValueError(f"revkernels: accum_k must be an int >= 1, got {accum_k!r}")
+    modules = copy.deepcopy(_stage_modules(model))
+    stages = [Stage(m, i, len(modules)) for i, m in enumerate(modules)]
+    x = _as_tuple(example, "example")
+    device = x[0].device
+
+    def timed(fn):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0, out
+
+    out = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        labels = torch.zeros(x[0].shape[0], dtype=torch.long, device=device)
+        for s in stages:
+            s.module.train()
+            optimizer = make_optimizer([s.module], 0.1, 5e-4) if s.parameters() else None
+            times = []
+            for r in range(warmup + reps):
+                if s.is_last:
+                    t, _ = timed(lambda: s.forward_backward(x, labels))
+                else:
+                    t_f, y = timed(lambda: s.forward(x))
+                    dy = tuple(torch.full_like(t, 1e-3) for t in y)
+                    t_b, _ = timed(lambda: s.backward(y, dy))
+                    t = t_f + t_b
+                if optimizer is not None:
+                    t += timed(lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)))[0] / accum_k
+                if r >= warmup:
+                    times.append(t)
+            out.append(min(times))
+            if not s.is_last:
+                x = y  # the next stage's input
+    return out

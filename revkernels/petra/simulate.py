@@ -78,7 +78,7 @@ from torch import nn
 
 from revkernels.engine.state import frozen_batchnorm_stats
 from revkernels.nn.reversible import ReversibleSequential
-from revkernels.petra.partition import partition
+from revkernels.petra.partition import count_sizes, partition
 
 METHODS = ("petra", "delayed", "backprop", "revbackprop")
 PIPELINED = ("petra", "delayed")  # the methods that run the tick-by-tick pipeline (workers, groups)
@@ -184,8 +184,7 @@ def split_groups(num_stages, groups=None):
     if isinstance(groups, int) and not isinstance(groups, bool):
         if not 1 <= groups <= num_stages:
             raise ValueError(f"revkernels: groups must be an int in [1, {num_stages}] (the number of stages), got {groups}")
-        q, r = divmod(num_stages, groups)
-        sizes = [q + (1 if g < r else 0) for g in range(groups)]
+        sizes = count_sizes(num_stages, groups)
     else:
         sizes = list(groups) if hasattr(groups, "__iter__") and not isinstance(groups, (str, bytes)) else None
         if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes) \

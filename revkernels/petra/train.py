@@ -60,12 +60,23 @@ every stage's optimizer and lr-schedule step counters, partially accumulated gra
 pipeline: messages, FIFOs with their parameter copies, unused labels), the data-order generator's
 state at the start of the epoch with the position in it, the torch RNG state and the epoch's running
 sums. ``--resume PATH`` loads it into fresh objects (same model/data/method/recipe arguments, checked)
-and continues: the run is bit-identical to an uninterrupted one; the logs in ``--out`` are appended to.
+and continues: the run is bit-identical to an uninterrupted one; the logs in ``--out`` keep the epochs
+before the checkpoint's and are appended to.
 Under ``--runtime distributed`` every rank writes its own ``<out>/checkpoint/rank{r}.pt`` after the same
 tick (its worker's stages, optimizers, FIFOs, the messages it has received for the next tick, the
 head's unused labels, the feed history; `PipelineRank.state_dict`) with the same data-order / RNG
 state, then the ranks meet at a barrier; ``--resume <out>/checkpoint`` (same number of ranks) restores
 each rank from its file (the ranks check they are at the same tick) and continues bit-identically.
+A rank writes ``rank{r}.pt.tmp``, meets the others at a barrier, then renames it to ``rank{r}.pt``; a
+resume takes the newest step for which every rank has a complete file (either name), so a rank killed
+while the ranks write leaves a usable set.
+
+Restarts (distributed). Under ``torchrun --max-restarts N``, or with ``--nproc R --max-restarts N`` (the
+trainer relaunches its R processes up to N times), a restarted attempt resumes from ``<out>/checkpoint``
+(or from ``--resume`` while ``<out>/checkpoint`` is empty, else from scratch): a run that lost a rank ends
+with exactly the parameters of an uninterrupted one. The logs drop the epochs the lost attempt logged
+after that checkpoint. At the end the logging rank writes the trained ``model.pt`` (the model's
+state_dict) to ``--out``.
 
 Runtimes. ``--runtime simulate`` (default): the exact one-process simulator (any method).
 ``--runtime distributed`` (``petra`` and ``delayed``): one process per worker, torch.distributed point-to-point
@@ -77,7 +88,12 @@ simulator with the same grouping::
 
 ``--ranks R`` splits the model's J stages into R contiguous groups, each run as one worker (by either
 runtime, so ``--runtime simulate --ranks R`` simulates exactly what R distributed ranks do); the
-default is one worker per stage (simulate) or one group per rank (distributed). Every rank iterates
+default is one worker per stage (simulate) or one group per rank (distributed). ``--balance count``
+(default) splits by stage count; ``--balance time`` minimises the largest group's per-tick cost, each
+stage's forward + rebuild + VJP and 1 / ``--accum`` of its optimizer step timed on the first training batch (`revkernels.petra.stage_costs`; under
+the distributed runtime every rank times them at once and rank 0's times decide, within ``--timeout``).
+``config.json`` has the grouping (``groups``) and the timed ``stage_costs_s``; a resumed run keeps the
+checkpoint's grouping. Every rank iterates
 the same seeded batches; the last rank (the head: it has the losses) gathers the other ranks' stage
 states at each epoch's end, evaluates and writes the logs, in the same format. ``--timeout`` (s): a
 rank that stops answering for that long stops the run; every process then exits non-zero naming it.
@@ -94,6 +110,7 @@ import torch
 import torch.nn.functional as F
 
 from revkernels.petra.data import DATASETS, batches, load_dataset
+from revkernels.petra.partition import BALANCES, balanced_sizes, stage_costs
 from revkernels.petra.simulate import METHODS, PIPELINED, Trainer, split_groups
 
 MODELS = ("revnet18", "revnet34", "revnet50")
@@ -131,8 +148,15 @@ def make_parser():
                         "one group per rank under --runtime distributed)")
     p.add_argument("--nproc", type=int, default=None,
                    help="--runtime distributed without torchrun: spawn this many local processes (ranks)")
+    p.add_argument("--balance", default="count",
+                   help="stage groups (--ranks / --runtime distributed): count (by stage count) or time (the largest "
+                        "group's timed per-tick cost minimised)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="with --nproc: relaunch the processes up to N times after a failure, resuming from the last "
+                        "checkpoint (under torchrun, pass --max-restarts to torchrun)")
     p.add_argument("--timeout", type=float, default=30.0,
-                   help="distributed: seconds before a silent rank counts as failed (every process then exits non-zero)")
+                   help="distributed: seconds before a silent rank counts as failed (every process then exits "
+                        "non-zero within --timeout + 1 s, naming it)")
     p.add_argument("--accum", type=int, default=1, help="backward steps per optimizer step (k)")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=64)
@@ -185,8 +209,7 @@ def _check_args(args):
     for name in ("analyze_every", "checkpoint_every"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"revkernels: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.resume is not None and args.runtime == "distributed" and not os.path.isfile(
-            os.path.join(args.resume, "rank0.pt")):
+    if args.resume is not None and args.runtime == "distributed" and not _rank_files(args.resume):
         raise ValueError(f"revkernels: --resume {args.resume!r} is not a folder of rank checkpoints (rank0.pt, ...)")
     if args.resume is not None and args.runtime != "distributed" and not os.path.isfile(args.resume):
         raise ValueError(f"revkernels: --resume {args.resume!r} is not a file")
@@ -197,6 +220,16 @@ def _check_args(args):
             raise ValueError(f"revkernels: {name} must be >= 1, got {value}")
     if args.nproc is not None and args.runtime != "distributed":
         raise ValueError("revkernels: --nproc needs --runtime distributed")
+    if args.balance not in BALANCES:
+        raise ValueError(f"revkernels: --balance must be one of {list(BALANCES)}, got {args.balance!r}")
+    if args.balance == "time" and args.runtime != "distributed" and args.ranks is None:
+        raise ValueError("revkernels: --balance time needs --ranks R (or --runtime distributed): without groups every "
+                         "stage is its own worker")
+    if args.max_restarts < 0:
+        raise ValueError(f"revkernels: --max-restarts must be >= 0, got {args.max_restarts}")
+    if args.max_restarts and args.nproc is None:
+        raise ValueError("revkernels: --max-restarts is for the --nproc launcher (under torchrun, pass --max-restarts "
+                         "to torchrun)")
     if args.nproc is not None and args.ranks is not None and args.nproc != args.ranks:
         raise ValueError(f"revkernels: --ranks {args.ranks} and --nproc {args.nproc} differ (one rank per group)")
     if not math.isfinite(args.timeout) or args.timeout <= 0:
@@ -240,9 +273,10 @@ ANALYSIS_FIELDS = ["epoch", "method", "stage", "step", "tick", "cosine", "norm_r
 
 
 class _Logger:
-    """metrics.jsonl and metrics.csv in `out` (appended to when `append`)."""
+    """metrics.jsonl / .csv and analysis.jsonl / .csv in `out`: new files, or (resuming at epoch
+    `before_epoch`) the existing ones, keeping their records of the epochs before it."""
 
-    def __init__(self, out, num_stages, append=False):
+    def __init__(self, out, num_stages, before_epoch=None):
         self.jsonl = os.path.join(out, "metrics.jsonl")
         self.csv = os.path.join(out, "metrics.csv")
         self.fields = (["epoch", "step", "optimizer_steps", "lr", "train_loss", "test_loss", "test_acc",
@@ -253,11 +287,20 @@ class _Logger:
         self.analysis_csv = os.path.join(out, "analysis.csv")
         for path, fields in ((self.jsonl, None), (self.csv, self.fields), (self.analysis_jsonl, None),
                              (self.analysis_csv, ANALYSIS_FIELDS)):
-            if append and os.path.exists(path):
-                continue
+            kept = []
+            if before_epoch is not None and os.path.exists(path):
+                with open(path, newline="") as f:
+                    if fields:
+                        kept = [r for r in csv.DictReader(f) if int(r["epoch"]) < before_epoch]
+                    else:
+                        kept = [line for line in f if json.loads(line)["epoch"] < before_epoch]
             with open(path, "w", newline="") as f:
                 if fields:
-                    csv.writer(f).writerow(fields)
+                    w = csv.DictWriter(f, fields)
+                    w.writeheader()
+                    w.writerows(kept)
+                else:
+                    f.writelines(kept)
 
     def log_analysis(self, records, epoch):
         with open(self.analysis_jsonl, "a") as f:
@@ -295,9 +338,18 @@ def main(argv=None):
         if args.nproc is None:
             raise ValueError("revkernels: --runtime distributed runs one process per rank: launch it with "
                              "torchrun --nproc-per-node R -m revkernels.petra.train ..., or pass --nproc R")
-        from revkernels.petra.distributed import launch
-        launch(_rank_main, args.nproc, (argv,), threads=args.threads or max(1, (os.cpu_count() or 1) // args.nproc))
-        out = args.out or os.path.join("runs", f"{args.model}-{args.dataset}-{args.method}")
+        from revkernels.petra.distributed import ATTEMPT_ENV, LaunchError, launch
+        threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
+        for attempt in range(args.max_restarts + 1):
+            try:
+                launch(_rank_main, args.nproc, (argv,), threads=threads, env={ATTEMPT_ENV: str(attempt)})
+                break
+            except LaunchError as e:
+                if attempt == args.max_restarts:
+                    raise
+                print(f"python -m revkernels.petra.train: {e}; restart {attempt + 1} of {args.max_restarts} from the "
+                      f"last checkpoint", file=sys.stderr, flush=True)
+        out = _out(args)
         with open(os.path.join(out, "summary.json")) as f:
             return json.load(f)
     threads = torch.get_num_threads()
@@ -310,6 +362,10 @@ def main(argv=None):
         return _run(args)
     finally:
         torch.set_num_threads(threads)
+
+
+def _out(args):
+    return args.out or os.path.join("runs", f"{args.model}-{args.dataset}-{args.method}")
 
 
 def _run(args):
@@ -327,72 +383,127 @@ def _run(args):
                   warmup_steps=int(round(args.warmup_epochs * opt_steps_per_epoch)),
                   milestones=[int(round(m * opt_steps_per_epoch)) for m in args.milestones],
                   weight_decay=args.weight_decay, gamma=args.gamma, batch_size=args.batch_size)
-    device, pipe = None, None
-    if args.runtime == "distributed":
-        kwargs["method"] = args.method
     if args.runtime == "distributed":
         from revkernels.petra import distributed
 
+        kwargs["method"] = args.method
         device = distributed.init(timeout=args.timeout)
         if args.ranks is not None:
             split_groups(len(model.stages), args.ranks)  # a clear error before any rank waits on another
-        pipe = distributed.PipelineRank(model, groups=args.ranks, timeout=args.timeout, device=device, **kwargs)
+        if distributed.restart_attempt() > 0 and _rank_files(os.path.join(_out(args), "checkpoint")):
+            args.resume = os.path.join(_out(args), "checkpoint")  # a restarted attempt: from the last checkpoint
+        ckpt = _read_checkpoint(args, True) if args.resume else None
+        groups, costs = _groups(args, model, data, device, ckpt)
+        pipe = distributed.PipelineRank(model, groups=groups, timeout=args.timeout, device=device, **kwargs)
         trainer, logs = pipe.trainer, pipe.is_last
         try:
-            return _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tqdm)
+            return _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tqdm, ckpt, costs)
         except Exception as e:  # noqa: BLE001 - a failing rank stops every rank, naming itself
             import traceback
 
             traceback.print_exc()
             pipe.fail(pipe.rank, f"{type(e).__name__}: {e}")
-    trainer = Trainer(model, method=args.method, groups=args.ranks, analyze_every=args.analyze_every, **kwargs)
-    return _train(args, data, model, trainer, None, True, None, batches_per_epoch, tqdm)
+    ckpt = _read_checkpoint(args, False) if args.resume else None
+    groups, costs = _groups(args, model, data, None, ckpt)
+    trainer = Trainer(model, method=args.method, groups=groups, analyze_every=args.analyze_every, **kwargs)
+    return _train(args, data, model, trainer, None, True, None, batches_per_epoch, tqdm, ckpt, costs)
+
+
+def _groups(args, model, data, device, ckpt):
+    """(the stage grouping for `Trainer` / `PipelineRank`, the timed per-stage costs or None): ``--ranks`` by
+    ``--balance`` (time: the checkpoint's grouping when resuming; under the distributed runtime rank 0's timings
+    decide)."""
+    if args.balance == "count":
+        return args.ranks, None
+    if ckpt is not None:  # timings differ from run to run: the grouping the checkpoint was made with
+        return [len(g) for g in ckpt["trainer"]["groups"]], None
+    example = data.train_images[:args.batch_size]
+    costs = stage_costs(model, example if device is None else example.to(device), accum_k=args.accum)
+    if args.runtime == "distributed":
+        import torch.distributed as dist
+
+        shared = [costs]
+        dist.broadcast_object_list(shared, src=0)
+        costs = shared[0]
+    ranks = args.ranks or (int(os.environ["WORLD_SIZE"]) if args.runtime == "distributed" else len(costs))
+    return balanced_sizes(costs, ranks), costs
 
 
 # Arguments a resumed run must share with the checkpoint's (the rest, e.g. --epochs, --max-steps, --out,
 # --checkpoint-every, --threads, may differ).
-_RESUME_SAME = ("model", "stem", "dataset", "data", "method", "ranks", "accum", "batch_size", "lr", "warmup_epochs",
-                "milestones", "gamma", "weight_decay", "image_size", "seed", "split_seed", "analyze_every")
+_RESUME_SAME = ("model", "stem", "dataset", "data", "method", "ranks", "balance", "accum", "batch_size", "lr",
+                "warmup_epochs", "milestones", "gamma", "weight_decay", "image_size", "seed", "split_seed", "analyze_every")
 
 
-def _save_checkpoint(path, state):
+def _save_checkpoint(path, pipe, state):
+    """Writes ``path.tmp`` and renames it to `path`; distributed: after every rank has written its
+    ``.tmp`` (so at any moment some complete step is on disk for every rank: `_read_checkpoint`)."""
     tmp = path + ".tmp"
     torch.save(state, tmp)
+    if pipe is not None:
+        pipe.barrier()
     os.replace(tmp, path)
 
 
-def _load_checkpoint(args, trainer, pipe=None):
-    path = args.resume if pipe is None else os.path.join(args.resume, f"rank{pipe.rank}.pt")
-    if not os.path.isfile(path):
-        raise ValueError(f"revkernels: --resume: {path!r} is missing (a distributed run resumes with as many ranks "
-                         f"as it was saved with)")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+def _rank_files(folder):
+    return os.path.isdir(folder) and any(f.startswith("rank") and f.endswith((".pt", ".pt.tmp"))
+                                         for f in os.listdir(folder))
+
+
+def _check_checkpoint(args, ckpt, path):
     if not isinstance(ckpt, dict) or ckpt.get("kind") != "revkernels.petra.train checkpoint":
-        raise ValueError(f"revkernels: --resume {args.resume!r} is not a revkernels.petra.train checkpoint")
-    diff = [k for k in _RESUME_SAME if ckpt["args"].get(k) != getattr(args, k)]
+        raise ValueError(f"revkernels: --resume {path!r} is not a revkernels.petra.train checkpoint")
+    saved = dict({"balance": "count"}, **ckpt["args"])  # checkpoints older than --balance split by count
+    diff = [k for k in _RESUME_SAME if saved.get(k) != getattr(args, k)]
     if diff:
         raise ValueError("revkernels: --resume: the checkpoint was made with other " + ", ".join(
-            f"--{k.replace('_', '-')} ({ckpt['args'].get(k)!r}, not {getattr(args, k)!r})" for k in diff))
+            f"--{k.replace('_', '-')} ({saved.get(k)!r}, not {getattr(args, k)!r})" for k in diff))
     if ckpt["args"].get("runtime", "simulate") != args.runtime:
         raise ValueError(f"revkernels: --resume: the checkpoint is from --runtime {ckpt['args'].get('runtime')}, "
                          f"not {args.runtime} (revkernels.petra.distributed.merge_rank_states / split_trainer_state "
                          f"convert between the two)")
-    (trainer if pipe is None else pipe).load_state_dict(ckpt["trainer"])
     return ckpt
 
 
-def _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tqdm):
+def _read_checkpoint(args, distributed):
+    """The checkpoint to resume from. Distributed (collective): this rank's file of the newest step for which
+    every rank has a complete ``rank{r}.pt`` or ``rank{r}.pt.tmp`` in ``--resume``."""
+    if not distributed:
+        return _check_checkpoint(args, torch.load(args.resume, map_location="cpu", weights_only=False), args.resume)
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    found = {}
+    for path in (os.path.join(args.resume, f"rank{rank}.pt"), os.path.join(args.resume, f"rank{rank}.pt.tmp")):
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception:  # noqa: BLE001 - missing, or cut short by a killed rank: not a candidate
+            continue
+        if isinstance(ckpt, dict) and "step" in ckpt:
+            found[ckpt["step"]] = (path, ckpt)
+    steps = [None] * world
+    dist.all_gather_object(steps, sorted(found))
+    common = set(steps[0]).intersection(*steps[1:])
+    if not common:
+        raise ValueError(f"revkernels: --resume {args.resume!r}: no step with a complete rank file for every one of the "
+                         f"{world} ranks (the steps per rank: {steps}; a distributed run resumes with as many ranks as "
+                         f"it was saved with)")
+    path, ckpt = found[max(common)]
+    return _check_checkpoint(args, ckpt, path)
+
+
+def _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tqdm, ckpt, costs):
     """The epoch loop, for the simulator (`pipe` None) or this rank of a distributed run (`logs`: this
-    process writes the logs)."""
+    process writes the logs), from `ckpt` when resuming; `costs`: the timed stage costs (config.json)."""
     step_fn = pipe if pipe is not None else trainer
-    out = args.out or os.path.join("runs", f"{args.model}-{args.dataset}-{args.method}")
+    out = _out(args)
     total_steps = args.epochs * batches_per_epoch
     if args.max_steps is not None:
         total_steps = min(total_steps, args.max_steps)
     gen = torch.Generator().manual_seed(args.seed)
     step, record, start_epoch, skip, carried = 0, None, 1, 0, None
-    if args.resume:
-        ckpt = _load_checkpoint(args, trainer, pipe)
+    if ckpt is not None:
+        (trainer if pipe is None else pipe).load_state_dict(ckpt["trainer"])
         step, start_epoch, skip = ckpt["step"], ckpt["epoch"], ckpt["step_in_epoch"]
         gen.set_state(ckpt["epoch_generator_state"])
         torch.set_rng_state(ckpt["torch_rng_state"])
@@ -404,11 +515,12 @@ def _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tq
                       world_size=pipe.world_size if pipe is not None else 1,
                       train_images=int(data.train_images.shape[0]),
                       test_images=int(data.test_images.shape[0]), batches_per_epoch=batches_per_epoch,
+                      stage_costs_s=costs,
                       total_steps=total_steps, peak_lr=trainer.peak_lr, warmup_steps=trainer.warmup_steps,
                       milestone_steps=list(trainer.milestones), normalisation={"mean": data.mean, "std": data.std})
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
-        logger = _Logger(out, trainer.num_stages, append=bool(args.resume))
+        logger = _Logger(out, trainer.num_stages, before_epoch=None if ckpt is None else ckpt["epoch"])
     analysed = len(trainer.analysis)
 
     bar = tqdm(total=total_steps, initial=step, desc=f"{args.method} {args.model}", unit="step",
@@ -441,14 +553,12 @@ def _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tq
                 else:  # every rank its own file, after the same tick (its sends and next receives waited)
                     os.makedirs(os.path.join(out, "checkpoint"), exist_ok=True)
                     path, state = os.path.join(out, "checkpoint", f"rank{pipe.rank}.pt"), pipe.state_dict()
-                _save_checkpoint(path, {
+                _save_checkpoint(path, pipe, {
                     "kind": "revkernels.petra.train checkpoint", "args": vars(args), "trainer": state,
                     "step": step, "epoch": epoch, "step_in_epoch": in_epoch, "epoch_generator_state": epoch_state,
                     "torch_rng_state": torch.get_rng_state(),
                     "epoch_sums": {"losses": losses, "n_images": n_images, "analysis_start": epoch_analysis_start,
                                    "train_time": time.perf_counter() - t0}})
-                if pipe is not None:
-                    pipe.barrier()  # every rank's file written before any rank moves on
         skip = 0
         last = epoch == args.epochs or step >= total_steps
         stats = step_fn.buffer_stats()  # the in-flight buffers, before any drain (collective if distributed)
@@ -491,6 +601,7 @@ def _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tq
         pipe.close()
     if not logs:
         return None
+    torch.save(model.state_dict(), os.path.join(out, "model.pt"))
     summary = dict(record, model=args.model, dataset=args.dataset, method=args.method, accum=args.accum,
                    runtime=args.runtime, seed=args.seed, final_test_acc=record["test_acc"],
                    analysis_mean_cosine=_mean(r["cosine"] for r in trainer.analysis),

@@ -24,20 +24,36 @@ def test_bench_petra_quick_writes_its_csv(tmp_path):
     for r in rows:
         assert r["commit"] and r["device"] and r["torch"] and float(r["images_per_s"]) > 0
         assert float(r["speedup_vs_revbackprop_same_cores"]) > 0 and float(r["speedup_vs_revbackprop_best"]) > 0
-    assert [r["groups"] for r in rows if r["variant"] == "petra_distributed"] == ["0-4 5-9"]
+    petra = next(r for r in rows if r["variant"] == "petra_distributed")
+    first, second = petra["groups"].split()  # --balance time (default): two contiguous groups of the 10 stages
+    assert first.startswith("0-") and second.endswith("-9") and int(second.split("-")[0]) == int(first[2:]) + 1
+    assert float(petra["max_group_ms"]) > 0 and float(petra["bound"]) > 0
+    assert abs(float(petra["efficiency"]) * float(petra["bound"]) - float(petra["speedup_vs_revbackprop_1thread"])) < 0.01
+    assert len(petra["stage_ms"].split()) == 10 and petra["balance"] == "time"
 
 
 def test_bench_petra_run_returns_its_rows(monkeypatch, tmp_path):
     """run(args) returns the CSV's rows (what the suite's summary reads); the timing itself mocked."""
     import revkernels.bench.petra as bench
 
+    from revkernels.petra.simulate import split_groups
+
     monkeypatch.setattr(bench, "_bench_revbackprop", lambda cfg, threads: [0.2 * threads] * cfg["steps"])
-    monkeypatch.setattr(bench, "launch", lambda fn, nproc, args, **kw: [{"tick_s": [0.1] * 4, "groups": [[0, 1, 2, 3, 4],
-                                                                                                     [5, 6, 7, 8, 9]]}])
+    monkeypatch.setattr(bench, "_profile", lambda cfg: [0.01] * 5 + [0.03] * 5)
+    monkeypatch.setattr(bench, "launch", lambda fn, nproc, args, **kw: [
+        {"tick_s": [0.1] * 4, "groups": split_groups(10, args[0]["groups"])}])
     rows = bench.run(bench.parse_args(["--quick", "--out", str(tmp_path)]))
     petra = next(r for r in rows if r["variant"] == "petra_distributed")
     assert petra["speedup_vs_revbackprop_best"] == 2.0 and petra["speedup_vs_revbackprop_same_cores"] == 4.0
-    assert petra["groups"] == "0-4 5-9" and (tmp_path / "petra_cpu.csv").exists()
+    # time balance: 0-6 (5 x 10 + 2 x 30 = 110 ms) | 7-9 (90 ms); bound 200 / 110, measured 200 / 100
+    assert petra["groups"] == "0-6 7-9" and (tmp_path / "petra_cpu.csv").exists()
+    assert petra["max_group_ms"] == 110.0 and petra["bound"] == round(0.2 / 0.11, 3)
+    assert petra["efficiency"] == round(2.0 / (0.2 / 0.11), 3)
+    rows = bench.run(bench.parse_args(["--quick", "--balance", "count", "--out", str(tmp_path)]))
+    petra = next(r for r in rows if r["variant"] == "petra_distributed")
+    assert petra["groups"] == "0-4 5-9" and petra["max_group_ms"] == 150.0 and petra["bound"] == round(0.2 / 0.15, 3)
+    with pytest.raises(ValueError, match="--groups must be 2 sizes summing to 10"):
+        bench.run(bench.parse_args(["--quick", "--groups", "4", "4", "--out", str(tmp_path)]))
     assert bench.main(["--quick", "--out", str(tmp_path)]) == 0  # an exit status, not the rows
 
 
