@@ -95,7 +95,9 @@ def _extensions():
                             **common)
     else:
         ext = CppExtension(sources=cpu_sources, extra_compile_args={"cxx": cxx_flags + isa_flags}, **common)
-    variant_flags = cxx_flags + ["-std=c++20", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    # -Wno-*uninitialized: GCC 12's AVX-512 intrinsics headers trip them (_mm512_undefined_*).
+    variant_flags = cxx_flags + ["-std=c++20", "-fPIC", "-Wno-maybe-uninitialized", "-Wno-uninitialized",
+                                 f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     return [ext], {"build_ext": _build_ext_class(BuildExtension, variant_flags).with_options(use_ninja=True)}
 
 

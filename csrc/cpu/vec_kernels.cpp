@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <memory>
 #include <type_traits>
 
@@ -78,6 +79,20 @@ struct Block {
 template <typename acc_t> Block<acc_t> operator+(const Block<acc_t>& a, const Block<acc_t>& b) { return {a.lo + b.lo, a.hi + b.hi}; }
 template <typename acc_t> Block<acc_t> operator-(const Block<acc_t>& a, const Block<acc_t>& b) { return {a.lo - b.lo, a.hi - b.hi}; }
 template <typename acc_t> Block<acc_t> operator*(const Block<acc_t>& a, const Block<acc_t>& b) { return {a.lo * b.lo, a.hi * b.hi}; }
+
+// relu(v) as the scalar kernels form it: v where v > 0, else 0 (NaN included).
+template <typename acc_t>
+inline Block<acc_t> relu(const Block<acc_t>& v) {
+  const Vec<acc_t> zero(acc_t(0));
+  return {Vec<acc_t>::blendv(zero, v.lo, v.lo > zero), Vec<acc_t>::blendv(zero, v.hi, v.hi > zero)};
+}
+
+// d where y > 0, else 0.
+template <typename acc_t>
+inline Block<acc_t> where_positive(const Block<acc_t>& y, const Block<acc_t>& d) {
+  const Vec<acc_t> zero(acc_t(0));
+  return {Vec<acc_t>::blendv(zero, d.lo, y.lo > zero), Vec<acc_t>::blendv(zero, d.hi, y.hi > zero)};
+}
 
 // Loads count (<= kBlock) elements of T as acc_t; lanes past count are unspecified.
 template <typename acc_t, typename T>
@@ -304,7 +319,7 @@ void layer_norm_bwd_add_vec(dres_t* dx, acc_t* dweight_partial, acc_t* dbias_par
       const Block<acc_t> xhat = (load_block<acc_t>(xr + i, c) - mu) * rs;
       const Block<acc_t> d = first(load_block<acc_t>(dr + i, c), c);
       const Block<acc_t> dxhat = d * load_block<acc_t>(weight + i, c);
-      sum_dxhat = sum_dxhat + dxhat;
+      sum_dxhat = sum_dxhat + first(dxhat, c);
       sum_dxhat_xhat = sum_dxhat_xhat + first(dxhat * xhat, c);
       store_block(dweight_partial + i, load_block<acc_t>(dweight_partial + i, c) + d * xhat, c);
       store_block(dbias_partial + i, load_block<acc_t>(dbias_partial + i, c) + d, c);
@@ -473,34 +488,214 @@ void bias_gelu_bwd(void* dx, const void* dy, int64_t dy_row_stride, const void* 
 }
 
 // --- BatchNorm -----------------------------------------------------------------------------------
+// Two layouts have a vector path: spatially contiguous (NCHW; s_stride 1), vectorised along each
+// sample's S elements of one channel, and channel-contiguous (channels_last, (N, C) or S = 1;
+// c_stride 1), vectorised across a block of adjacent channels at each position. A channel's sum is
+// formed per sample and the per-sample sums added in sample order, as in the scalar kernels.
 
-// BatchNorm: the scalar kernels for now (see RK_SCALAR).
+enum class BnPath { Spatial, Channels, Scalar };
+
+inline BnPath bn_path(std::initializer_list<const BnView*> views) {
+  bool channels = true, spatial = true;
+  for (const BnView* v : views) {
+    channels = channels && v->c_stride == 1 && (v->s_stride != 1 || v->s == 1);
+    spatial = spatial && v->s_stride == 1;
+  }
+  return channels ? BnPath::Channels : spatial ? BnPath::Spatial : BnPath::Scalar;
+}
+
+// The lanes of a block, in an array.
+template <typename acc_t>
+struct Lanes {
+  __at_align__ acc_t v[kBlock<acc_t>];
+  explicit Lanes(const Block<acc_t>& b) { store_block(v, b); }
+};
+
+template <typename acc_t, typename x_t>
+void batch_norm_act_vec(x_t* out, acc_t* mean, acc_t* rstd, const x_t* x, const BnView& xv, const BnView& ov,
+                        const acc_t* weight, const acc_t* bias, acc_t eps, bool relu, int64_t c_begin, int64_t c_end,
+                        BnPath path) {
+  const acc_t count = static_cast<acc_t>(xv.n * xv.s);
+  if (path == BnPath::Spatial) {
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      const x_t* xc = x + c * xv.c_stride;
+      acc_t sum = 0, squares = 0;
+      for (int64_t i = 0; i < xv.n; ++i) {
+        Block<acc_t> part(acc_t(0));
+        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) { part = part + first(load_block<acc_t>(xc + i * xv.n_stride + j, k), k); });
+        sum += total(part);
+      }
+      const Block<acc_t> mu(sum / count);
+      for (int64_t i = 0; i < xv.n; ++i) {
+        Block<acc_t> part(acc_t(0));
+        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) {
+          const Block<acc_t> d = first(load_block<acc_t>(xc + i * xv.n_stride + j, k) - mu, k);
+          part = part + d * d;
+        });
+        squares += total(part);
+      }
+      mean[c] = sum / count;
+      rstd[c] = acc_t(1) / std::sqrt(squares / count + eps);
+      const Block<acc_t> rs(rstd[c]), w(weight[c]), b(bias[c]);
+      x_t* oc = out + c * ov.c_stride;
+      for (int64_t i = 0; i < xv.n; ++i) {
+        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) {
+          const Block<acc_t> y = (load_block<acc_t>(xc + i * xv.n_stride + j, k) - mu) * rs * w + b;
+          store_block(oc + i * ov.n_stride + j, relu ? CPU_CAPABILITY::relu(y) : y, k);
+        });
+      }
+    }
+    return;
+  }
+  for (int64_t c0 = c_begin; c0 < c_end; c0 += kBlock<acc_t>) {  // BnPath::Channels
+    const int64_t k = std::min(kBlock<acc_t>, c_end - c0);
+    auto at = [&](int64_t i, int64_t j) { return load_block<acc_t>(x + i * xv.n_stride + j * xv.s_stride + c0, k); };
+    Block<acc_t> sum(acc_t(0)), squares(acc_t(0));
+    for (int64_t i = 0; i < xv.n; ++i) {
+      Block<acc_t> part(acc_t(0));
+      for (int64_t j = 0; j < xv.s; ++j) part = part + at(i, j);
+      sum = sum + part;
+    }
+    const Lanes<acc_t> sums(sum);
+    for (int64_t l = 0; l < k; ++l) mean[c0 + l] = sums.v[l] / count;
+    const Block<acc_t> mu = load_block<acc_t>(mean + c0, k);
+    for (int64_t i = 0; i < xv.n; ++i) {
+      Block<acc_t> part(acc_t(0));
+      for (int64_t j = 0; j < xv.s; ++j) {
+        const Block<acc_t> d = at(i, j) - mu;
+        part = part + d * d;
+      }
+      squares = squares + part;
+    }
+    const Lanes<acc_t> squared(squares);
+    for (int64_t l = 0; l < k; ++l) rstd[c0 + l] = acc_t(1) / std::sqrt(squared.v[l] / count + eps);
+    const Block<acc_t> rs = load_block<acc_t>(rstd + c0, k), w = load_block<acc_t>(weight + c0, k),
+                       b = load_block<acc_t>(bias + c0, k);
+    for (int64_t i = 0; i < xv.n; ++i) {
+      for (int64_t j = 0; j < xv.s; ++j) {
+        const Block<acc_t> y = (at(i, j) - mu) * rs * w + b;
+        store_block(out + i * ov.n_stride + j * ov.s_stride + c0, relu ? CPU_CAPABILITY::relu(y) : y, k);
+      }
+    }
+  }
+}
+
+template <typename acc_t, typename x_t>
+void batch_norm_act_bwd_vec(x_t* dx, acc_t* dweight, acc_t* dbias, const x_t* dout, const BnView& dv, const x_t* x,
+                            const BnView& xv, const BnView& dxv, const acc_t* weight, const acc_t* bias,
+                            const acc_t* mean, const acc_t* rstd, bool relu, int64_t c_begin, int64_t c_end,
+                            BnPath path) {
+  const acc_t count = static_cast<acc_t>(xv.n * xv.s);
+  // dy (dout masked by the recomputed pre-activation) and xhat of a block at x offset xo, dout offset do_.
+  auto dy_xhat = [&](int64_t xo, int64_t do_, int64_t k, const Block<acc_t>& mu, const Block<acc_t>& rs,
+                     const Block<acc_t>& w, const Block<acc_t>& b, Block<acc_t>* dy, Block<acc_t>* xhat) {
+    const Block<acc_t> xb = load_block<acc_t>(x + xo, k);
+    *xhat = (xb - mu) * rs;
+    const Block<acc_t> d = load_block<acc_t>(dout + do_, k);
+    *dy = relu ? where_positive((xb - mu) * rs * w + b, d) : d;
+  };
+  if (path == BnPath::Spatial) {
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      const Block<acc_t> mu(mean[c]), rs(rstd[c]), w(weight[c]), b(bias[c]);
+      acc_t sum_dy = 0, sum_dy_xhat = 0;
+      for (int64_t i = 0; i < xv.n; ++i) {
+        Block<acc_t> part_dy(acc_t(0)), part_dy_xhat(acc_t(0));
+        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) {
+          Block<acc_t> dy, xhat;
+          dy_xhat(c * xv.c_stride + i * xv.n_stride + j, c * dv.c_stride + i * dv.n_stride + j, k, mu, rs, w, b, &dy, &xhat);
+          part_dy = part_dy + first(dy, k);
+          part_dy_xhat = part_dy_xhat + first(dy * xhat, k);
+        });
+        sum_dy += total(part_dy);
+        sum_dy_xhat += total(part_dy_xhat);
+      }
+      const Block<acc_t> mean_dy(sum_dy / count), mean_dy_xhat(sum_dy_xhat / count), scale(rstd[c] * weight[c]);
+      for (int64_t i = 0; i < xv.n; ++i) {
+        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) {
+          Block<acc_t> dy, xhat;
+          dy_xhat(c * xv.c_stride + i * xv.n_stride + j, c * dv.c_stride + i * dv.n_stride + j, k, mu, rs, w, b, &dy, &xhat);
+          store_block(dx + c * dxv.c_stride + i * dxv.n_stride + j, scale * (dy - mean_dy - xhat * mean_dy_xhat), k);
+        });
+      }
+      dweight[c] = sum_dy_xhat;
+      dbias[c] = sum_dy;
+    }
+    return;
+  }
+  for (int64_t c0 = c_begin; c0 < c_end; c0 += kBlock<acc_t>) {  // BnPath::Channels
+    const int64_t k = std::min(kBlock<acc_t>, c_end - c0);
+    const Block<acc_t> mu = load_block<acc_t>(mean + c0, k), rs = load_block<acc_t>(rstd + c0, k),
+                       w = load_block<acc_t>(weight + c0, k), b = load_block<acc_t>(bias + c0, k);
+    Block<acc_t> sum_dy(acc_t(0)), sum_dy_xhat(acc_t(0));
+    for (int64_t i = 0; i < xv.n; ++i) {
+      Block<acc_t> part_dy(acc_t(0)), part_dy_xhat(acc_t(0));
+      for (int64_t j = 0; j < xv.s; ++j) {
+        Block<acc_t> dy, xhat;
+        dy_xhat(i * xv.n_stride + j * xv.s_stride + c0, i * dv.n_stride + j * dv.s_stride + c0, k, mu, rs, w, b, &dy, &xhat);
+        part_dy = part_dy + dy;
+        part_dy_xhat = part_dy_xhat + dy * xhat;
+      }
+      sum_dy = sum_dy + part_dy;
+      sum_dy_xhat = sum_dy_xhat + part_dy_xhat;
+    }
+    store_block(dweight + c0, sum_dy_xhat, k);
+    store_block(dbias + c0, sum_dy, k);
+    const Block<acc_t> inv_count(acc_t(1) / count);
+    const Block<acc_t> mean_dy = sum_dy * inv_count, mean_dy_xhat = sum_dy_xhat * inv_count, scale = rs * w;
+    for (int64_t i = 0; i < xv.n; ++i) {
+      for (int64_t j = 0; j < xv.s; ++j) {
+        Block<acc_t> dy, xhat;
+        dy_xhat(i * xv.n_stride + j * xv.s_stride + c0, i * dv.n_stride + j * dv.s_stride + c0, k, mu, rs, w, b, &dy, &xhat);
+        store_block(dx + i * dxv.n_stride + j * dxv.s_stride + c0, scale * (dy - mean_dy - xhat * mean_dy_xhat), k);
+      }
+    }
+  }
+}
+
 void batch_norm_act(void* out, void* mean, void* rstd, const void* x, ScalarKind x_kind, const BnView& xv,
                     const BnView& ov, const void* weight, const void* bias, double eps, bool relu, int64_t c_begin,
                     int64_t c_end) {
-  RK_SCALAR(batch_norm_act, (dispatch_float_type(x_kind, [&](auto x_tag) {
-              using x_t = typename decltype(x_tag)::type;
-              using acc_t = typename std::conditional<std::is_same_v<x_t, double>, double, float>::type;
+  dispatch_float_type(x_kind, [&](auto x_tag) {
+    using x_t = typename decltype(x_tag)::type;
+    using acc_t = typename std::conditional<std::is_same_v<x_t, double>, double, float>::type;
+    const BnPath path = bn_path({&xv, &ov});
+    if (path != BnPath::Scalar) {
+      batch_norm_act_vec<acc_t>(static_cast<x_t*>(out), static_cast<acc_t*>(mean), static_cast<acc_t*>(rstd),
+                                static_cast<const x_t*>(x), xv, ov, static_cast<const acc_t*>(weight),
+                                static_cast<const acc_t*>(bias), static_cast<acc_t>(eps), relu, c_begin, c_end, path);
+      return;
+    }
+    RK_SCALAR(batch_norm_act,
               batch_norm_act_cpu<acc_t>(static_cast<x_t*>(out), static_cast<acc_t*>(mean), static_cast<acc_t*>(rstd),
                                         static_cast<const x_t*>(x), xv, ov, static_cast<const acc_t*>(weight),
-                                        static_cast<const acc_t*>(bias), static_cast<acc_t>(eps), relu, c_begin, c_end);
-            })),
-            out, mean, rstd, x, x_kind, xv, ov, weight, bias, eps, relu, c_begin, c_end);
+                                        static_cast<const acc_t*>(bias), static_cast<acc_t>(eps), relu, c_begin, c_end),
+              out, mean, rstd, x, x_kind, xv, ov, weight, bias, eps, relu, c_begin, c_end);
+  });
 }
 
 void batch_norm_act_bwd(void* dx, void* dweight, void* dbias, const void* dout, const BnView& dv, const void* x,
                         ScalarKind x_kind, const BnView& xv, const BnView& dxv, const void* weight, const void* bias,
                         const void* mean, const void* rstd, bool relu, int64_t c_begin, int64_t c_end) {
-  RK_SCALAR(batch_norm_act_bwd, (dispatch_float_type(x_kind, [&](auto x_tag) {
-              using x_t = typename decltype(x_tag)::type;
-              using acc_t = typename std::conditional<std::is_same_v<x_t, double>, double, float>::type;
+  dispatch_float_type(x_kind, [&](auto x_tag) {
+    using x_t = typename decltype(x_tag)::type;
+    using acc_t = typename std::conditional<std::is_same_v<x_t, double>, double, float>::type;
+    const BnPath path = bn_path({&dv, &xv, &dxv});
+    if (path != BnPath::Scalar) {
+      batch_norm_act_bwd_vec<acc_t>(static_cast<x_t*>(dx), static_cast<acc_t*>(dweight), static_cast<acc_t*>(dbias),
+                                    static_cast<const x_t*>(dout), dv, static_cast<const x_t*>(x), xv, dxv,
+                                    static_cast<const acc_t*>(weight), static_cast<const acc_t*>(bias),
+                                    static_cast<const acc_t*>(mean), static_cast<const acc_t*>(rstd), relu, c_begin,
+                                    c_end, path);
+      return;
+    }
+    RK_SCALAR(batch_norm_act_bwd,
               batch_norm_act_bwd_cpu<acc_t>(static_cast<x_t*>(dx), static_cast<acc_t*>(dweight),
                                             static_cast<acc_t*>(dbias), static_cast<const x_t*>(dout), dv,
                                             static_cast<const x_t*>(x), xv, dxv, static_cast<const acc_t*>(weight),
                                             static_cast<const acc_t*>(bias), static_cast<const acc_t*>(mean),
-                                            static_cast<const acc_t*>(rstd), relu, c_begin, c_end);
-            })),
-            dx, dweight, dbias, dout, dv, x, x_kind, xv, dxv, weight, bias, mean, rstd, relu, c_begin, c_end);
+                                            static_cast<const acc_t*>(rstd), relu, c_begin, c_end),
+              dx, dweight, dbias, dout, dv, x, x_kind, xv, dxv, weight, bias, mean, rstd, relu, c_begin, c_end);
+  });
 }
 
 }  // namespace CPU_CAPABILITY

@@ -25,12 +25,12 @@ const int64_t kWidths[] = {1, 3, 8, 15, 16, 17, 31, 33, 64, 100, 1000};
 
 template <typename T> using acc_of = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-// One rounding to out_t at |want| (ulp: a rounding-boundary flip included) plus the accumulation
-// type's error relative to `scale`.
+// One rounding to out_t at |want| (ulp: a rounding-boundary flip included; one subnormal spacing
+// near zero) plus the accumulation type's error relative to `scale`.
 template <typename out_t, typename acc_t>
 bool close(double got, double want, double scale) {
   const double acc = std::is_same_v<acc_t, double> ? 1e-12 : 2e-6;
-  return std::fabs(got - want) <= Traits<out_t>::ulp * std::fabs(want) + acc * scale;
+  return std::fabs(got - want) <= Traits<out_t>::ulp * std::fabs(want) + 2 * Traits<out_t>::subnormal + acc * scale;
 }
 
 template <typename T> std::vector<T> random_values(int64_t count, double mean, double spread, std::mt19937_64& rng) {
