@@ -2,9 +2,16 @@
 
 REVKERNELS_BUILD_CUDA=1 forces the CUDA kernels (failing if they cannot be built), =0 skips them.
 REVKERNELS_SKIP_EXTENSION=1 installs the pure-PyTorch package without compiling anything.
+
+CPU kernels: csrc/cpu/vec_kernels.cpp is compiled once per instruction set, as ATen compiles its
+own (see that file): with the other sources for DEFAULT, and on x86-64 with GCC twice more with the
+AVX2 and AVX512 flags below (build_ext compiles those objects itself: an Extension applies one
+flag set to all its sources). cpu/dispatch.cpp picks one at run time.
 """
 import glob
 import os
+import platform
+import sysconfig
 
 from setuptools import setup
 
@@ -20,13 +27,51 @@ def _env_flag(name):
     return value == "1"
 
 
+# -DCPU_CAPABILITY... selects at::vec's implementation; the -m flags are those of ATen's kernels.
+ISA_VARIANTS = {
+    "avx2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2"],
+    "avx512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
+               "-mavx512dq", "-mfma", "-mf16c", "-mbmi", "-mbmi2"],
+}
+VEC_SOURCE = "csrc/cpu/vec_kernels.cpp"
+
+
+def _isa_variants():
+    """The ISA variants to build: x86-64 with GCC (the flags above are GCC's)."""
+    compiler = os.environ.get("CXX") or sysconfig.get_config_var("CXX") or ""
+    if platform.machine() not in ("x86_64", "AMD64") or "clang" in compiler:
+        return {}
+    return ISA_VARIANTS
+
+
+def _build_ext_class(BuildExtension, cxx_flags):
+    class BuildExt(BuildExtension):
+        """Compiles the ISA variants of VEC_SOURCE and links them into revkernels._C."""
+
+        def build_extension(self, ext):
+            from torch.utils.cpp_extension import include_paths
+
+            objects = []
+            for isa, flags in _isa_variants().items():
+                out_dir = os.path.join(self.build_temp, "isa_" + isa)
+                objects += self.compiler.compile(
+                    [VEC_SOURCE], output_dir=out_dir, include_dirs=ext.include_dirs + include_paths(),
+                    extra_postargs=cxx_flags + flags)
+            # After the extension's own objects, so for any symbol the objects share (none expected)
+            # the linker keeps the baseline build's code.
+            ext.extra_objects = list(ext.extra_objects or []) + objects
+            super().build_extension(ext)
+
+    return BuildExt
+
+
 def _extensions():
     if _env_flag("REVKERNELS_SKIP_EXTENSION"):
         return [], {}
     import torch
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
-    sources = sorted(glob.glob("csrc/registration.cpp") + glob.glob("csrc/ops/*.cpp"))
+    sources = sorted(glob.glob("csrc/registration.cpp") + glob.glob("csrc/ops/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     cpu_sources = [s for s in sources if not s.endswith("_cuda.cpp")]
     cuda_sources = [s for s in sources if s.endswith("_cuda.cpp")] + sorted(glob.glob("csrc/kernels/*.cu"))
 
@@ -36,17 +81,24 @@ def _extensions():
         raise SystemExit("REVKERNELS_BUILD_CUDA=1 but torch has no CUDA or nvcc was not found (set CUDA_HOME)")
     use_cuda = can_cuda if want_cuda is None else want_cuda
 
-    cxx_flags = ["-O3"]
+    # -fopenmp: at::parallel_for is inline and splits work only in OpenMP builds (the library then
+    # uses the libgomp torch has loaded).
+    cxx_flags = ["-O3", "-fopenmp"]
+    isa_flags = ["-DREVKERNELS_CPU_ISA_VARIANTS"] if _isa_variants() else []
     # Unless a backend was forced, a failed compile still installs the pure-PyTorch package
     # (`import revkernels` then warns that revkernels._C is missing).
-    common = dict(name="revkernels._C", include_dirs=[os.path.join(ROOT, "csrc")], optional=want_cuda is None)
+    common = dict(name="revkernels._C", include_dirs=[os.path.join(ROOT, "csrc")], optional=want_cuda is None,
+                  extra_link_args=["-fopenmp"])
     if use_cuda:
         ext = CUDAExtension(sources=cpu_sources + cuda_sources,
-                            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
+                            extra_compile_args={"cxx": cxx_flags + isa_flags, "nvcc": ["-O3"]},
                             **common)
     else:
-        ext = CppExtension(sources=cpu_sources, extra_compile_args={"cxx": cxx_flags}, **common)
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+        ext = CppExtension(sources=cpu_sources, extra_compile_args={"cxx": cxx_flags + isa_flags}, **common)
+    # -Wno-*uninitialized: GCC 12's AVX-512 intrinsics headers trip them (_mm512_undefined_*).
+    variant_flags = cxx_flags + ["-std=c++20", "-fPIC", "-Wno-maybe-uninitialized", "-Wno-uninitialized",
+                                 f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    return [ext], {"build_ext": _build_ext_class(BuildExtension, variant_flags).with_options(use_ninja=True)}
 
 
 ext_modules, cmdclass = _extensions()

@@ -1,5 +1,6 @@
-// CPU implementations of revkernels::batch_norm_act / batch_norm_act_bwd: the torch-free kernels in
-// kernels/batch_norm.h, channels split across threads with at::parallel_for.
+// CPU implementations of revkernels::batch_norm_act / batch_norm_act_bwd: the kernels of
+// cpu/vec_kernels.h (semantics: kernels/batch_norm.h), channels split across threads with
+// at::parallel_for.
 //
 // Layouts: a data tensor (N, C, *spatial) is used as it is when NCHW-contiguous or channels_last
 // (4-d) / channels_last_3d (5-d), and copied with .contiguous() otherwise; outputs are allocated
@@ -12,6 +13,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "../cpu/vec_kernels.h"
 #include "../kernels/batch_norm.h"
 #include "coupling_layout.h"  // scalar_kind
 
@@ -64,9 +66,6 @@ void check_eps(double eps) {
   TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0, "revkernels: eps must be finite and non-negative, got ", eps);
 }
 
-template <typename T> T* ptr(const at::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
-template <typename T> const T* cptr(const at::Tensor& t) { return static_cast<const T*>(t.const_data_ptr()); }
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_op(const at::Tensor& x, const at::Tensor& weight,
                                                                  const at::Tensor& bias, double eps, bool relu) {
   check_batch_norm_act_args(x, weight, bias, eps);
@@ -82,13 +81,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_op(const at::Tenso
   const BnView xv = view_of(xl), ov = view_of(out);
   const at::Tensor w = weight.to(acc_dtype).contiguous(), b = bias.to(acc_dtype).contiguous();
   const int64_t per_channel = std::max<int64_t>(1, xv.n * xv.s);
-  dispatch_float_type(x_kind, [&](auto x_tag) {
-    using x_t = typename decltype(x_tag)::type;
-    using acc_t = typename std::conditional<std::is_same_v<x_t, double>, double, float>::type;
-    at::parallel_for(0, c, std::max<int64_t>(1, kGrainSize / per_channel), [&](int64_t begin, int64_t end) {
-      batch_norm_act_cpu<acc_t>(ptr<x_t>(out), ptr<acc_t>(mean), ptr<acc_t>(rstd), cptr<x_t>(xl), xv, ov,
-                                cptr<acc_t>(w), cptr<acc_t>(b), static_cast<acc_t>(eps), relu, begin, end);
-    });
+  const CpuKernels& kernels = cpu_kernels();
+  at::parallel_for(0, c, std::max<int64_t>(1, kGrainSize / per_channel), [&](int64_t begin, int64_t end) {
+    kernels.batch_norm_act(out.data_ptr(), mean.data_ptr(), rstd.data_ptr(), xl.const_data_ptr(), x_kind, xv, ov,
+                           w.const_data_ptr(), b.const_data_ptr(), eps, relu, begin, end);
   });
   return {out, mean, rstd};
 }
@@ -123,14 +119,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_bwd_op(
   const at::Tensor w = weight.to(acc_dtype).contiguous(), b = bias.to(acc_dtype).contiguous();
   const at::Tensor mu = mean.to(acc_dtype).contiguous(), rs = rstd.to(acc_dtype).contiguous();
   const int64_t per_channel = std::max<int64_t>(1, xv.n * xv.s);
-  dispatch_float_type(x_kind, [&](auto x_tag) {
-    using x_t = typename decltype(x_tag)::type;
-    using acc_t = typename std::conditional<std::is_same_v<x_t, double>, double, float>::type;
-    at::parallel_for(0, c, std::max<int64_t>(1, kGrainSize / per_channel), [&](int64_t begin, int64_t end) {
-      batch_norm_act_bwd_cpu<acc_t>(ptr<x_t>(dx), ptr<acc_t>(dweight_acc), ptr<acc_t>(dbias_acc), cptr<x_t>(dl), dv,
-                                    cptr<x_t>(xl), xv, dxv, cptr<acc_t>(w), cptr<acc_t>(b), cptr<acc_t>(mu),
-                                    cptr<acc_t>(rs), relu, begin, end);
-    });
+  const CpuKernels& kernels = cpu_kernels();
+  at::parallel_for(0, c, std::max<int64_t>(1, kGrainSize / per_channel), [&](int64_t begin, int64_t end) {
+    kernels.batch_norm_act_bwd(dx.data_ptr(), dweight_acc.data_ptr(), dbias_acc.data_ptr(), dl.const_data_ptr(), dv,
+                               xl.const_data_ptr(), x_kind, xv, dxv, w.const_data_ptr(), b.const_data_ptr(),
+                               mu.const_data_ptr(), rs.const_data_ptr(), relu, begin, end);
   });
   return {dx, dweight_acc.to(weight.scalar_type()), dbias_acc.to(weight.scalar_type())};
 }

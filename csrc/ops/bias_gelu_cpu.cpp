@@ -1,5 +1,5 @@
-// CPU implementations of revkernels::bias_gelu / bias_gelu_bwd: the torch-free kernels in
-// kernels/bias_gelu.h, split across threads with at::parallel_for. Also defines the argument checks
+// CPU implementations of revkernels::bias_gelu / bias_gelu_bwd: the vectorised kernels of
+// cpu/vec_kernels.h (semantics: kernels/bias_gelu.h), split across threads with at::parallel_for. Also defines the argument checks
 // shared with the CUDA glue (bias_gelu_cuda.cpp, compiled into the same library).
 //
 // Layout: the kernels take x and dy as rows of N with unit column stride and one row stride.
@@ -13,6 +13,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "../cpu/vec_kernels.h"
 #include "../kernels/bias_gelu.h"
 #include "coupling_layout.h"  // scalar_kind
 
@@ -87,17 +88,10 @@ at::Tensor bias_gelu_cpu_impl(const at::Tensor& x, const at::Tensor& bias, c10::
   if (out.numel() == 0) return out;
   const at::Tensor x2 = bias_gelu_rows_view(x, args.n);
   const at::Tensor b = bias.contiguous();
-  dispatch_float_pair(args.x_kind, args.bias_kind, [&](auto acc_tag, auto x_tag, auto bias_tag) {
-    using acc_t = typename decltype(acc_tag)::type;
-    using x_t = typename decltype(x_tag)::type;
-    using bias_t = typename decltype(bias_tag)::type;
-    auto* o = static_cast<x_t*>(out.data_ptr());
-    const auto* px = static_cast<const x_t*>(x2.const_data_ptr());
-    const auto* pb = static_cast<const bias_t*>(b.const_data_ptr());
-    const int64_t x_row_stride = x2.stride(0);
-    at::parallel_for(0, args.rows, grain_rows(args.n), [&](int64_t begin, int64_t end) {
-      bias_gelu_cpu<acc_t>(o, px, x_row_stride, pb, args.n, args.approx, begin, end);
-    });
+  const CpuKernels& kernels = cpu_kernels();
+  at::parallel_for(0, args.rows, grain_rows(args.n), [&](int64_t begin, int64_t end) {
+    kernels.bias_gelu(out.data_ptr(), x2.const_data_ptr(), args.x_kind, x2.stride(0), b.const_data_ptr(),
+                      args.bias_kind, args.n, args.approx, begin, end);
   });
   return out;
 }
@@ -117,24 +111,20 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd_cpu_impl(const at::Tensor& dy, 
   const at::Tensor b = bias.contiguous();
   const int64_t rows_per_chunk = bias_gelu_bwd_rows_per_chunk(args.rows, args.n);
   const int64_t chunks = (args.rows + rows_per_chunk - 1) / rows_per_chunk;
-  dispatch_float_pair(args.x_kind, args.bias_kind, [&](auto acc_tag, auto x_tag, auto bias_tag) {
+  dispatch_float_pair(args.x_kind, args.bias_kind, [&](auto acc_tag, auto, auto bias_tag) {
     using acc_t = typename decltype(acc_tag)::type;
-    using x_t = typename decltype(x_tag)::type;
     using bias_t = typename decltype(bias_tag)::type;
     const at::Tensor partials =
         at::zeros({chunks, args.n}, x.options().dtype(std::is_same_v<acc_t, double> ? at::kDouble : at::kFloat));
     auto* pp = static_cast<acc_t*>(partials.data_ptr());
-    auto* pdx = static_cast<x_t*>(dx.data_ptr());
-    const auto* pdy = static_cast<const x_t*>(dy2.const_data_ptr());
-    const auto* px = static_cast<const x_t*>(x2.const_data_ptr());
-    const auto* pb = static_cast<const bias_t*>(b.const_data_ptr());
-    const int64_t dy_row_stride = dy2.stride(0), x_row_stride = x2.stride(0);
+    const CpuKernels& kernels = cpu_kernels();
     at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t c = begin; c < end; ++c) {
         const int64_t row_begin = c * rows_per_chunk;
         const int64_t row_end = std::min(args.rows, row_begin + rows_per_chunk);
-        bias_gelu_bwd_cpu<acc_t>(pdx, pdy, dy_row_stride, px, x_row_stride, pb, args.n, args.approx, row_begin,
-                                 row_end, pp + c * args.n);
+        kernels.bias_gelu_bwd(dx.data_ptr(), dy2.const_data_ptr(), dy2.stride(0), x2.const_data_ptr(), args.x_kind,
+                              x2.stride(0), b.const_data_ptr(), args.bias_kind, args.n, args.approx, row_begin,
+                              row_end, pp + c * args.n);
       }
     });
     auto* pdb = static_cast<bias_t*>(dbias.data_ptr());

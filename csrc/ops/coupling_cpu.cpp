@@ -1,8 +1,9 @@
-// CPU implementations of revkernels::coupling_sub / coupling_add: the torch-free kernel in
-// kernels/coupling.h, split across threads with at::parallel_for.
+// CPU implementations of revkernels::coupling_sub / coupling_add: the vectorised kernel of
+// cpu/vec_kernels.h (semantics: kernels/coupling.h), split across threads with at::parallel_for.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "../cpu/vec_kernels.h"
 #include "coupling_layout.h"
 
 namespace revkernels {
@@ -20,16 +21,11 @@ at::Tensor coupling_axpy_cpu_impl(const at::Tensor& a, const char* a_name, const
   if (!make_coupling_layout(out, a, b, &layout)) {  // too many strided dims: densify first
     return coupling_axpy_cpu_impl(a.contiguous(), a_name, b.contiguous(), b_name, alpha);
   }
-  dispatch_float_pair(scalar_kind(a, a_name), scalar_kind(b, b_name), [&](auto acc_tag, auto out_tag, auto b_tag) {
-    using acc_t = typename decltype(acc_tag)::type;
-    using out_t = typename decltype(out_tag)::type;
-    using b_t = typename decltype(b_tag)::type;
-    auto* o = static_cast<out_t*>(out.data_ptr());
-    const auto* pa = static_cast<const out_t*>(a.const_data_ptr());
-    const auto* pb = static_cast<const b_t*>(b.const_data_ptr());
-    at::parallel_for(0, out.numel(), kGrainSize, [&](int64_t begin, int64_t end) {
-      coupling_axpy_cpu<acc_t>(o, pa, pb, static_cast<acc_t>(alpha), layout, begin, end);
-    });
+  const ScalarKind out_kind = scalar_kind(a, a_name), b_kind = scalar_kind(b, b_name);
+  const CpuKernels& kernels = cpu_kernels();
+  at::parallel_for(0, out.numel(), kGrainSize, [&](int64_t begin, int64_t end) {
+    kernels.coupling_axpy(out.data_ptr(), a.const_data_ptr(), out_kind, b.const_data_ptr(), b_kind, alpha, layout,
+                          begin, end);
   });
   return out;
 }

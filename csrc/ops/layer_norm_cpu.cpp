@@ -1,5 +1,6 @@
-// CPU implementations of revkernels::sub_layer_norm / layer_norm_bwd_add: the torch-free kernels in
-// kernels/layer_norm.h, rows split across threads with at::parallel_for.
+// CPU implementations of revkernels::sub_layer_norm / layer_norm_bwd_add: the vectorised kernels of
+// cpu/vec_kernels.h (semantics: kernels/layer_norm.h), rows split across threads with
+// at::parallel_for.
 //
 // Layouts: the last dim is the normalised one. An input is handed to the kernel as a (rows, n)
 // view when its leading dims merge into one row stride and its last dim has unit stride (dense
@@ -16,6 +17,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "../cpu/vec_kernels.h"
 #include "../kernels/layer_norm.h"
 #include "coupling_layout.h"  // scalar_kind
 
@@ -100,15 +102,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sub_layer_norm_op(
 
   const at::Tensor y_rows = as_rows(y, rows, n), g_rows = as_rows(g, rows, n);
   const at::Tensor w = weight.to(acc_options.dtype()).contiguous(), b = bias.to(acc_options.dtype()).contiguous();
-  dispatch_float_pair(y_kind, g_kind, [&](auto acc_tag, auto x_tag, auto g_tag) {
-    using acc_t = typename decltype(acc_tag)::type;
-    using x_t = typename decltype(x_tag)::type;
-    using g_t = typename decltype(g_tag)::type;
-    at::parallel_for(0, rows, std::max<int64_t>(1, kGrainSize / n), [&](int64_t begin, int64_t end) {
-      sub_layer_norm_cpu<acc_t>(ptr<x_t>(x), ptr<x_t>(ln), ptr<acc_t>(mean), ptr<acc_t>(rstd), cptr<x_t>(y_rows),
-                                y_rows.stride(0), cptr<g_t>(g_rows), g_rows.stride(0), cptr<acc_t>(w), cptr<acc_t>(b),
-                                static_cast<acc_t>(eps), n, begin, end);
-    });
+  const CpuKernels& kernels = cpu_kernels();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainSize / n), [&](int64_t begin, int64_t end) {
+    kernels.sub_layer_norm(x.data_ptr(), ln.data_ptr(), mean.data_ptr(), rstd.data_ptr(), y_kind,
+                           y_rows.const_data_ptr(), y_rows.stride(0), g_rows.const_data_ptr(), g_kind, g_rows.stride(0),
+                           w.const_data_ptr(), b.const_data_ptr(), eps, n, begin, end);
   });
   return {x, ln, mean, rstd};
 }
@@ -165,22 +163,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_add_op(
   const int64_t num_blocks = ceil_div(rows, rows_per_block);
   const at::Tensor partials = at::empty({2, num_blocks, n}, x.options().dtype(acc_dtype));
   const int64_t grain = std::max<int64_t>(1, kGrainSize / (rows_per_block * n));
+  const CpuKernels& kernels = cpu_kernels();
+  char* const dweight_partials = static_cast<char*>(partials.data_ptr());
+  char* const dbias_partials = dweight_partials + num_blocks * n * partials.element_size();
+  at::parallel_for(0, num_blocks, grain, [&](int64_t block_begin, int64_t block_end) {
+    for (int64_t blk = block_begin; blk < block_end; ++blk) {
+      const int64_t offset = blk * n * partials.element_size();
+      kernels.layer_norm_bwd_add(dx.data_ptr(), dres_kind, dweight_partials + offset, dbias_partials + offset,
+                                 dln_rows.const_data_ptr(), dln_rows.stride(0), x_rows.const_data_ptr(), x_kind,
+                                 x_rows.stride(0), w.const_data_ptr(), mu.const_data_ptr(), rs.const_data_ptr(),
+                                 dres_rows.const_data_ptr(), dres_rows.stride(0), n, blk * rows_per_block,
+                                 std::min(rows, (blk + 1) * rows_per_block));
+    }
+  });
   // dispatch_float_pair(first, second): acc_t is double when either dtype is double.
-  dispatch_float_pair(dres_kind, x_kind, [&](auto acc_tag, auto dres_tag, auto x_tag) {
+  dispatch_float_pair(dres_kind, x_kind, [&](auto acc_tag, auto, auto) {
     using acc_t = typename decltype(acc_tag)::type;
-    using dres_t = typename decltype(dres_tag)::type;
-    using x_t = typename decltype(x_tag)::type;
-    acc_t* dweight_partials = ptr<acc_t>(partials);
-    acc_t* dbias_partials = dweight_partials + num_blocks * n;
-    at::parallel_for(0, num_blocks, grain, [&](int64_t block_begin, int64_t block_end) {
-      for (int64_t blk = block_begin; blk < block_end; ++blk) {
-        layer_norm_bwd_add_cpu<acc_t>(ptr<dres_t>(dx), dweight_partials + blk * n, dbias_partials + blk * n,
-                                      cptr<x_t>(dln_rows), dln_rows.stride(0), cptr<x_t>(x_rows), x_rows.stride(0),
-                                      cptr<acc_t>(w), cptr<acc_t>(mu), cptr<acc_t>(rs), cptr<dres_t>(dres_rows),
-                                      dres_rows.stride(0), n, blk * rows_per_block,
-                                      std::min(rows, (blk + 1) * rows_per_block));
-      }
-    });
     reduce_partials<acc_t>(dweight, partials[0]);
     reduce_partials<acc_t>(dbias, partials[1]);
   });

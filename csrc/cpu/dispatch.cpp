@@ -1,0 +1,61 @@
+// Picks the vectorised CPU kernels (vec_kernels.h) for this CPU at run time, as ATen picks its own.
+// REVKERNELS_CPU_ISA_VARIANTS: the build linked the AVX2 and AVX512 objects (x86-64, GCC).
+#include <ATen/Version.h>
+
+#include <string>
+
+#include "vec_kernels.h"
+
+namespace revkernels {
+namespace DEFAULT { extern const CpuKernels kCpuKernels; }
+#if defined(REVKERNELS_CPU_ISA_VARIANTS)
+namespace AVX2 { extern const CpuKernels kCpuKernels; }
+namespace AVX512 { extern const CpuKernels kCpuKernels; }
+#endif
+
+namespace {
+
+// Whether this CPU runs the code of `isa` (the flags vec_kernels_<isa>.cpp enable).
+bool cpu_supports(CpuIsa isa) {
+#if defined(REVKERNELS_CPU_ISA_VARIANTS)
+  switch (isa) {
+    case CpuIsa::Avx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && cpu_supports(CpuIsa::Avx2);
+    case CpuIsa::Avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+             __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2");
+    case CpuIsa::Default:
+      break;
+  }
+#endif
+  return isa == CpuIsa::Default;
+}
+
+}  // namespace
+
+const CpuKernels* cpu_kernels_for(CpuIsa isa) {
+  if (!cpu_supports(isa)) return nullptr;
+  switch (isa) {
+#if defined(REVKERNELS_CPU_ISA_VARIANTS)
+    case CpuIsa::Avx512: return &AVX512::kCpuKernels;
+    case CpuIsa::Avx2: return &AVX2::kCpuKernels;
+#endif
+    case CpuIsa::Default: return &DEFAULT::kCpuKernels;
+    default: return nullptr;
+  }
+}
+
+const CpuKernels& cpu_kernels() {
+  static const CpuKernels* const chosen = [] {
+    // "AVX512", "AVX2" or "DEFAULT" (ATEN_CPU_CAPABILITY=default|avx2|avx512 lowers it).
+    const std::string aten = at::get_cpu_capability();
+    const CpuKernels* kernels = nullptr;
+    if (aten == "AVX512") kernels = cpu_kernels_for(CpuIsa::Avx512);
+    if (kernels == nullptr && (aten == "AVX512" || aten == "AVX2")) kernels = cpu_kernels_for(CpuIsa::Avx2);
+    return kernels != nullptr ? kernels : cpu_kernels_for(CpuIsa::Default);
+  }();
+  return *chosen;
+}
+
+}  // namespace revkernels

@@ -1,0 +1,741 @@
+// The vectorised CPU kernels (interface and semantics: vec_kernels.h), compiled once per ISA as
+// ATen compiles its own CPU kernels: as a plain source (DEFAULT: at::vec's portable vectors), and
+// with `-DCPU_CAPABILITY=AVX2 -DCPU_CAPABILITY_AVX2 -mavx2 -mfma -mf16c` and
+// `-DCPU_CAPABILITY=AVX512 -DCPU_CAPABILITY_AVX512 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma`
+// (setup.py and CMakeLists.txt). at::vec picks its vector width and intrinsics from those macros,
+// and everything here lands in namespace revkernels::CPU_CAPABILITY. No static data with dynamic
+// initialisers here: they would run ISA-specific code at load time on any CPU.
+//
+// Data are processed in blocks of two accumulation-type vectors (kBlock elements: the width of one
+// 16-bit vector, converted to two fp32 vectors); a row's last partial block uses masked loads and
+// stores. Row sums are carried in vector lanes and folded in a fixed order, so results depend on
+// the ISA's vector width but never on the thread count.
+#ifndef CPU_CAPABILITY
+#define CPU_CAPABILITY DEFAULT
+#endif
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <initializer_list>
+#include <memory>
+#include <type_traits>
+
+#include "../kernels/layer_norm.h"
+#include "vec_kernels.h"
+
+#if defined(CPU_CAPABILITY_AVX512)
+#define RK_CPU_ISA CpuIsa::Avx512
+#elif defined(CPU_CAPABILITY_AVX2)
+#define RK_CPU_ISA CpuIsa::Avx2
+#else
+#define RK_CPU_ISA CpuIsa::Default
+#endif
+#define RK_STRINGIFY(x) #x
+#define RK_NAME(x) RK_STRINGIFY(x)
+
+// What has no vector path (mixed dtypes with double, a strided innermost dim, BatchNorm) runs the
+// torch-free scalar kernels of csrc/kernels, instantiated in the DEFAULT build only: the AVX2 and
+// AVX512 builds forward such calls to DEFAULT's table (RK_SCALAR). Template
+// instances shared by several builds would be one symbol, and the linker may keep any build's
+// code for it, so no build may instantiate what another needs in baseline form.
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+namespace revkernels::DEFAULT {
+extern const CpuKernels kCpuKernels;
+}
+#define RK_SCALAR(entry, call, ...) DEFAULT::kCpuKernels.entry(__VA_ARGS__)
+#else
+#define RK_SCALAR(entry, call, ...) call
+#endif
+
+namespace revkernels {
+namespace CPU_CAPABILITY {
+
+template <typename T> struct C10Type { using type = T; };
+template <> struct C10Type<Half> { using type = c10::Half; };
+template <> struct C10Type<BFloat16> { using type = c10::BFloat16; };
+
+template <typename acc_t> using Vec = at::vec::Vectorized<acc_t>;
+template <typename acc_t> constexpr int64_t kLanes = Vec<acc_t>::size();
+template <typename acc_t> constexpr int64_t kBlock = 2 * kLanes<acc_t>;
+static_assert(at::vec::Vectorized<c10::BFloat16>::size() == kBlock<float>, "a bf16 vector converts to two fp32 ones");
+static_assert(at::vec::Vectorized<c10::Half>::size() == kBlock<float>, "an fp16 vector converts to two fp32 ones");
+
+// Whether (acc_t, T...) has a vector path: fp32 math on fp32/fp16/bf16 data, or fp64 on fp64 data.
+template <typename acc_t, typename... T>
+constexpr bool kVectorised = std::is_same_v<acc_t, double> ? (std::is_same_v<T, double> && ...)
+                                                           : (!std::is_same_v<T, double> && ...);
+
+// One block: elements [0, kLanes) in lo, [kLanes, kBlock) in hi.
+template <typename acc_t>
+struct Block {
+  Vec<acc_t> lo, hi;
+  Block() = default;
+  Block(Vec<acc_t> l, Vec<acc_t> h) : lo(l), hi(h) {}
+  explicit Block(acc_t v) : lo(v), hi(v) {}
+};
+template <typename acc_t> Block<acc_t> operator+(const Block<acc_t>& a, const Block<acc_t>& b) { return {a.lo + b.lo, a.hi + b.hi}; }
+template <typename acc_t> Block<acc_t> operator-(const Block<acc_t>& a, const Block<acc_t>& b) { return {a.lo - b.lo, a.hi - b.hi}; }
+template <typename acc_t> Block<acc_t> operator*(const Block<acc_t>& a, const Block<acc_t>& b) { return {a.lo * b.lo, a.hi * b.hi}; }
+
+// relu(v) as the scalar kernels form it: v where v > 0, else 0 (NaN included).
+template <typename acc_t>
+inline Block<acc_t> relu(const Block<acc_t>& v) {
+  const Vec<acc_t> zero(acc_t(0));
+  return {Vec<acc_t>::blendv(zero, v.lo, v.lo > zero), Vec<acc_t>::blendv(zero, v.hi, v.hi > zero)};
+}
+
+// d where y > 0, else 0.
+template <typename acc_t>
+inline Block<acc_t> where_positive(const Block<acc_t>& y, const Block<acc_t>& d) {
+  const Vec<acc_t> zero(acc_t(0));
+  return {Vec<acc_t>::blendv(zero, d.lo, y.lo > zero), Vec<acc_t>::blendv(zero, d.hi, y.hi > zero)};
+}
+
+// Loads count (<= kBlock) elements of T as acc_t; lanes past count are unspecified.
+template <typename acc_t, typename T>
+inline Block<acc_t> load_block(const T* p, int64_t count = kBlock<acc_t>) {
+  constexpr int64_t L = kLanes<acc_t>;
+  if constexpr (std::is_same_v<T, acc_t>) {
+    if (count >= kBlock<acc_t>) return {Vec<acc_t>::loadu(p), Vec<acc_t>::loadu(p + L)};
+    if (count > L) return {Vec<acc_t>::loadu(p), Vec<acc_t>::loadu(p + L, count - L)};
+    return {Vec<acc_t>::loadu(p, count), Vec<acc_t>(acc_t(0))};
+  } else {
+    static_assert(std::is_same_v<acc_t, float>, "16-bit data convert to fp32");
+    using c10_t = typename C10Type<T>::type;
+    const auto* q = reinterpret_cast<const c10_t*>(p);
+    const Vec<c10_t> v = count >= kBlock<acc_t> ? Vec<c10_t>::loadu(q) : Vec<c10_t>::loadu(q, count);
+    auto [lo, hi] = at::vec::convert_to_float<c10_t>(v);
+    return {lo, hi};
+  }
+}
+
+// Stores the first count (<= kBlock) elements, rounded once to T (round to nearest even).
+template <typename acc_t, typename T>
+inline void store_block(T* p, const Block<acc_t>& v, int64_t count = kBlock<acc_t>) {
+  constexpr int64_t L = kLanes<acc_t>;
+  if constexpr (std::is_same_v<T, acc_t>) {
+    if (count >= kBlock<acc_t>) {
+      v.lo.store(p);
+      v.hi.store(p + L);
+    } else if (count > L) {
+      v.lo.store(p);
+      v.hi.store(p + L, count - L);
+    } else {
+      v.lo.store(p, count);
+    }
+  } else {
+    using c10_t = typename C10Type<T>::type;
+    auto* q = reinterpret_cast<c10_t*>(p);
+    const Vec<c10_t> r = at::vec::convert_from_float<c10_t>(v.lo, v.hi);
+    if (count >= kBlock<acc_t>) {
+      r.store(q);
+    } else {
+      r.store(q, count);
+    }
+  }
+}
+
+// v rounded to T and back (the value a store to T then a load would give).
+template <typename T, typename acc_t>
+inline Block<acc_t> rounded(const Block<acc_t>& v) {
+  if constexpr (std::is_same_v<T, acc_t>) {
+    return v;
+  } else {
+    using c10_t = typename C10Type<T>::type;
+    auto [lo, hi] = at::vec::convert_to_float<c10_t>(at::vec::convert_from_float<c10_t>(v.lo, v.hi));
+    return {lo, hi};
+  }
+}
+
+// v with the lanes past count set to zero.
+template <typename acc_t>
+inline Block<acc_t> first(const Block<acc_t>& v, int64_t count) {
+  constexpr int64_t L = kLanes<acc_t>;
+  const Vec<acc_t> zero(acc_t(0));
+  if (count >= kBlock<acc_t>) return v;
+  if (count > L) return {v.lo, Vec<acc_t>::set(zero, v.hi, count - L)};
+  return {Vec<acc_t>::set(zero, v.lo, count), zero};
+}
+
+// The sum of a block's lanes, folded pairwise in a fixed order.
+template <typename acc_t>
+inline acc_t total(const Block<acc_t>& v) {
+  __at_align__ acc_t lanes[kLanes<acc_t>];
+  (v.lo + v.hi).store(lanes);
+  for (int64_t width = kLanes<acc_t> / 2; width > 0; width /= 2) {
+    for (int64_t lane = 0; lane < width; ++lane) lanes[lane] += lanes[lane + width];
+  }
+  return lanes[0];
+}
+
+// fn(i, count) over [0, n) in blocks: count = kBlock but for the last one.
+template <typename acc_t, typename Fn>
+inline void for_blocks(int64_t n, Fn&& fn) {
+  int64_t i = 0;
+  for (; i + kBlock<acc_t> <= n; i += kBlock<acc_t>) fn(i, kBlock<acc_t>);
+  if (i < n) fn(i, n - i);
+}
+
+// --- coupling ------------------------------------------------------------------------------------
+
+template <typename acc_t, typename out_t, typename b_t>
+void coupling_axpy_vec(out_t* out, const out_t* a, const b_t* b, acc_t alpha, const CouplingLayout& layout,
+                       int64_t begin, int64_t end) {
+  const int nd = layout.ndim;  // >= 1, unit-stride innermost dim in a and b (coupling_axpy checks)
+  const Block<acc_t> alpha_v(alpha);
+  const int64_t inner = layout.sizes[nd - 1];
+  for (int64_t linear = begin; linear < end;) {
+    // Offsets of `linear` in a and b; the run ends with the innermost dim or the range.
+    int64_t rest = linear, a_off = 0, b_off = 0;
+    for (int d = nd - 1; d >= 0; --d) {
+      const int64_t index = rest % layout.sizes[d];
+      rest /= layout.sizes[d];
+      a_off += index * layout.a_strides[d];
+      b_off += index * layout.b_strides[d];
+    }
+    const int64_t run = std::min(inner - linear % inner, end - linear);
+    out_t* o = out + linear;
+    const out_t* pa = a + a_off;
+    const b_t* pb = b + b_off;
+    for_blocks<acc_t>(run, [&](int64_t i, int64_t count) {
+      store_block(o + i, load_block<acc_t>(pa + i, count) + alpha_v * load_block<acc_t>(pb + i, count), count);
+    });
+    linear += run;
+  }
+}
+
+void coupling_axpy(void* out, const void* a, ScalarKind out_kind, const void* b, ScalarKind b_kind, double alpha,
+                   const CouplingLayout& layout, int64_t begin, int64_t end) {
+  dispatch_float_pair(out_kind, b_kind, [&](auto acc_tag, auto out_tag, auto b_tag) {
+    using acc_t = typename decltype(acc_tag)::type;
+    using out_t = typename decltype(out_tag)::type;
+    using b_t = typename decltype(b_tag)::type;
+    auto* o = static_cast<out_t*>(out);
+    const auto* pa = static_cast<const out_t*>(a);
+    const auto* pb = static_cast<const b_t*>(b);
+    const int nd = layout.ndim;
+    if constexpr (kVectorised<acc_t, out_t, b_t>) {
+      if (nd > 0 && layout.a_strides[nd - 1] == 1 && layout.b_strides[nd - 1] == 1) {
+        coupling_axpy_vec<acc_t>(o, pa, pb, static_cast<acc_t>(alpha), layout, begin, end);
+        return;
+      }
+    }
+    RK_SCALAR(coupling_axpy, coupling_axpy_cpu<acc_t>(o, pa, pb, static_cast<acc_t>(alpha), layout, begin, end),
+              out, a, out_kind, b, b_kind, alpha, layout, begin, end);
+  });
+}
+
+// --- LayerNorm -----------------------------------------------------------------------------------
+
+template <typename acc_t, typename x_t, typename g_t>
+void sub_layer_norm_vec(x_t* x, x_t* ln, acc_t* mean, acc_t* rstd, const x_t* y, int64_t y_row_stride, const g_t* g,
+                        int64_t g_row_stride, const acc_t* weight, const acc_t* bias, acc_t eps, int64_t n,
+                        int64_t row_begin, int64_t row_end) {
+  // The rounded x row in acc_t, read by the statistics and the normalisation: x itself when x_t is
+  // acc_t, else this scratch row.
+  const std::unique_ptr<acc_t[]> scratch(std::is_same_v<x_t, acc_t> ? nullptr : new acc_t[n]);
+  const acc_t count = static_cast<acc_t>(n);
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const x_t* yr = y + r * y_row_stride;
+    const g_t* gr = g + r * g_row_stride;
+    x_t* xr = x + r * n;
+    x_t* lr = ln + r * n;
+    acc_t* xs;
+    if constexpr (std::is_same_v<x_t, acc_t>) {
+      xs = xr;
+    } else {
+      xs = scratch.get();
+    }
+    Block<acc_t> sum(acc_t(0));
+    for_blocks<acc_t>(n, [&](int64_t i, int64_t c) {
+      const Block<acc_t> v = load_block<acc_t>(yr + i, c) - load_block<acc_t>(gr + i, c);
+      store_block(xr + i, v, c);
+      const Block<acc_t> xv = rounded<x_t>(v);
+      if constexpr (!std::is_same_v<x_t, acc_t>) store_block(xs + i, xv, c);
+      sum = sum + first(xv, c);
+    });
+    const acc_t mu = total(sum) / count;
+    const Block<acc_t> mu_v(mu);
+    Block<acc_t> squares(acc_t(0));
+    for_blocks<acc_t>(n, [&](int64_t i, int64_t c) {
+      const Block<acc_t> d = first(load_block<acc_t>(xs + i, c) - mu_v, c);
+      squares = squares + d * d;
+    });
+    const acc_t rs = acc_t(1) / std::sqrt(total(squares) / count + eps);
+    const Block<acc_t> rs_v(rs);
+    for_blocks<acc_t>(n, [&](int64_t i, int64_t c) {
+      store_block(lr + i, (load_block<acc_t>(xs + i, c) - mu_v) * rs_v * load_block<acc_t>(weight + i, c) + load_block<acc_t>(bias + i, c), c);
+    });
+    mean[r] = mu;
+    rstd[r] = rs;
+  }
+}
+
+void sub_layer_norm(void* x, void* ln, void* mean, void* rstd, ScalarKind x_kind, const void* y,
+                    int64_t y_row_stride, const void* g, ScalarKind g_kind, int64_t g_row_stride,
+                    const void* weight, const void* bias, double eps, int64_t n, int64_t row_begin,
+                    int64_t row_end) {
+  dispatch_float_pair(x_kind, g_kind, [&](auto acc_tag, auto x_tag, auto g_tag) {
+    using acc_t = typename decltype(acc_tag)::type;
+    using x_t = typename decltype(x_tag)::type;
+    using g_t = typename decltype(g_tag)::type;
+    auto args = [&](auto kernel) {
+      kernel(static_cast<x_t*>(x), static_cast<x_t*>(ln), static_cast<acc_t*>(mean), static_cast<acc_t*>(rstd),
+             static_cast<const x_t*>(y), y_row_stride, static_cast<const g_t*>(g), g_row_stride,
+             static_cast<const acc_t*>(weight), static_cast<const acc_t*>(bias), static_cast<acc_t>(eps), n,
+             row_begin, row_end);
+    };
+    if constexpr (kVectorised<acc_t, x_t, g_t>) {
+      args(sub_layer_norm_vec<acc_t, x_t, g_t>);
+    } else {
+      RK_SCALAR(sub_layer_norm, args(sub_layer_norm_cpu<acc_t, x_t, g_t>), x, ln, mean, rstd, x_kind, y,
+                y_row_stride, g, g_kind, g_row_stride, weight, bias, eps, n, row_begin, row_end);
+    }
+  });
+}
+
+template <typename acc_t, typename dres_t, typename x_t>
+void layer_norm_bwd_add_vec(dres_t* dx, acc_t* dweight_partial, acc_t* dbias_partial, const x_t* dln,
+                            int64_t dln_row_stride, const x_t* x, int64_t x_row_stride, const acc_t* weight,
+                            const acc_t* mean, const acc_t* rstd, const dres_t* dres, int64_t dres_row_stride,
+                            int64_t n, int64_t row_begin, int64_t row_end) {
+  for_blocks<acc_t>(n, [&](int64_t i, int64_t c) {
+    store_block(dweight_partial + i, Block<acc_t>(acc_t(0)), c);
+    store_block(dbias_partial + i, Block<acc_t>(acc_t(0)), c);
+  });
+  const acc_t count = static_cast<acc_t>(n);
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const x_t* dr = dln + r * dln_row_stride;
+    const x_t* xr = x + r * x_row_stride;
+    const dres_t* res = dres + r * dres_row_stride;
+    dres_t* out = dx + r * n;
+    const Block<acc_t> mu(mean[r]), rs(rstd[r]);
+    // Pass 1: the row sums of dxhat and dxhat * xhat, and the dweight/dbias partial sums.
+    Block<acc_t> sum_dxhat(acc_t(0)), sum_dxhat_xhat(acc_t(0));
+    for_blocks<acc_t>(n, [&](int64_t i, int64_t c) {
+      const Block<acc_t> xhat = (load_block<acc_t>(xr + i, c) - mu) * rs;
+      const Block<acc_t> d = first(load_block<acc_t>(dr + i, c), c);
+      const Block<acc_t> dxhat = d * load_block<acc_t>(weight + i, c);
+      sum_dxhat = sum_dxhat + first(dxhat, c);
+      sum_dxhat_xhat = sum_dxhat_xhat + first(dxhat * xhat, c);
+      store_block(dweight_partial + i, load_block<acc_t>(dweight_partial + i, c) + d * xhat, c);
+      store_block(dbias_partial + i, load_block<acc_t>(dbias_partial + i, c) + d, c);
+    });
+    const Block<acc_t> mean_dxhat(total(sum_dxhat) / count);
+    const Block<acc_t> mean_dxhat_xhat(total(sum_dxhat_xhat) / count);
+    // Pass 2: dx, with the residual gradient added before the one rounding to dres_t.
+    for_blocks<acc_t>(n, [&](int64_t i, int64_t c) {
+      const Block<acc_t> xhat = (load_block<acc_t>(xr + i, c) - mu) * rs;
+      const Block<acc_t> dxhat = load_block<acc_t>(dr + i, c) * load_block<acc_t>(weight + i, c);
+      store_block(out + i, load_block<acc_t>(res + i, c) + rs * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat), c);
+    });
+  }
+}
+
+void layer_norm_bwd_add(void* dx, ScalarKind dres_kind, void* dweight_partial, void* dbias_partial, const void* dln,
+                        int64_t dln_row_stride, const void* x, ScalarKind x_kind, int64_t x_row_stride,
+                        const void* weight, const void* mean, const void* rstd, const void* dres,
+                        int64_t dres_row_stride, int64_t n, int64_t row_begin, int64_t row_end) {
+  // dispatch_float_pair(first, second): acc_t is double when either dtype is double.
+  dispatch_float_pair(dres_kind, x_kind, [&](auto acc_tag, auto dres_tag, auto x_tag) {
+    using acc_t = typename decltype(acc_tag)::type;
+    using dres_t = typename decltype(dres_tag)::type;
+    using x_t = typename decltype(x_tag)::type;
+    auto args = [&](auto kernel) {
+      kernel(static_cast<dres_t*>(dx), static_cast<acc_t*>(dweight_partial), static_cast<acc_t*>(dbias_partial),
+             static_cast<const x_t*>(dln), dln_row_stride, static_cast<const x_t*>(x), x_row_stride,
+             static_cast<const acc_t*>(weight), static_cast<const acc_t*>(mean), static_cast<const acc_t*>(rstd),
+             static_cast<const dres_t*>(dres), dres_row_stride, n, row_begin, row_end);
+    };
+    if constexpr (kVectorised<acc_t, dres_t, x_t>) {
+      args(layer_norm_bwd_add_vec<acc_t, dres_t, x_t>);
+    } else {
+      RK_SCALAR(layer_norm_bwd_add, args(layer_norm_bwd_add_cpu<acc_t, dres_t, x_t>), dx, dres_kind,
+                dweight_partial, dbias_partial, dln, dln_row_stride, x, x_kind, x_row_stride, weight, mean, rstd,
+                dres, dres_row_stride, n, row_begin, row_end);
+    }
+  });
+}
+
+// --- bias + GELU ---------------------------------------------------------------------------------
+
+// erf(v) and exp(v). For fp32, erf by Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7, the form
+// at::vec's own fp32 erf uses) and exp by at::vec's inline exp_u20 (relative error ~1e-6): no
+// out-of-line Sleef call per vector, which is what GELU's time goes to. fp64 keeps Sleef's.
+template <typename acc_t>
+inline Vec<acc_t> fast_exp(const Vec<acc_t>& v) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    return v.exp_u20();
+  } else {
+    return v.exp();
+  }
+}
+
+template <typename acc_t>
+inline Vec<acc_t> fast_erf(const Vec<acc_t>& v) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    const Vec<float> one(1.f), a = v.abs();
+    const Vec<float> t = one / (Vec<float>(0.3275911f) * a + one);
+    Vec<float> r = Vec<float>(1.061405429f) * t + Vec<float>(-1.453152027f);
+    r = r * t + Vec<float>(1.421413741f);
+    r = r * t + Vec<float>(-0.284496736f);
+    r = r * t + Vec<float>(0.254829592f);
+    const Vec<float> magnitude = one - r * t * fast_exp(Vec<float>(0.f) - a * a);  // erf(|v|)
+    return Vec<float>::blendv(magnitude, Vec<float>(0.f) - magnitude, v < Vec<float>(0.f));
+  } else {
+    return v.erf();
+  }
+}
+
+// sigmoid(2u) and sigmoid(-2u) from e = exp(-2|u|), as gelu_math::sigmoid_pair.
+template <typename acc_t>
+inline void sigmoid_pair(const Vec<acc_t>& u, Vec<acc_t>* plus, Vec<acc_t>* minus) {
+  const Vec<acc_t> one(acc_t(1));
+  const Vec<acc_t> e = fast_exp(u.abs() * Vec<acc_t>(acc_t(-2)));
+  const Vec<acc_t> big = one / (one + e);
+  const Vec<acc_t> small = e * big;
+  const Vec<acc_t> negative = u < Vec<acc_t>(acc_t(0));
+  *plus = Vec<acc_t>::blendv(big, small, negative);
+  *minus = Vec<acc_t>::blendv(small, big, negative);
+}
+
+// gelu_value and gelu_derivative (kernels/bias_gelu.h), one vector at a time.
+template <GeluApprox approx, typename acc_t>
+inline Vec<acc_t> gelu_value(const Vec<acc_t>& z) {
+  using C = gelu_math::Constants<acc_t>;
+  if constexpr (approx == GeluApprox::Tanh) {
+    const Vec<acc_t> u = Vec<acc_t>(C::kBeta) * (z + Vec<acc_t>(C::kKappa) * z * z * z);
+    Vec<acc_t> plus, minus;
+    sigmoid_pair(u, &plus, &minus);
+    return z * plus;
+  } else {
+    return Vec<acc_t>(acc_t(0.5)) * z * (Vec<acc_t>(acc_t(1)) + fast_erf(z * Vec<acc_t>(C::kSqrt1_2)));
+  }
+}
+
+template <GeluApprox approx, typename acc_t>
+inline Vec<acc_t> gelu_derivative(const Vec<acc_t>& z) {
+  using C = gelu_math::Constants<acc_t>;
+  const Vec<acc_t> one(acc_t(1)), half(acc_t(0.5));
+  const Vec<acc_t> z2 = z * z;
+  if constexpr (approx == GeluApprox::Tanh) {
+    const Vec<acc_t> u = Vec<acc_t>(C::kBeta) * (z + Vec<acc_t>(C::kKappa) * z2 * z);
+    const Vec<acc_t> du = Vec<acc_t>(C::kBeta) * (one + Vec<acc_t>(acc_t(3) * C::kKappa) * z2);
+    Vec<acc_t> plus, minus;
+    sigmoid_pair(u, &plus, &minus);
+    return plus + Vec<acc_t>(acc_t(2)) * z * plus * minus * du;
+  } else {
+    const Vec<acc_t> cdf = half * (one + fast_erf(z * Vec<acc_t>(C::kSqrt1_2)));
+    const Vec<acc_t> pdf = Vec<acc_t>(C::kInvSqrt2Pi) * fast_exp(Vec<acc_t>(-acc_t(0.5)) * z2);
+    return cdf + z * pdf;
+  }
+}
+
+template <GeluApprox approx, typename acc_t, typename x_t, typename bias_t>
+void bias_gelu_vec(x_t* out, const x_t* x, int64_t x_row_stride, const bias_t* bias, int64_t n, int64_t row_begin,
+                   int64_t row_end) {
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    x_t* o = out + r * n;
+    const x_t* xr = x + r * x_row_stride;
+    for_blocks<acc_t>(n, [&](int64_t j, int64_t c) {
+      const Block<acc_t> z = load_block<acc_t>(xr + j, c) + load_block<acc_t>(bias + j, c);
+      store_block(o + j, Block<acc_t>(gelu_value<approx>(z.lo), gelu_value<approx>(z.hi)), c);
+    });
+  }
+}
+
+template <GeluApprox approx, typename acc_t, typename x_t, typename bias_t>
+void bias_gelu_bwd_vec(x_t* dx, const x_t* dy, int64_t dy_row_stride, const x_t* x, int64_t x_row_stride,
+                       const bias_t* bias, int64_t n, int64_t row_begin, int64_t row_end, acc_t* dbias_partial) {
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    x_t* d = dx + r * n;
+    const x_t* dyr = dy + r * dy_row_stride;
+    const x_t* xr = x + r * x_row_stride;
+    for_blocks<acc_t>(n, [&](int64_t j, int64_t c) {
+      const Block<acc_t> z = load_block<acc_t>(xr + j, c) + load_block<acc_t>(bias + j, c);
+      const Block<acc_t> g =
+          load_block<acc_t>(dyr + j, c) * Block<acc_t>(gelu_derivative<approx>(z.lo), gelu_derivative<approx>(z.hi));
+      store_block(d + j, g, c);
+      store_block(dbias_partial + j, load_block<acc_t>(dbias_partial + j, c) + g, c);
+    });
+  }
+}
+
+void bias_gelu(void* out, const void* x, ScalarKind x_kind, int64_t x_row_stride, const void* bias,
+               ScalarKind bias_kind, int64_t n, GeluApprox approx, int64_t row_begin, int64_t row_end) {
+  dispatch_float_pair(x_kind, bias_kind, [&](auto acc_tag, auto x_tag, auto bias_tag) {
+    using acc_t = typename decltype(acc_tag)::type;
+    using x_t = typename decltype(x_tag)::type;
+    using bias_t = typename decltype(bias_tag)::type;
+    auto* o = static_cast<x_t*>(out);
+    const auto* px = static_cast<const x_t*>(x);
+    const auto* pb = static_cast<const bias_t*>(bias);
+    if constexpr (kVectorised<acc_t, x_t, bias_t>) {
+      if (approx == GeluApprox::Tanh) {
+        bias_gelu_vec<GeluApprox::Tanh, acc_t>(o, px, x_row_stride, pb, n, row_begin, row_end);
+      } else {
+        bias_gelu_vec<GeluApprox::None, acc_t>(o, px, x_row_stride, pb, n, row_begin, row_end);
+      }
+    } else {
+      RK_SCALAR(bias_gelu, bias_gelu_cpu<acc_t>(o, px, x_row_stride, pb, n, approx, row_begin, row_end), out, x,
+                x_kind, x_row_stride, bias, bias_kind, n, approx, row_begin, row_end);
+    }
+  });
+}
+
+void bias_gelu_bwd(void* dx, const void* dy, int64_t dy_row_stride, const void* x, ScalarKind x_kind,
+                   int64_t x_row_stride, const void* bias, ScalarKind bias_kind, int64_t n, GeluApprox approx,
+                   int64_t row_begin, int64_t row_end, void* dbias_partial) {
+  dispatch_float_pair(x_kind, bias_kind, [&](auto acc_tag, auto x_tag, auto bias_tag) {
+    using acc_t = typename decltype(acc_tag)::type;
+    using x_t = typename decltype(x_tag)::type;
+    using bias_t = typename decltype(bias_tag)::type;
+    auto* pdx = static_cast<x_t*>(dx);
+    const auto* pdy = static_cast<const x_t*>(dy);
+    const auto* px = static_cast<const x_t*>(x);
+    const auto* pb = static_cast<const bias_t*>(bias);
+    auto* pp = static_cast<acc_t*>(dbias_partial);
+    if constexpr (kVectorised<acc_t, x_t, bias_t>) {
+      if (approx == GeluApprox::Tanh) {
+        bias_gelu_bwd_vec<GeluApprox::Tanh, acc_t>(pdx, pdy, dy_row_stride, px, x_row_stride, pb, n, row_begin,
+                                                    row_end, pp);
+      } else {
+        bias_gelu_bwd_vec<GeluApprox::None, acc_t>(pdx, pdy, dy_row_stride, px, x_row_stride, pb, n, row_begin,
+                                                    row_end, pp);
+      }
+    } else {
+      RK_SCALAR(bias_gelu_bwd,
+                bias_gelu_bwd_cpu<acc_t>(pdx, pdy, dy_row_stride, px, x_row_stride, pb, n, approx, row_begin, row_end, pp),
+                dx, dy, dy_row_stride, x, x_kind, x_row_stride, bias, bias_kind, n, approx, row_begin, row_end,
+                dbias_partial);
+    }
+  });
+}
+
+// --- BatchNorm -----------------------------------------------------------------------------------
+// Two layouts have a vector path: spatially contiguous (NCHW; s_stride 1), vectorised along each
+// sample's S elements of one channel, and channel-contiguous (channels_last, (N, C) or S = 1;
+// c_stride 1), vectorised across a block of adjacent channels at each position. A channel's sum is
+// formed per sample and the per-sample sums added in sample order, as in the scalar kernels.
+
+enum class BnPath { Spatial, Channels, Scalar };
+
+inline BnPath bn_path(std::initializer_list<const BnView*> views) {
+  bool channels = true, spatial = true;
+  for (const BnView* v : views) {
+    channels = channels && v->c_stride == 1 && (v->s_stride != 1 || v->s == 1);
+    spatial = spatial && v->s_stride == 1;
+  }
+  return channels ? BnPath::Channels : spatial ? BnPath::Spatial : BnPath::Scalar;
+}
+
+// The lanes of a block, in an array.
+template <typename acc_t>
+struct Lanes {
+  __at_align__ acc_t v[kBlock<acc_t>];
+  explicit Lanes(const Block<acc_t>& b) { store_block(v, b); }
+};
+
+template <typename acc_t, typename x_t>
+void batch_norm_act_vec(x_t* out, acc_t* mean, acc_t* rstd, const x_t* x, const BnView& xv, const BnView& ov,
+                        const acc_t* weight, const acc_t* bias, acc_t eps, bool relu, int64_t c_begin, int64_t c_end,
+                        BnPath path) {
+  const acc_t count = static_cast<acc_t>(xv.n * xv.s);
+  if (path == BnPath::Spatial) {
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      const x_t* xc = x + c * xv.c_stride;
+      acc_t sum = 0, squares = 0;
+      for (int64_t i = 0; i < xv.n; ++i) {
+        Block<acc_t> part(acc_t(0));
+        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) { part = part + first(load_block<acc_t>(xc + i * xv.n_stride + j, k), k); });
+        sum += total(part);
+      }
+      const Block<acc_t> mu(sum / count);
+      for (int64_t i = 0; i < xv.n; ++i) {
+        Block<acc_t> part(acc_t(0));
+        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) {
+          const Block<acc_t> d = first(load_block<acc_t>(xc + i * xv.n_stride + j, k) - mu, k);
+          part = part + d * d;
+        });
+        squares += total(part);
+      }
+      mean[c] = sum / count;
+      rstd[c] = acc_t(1) / std::sqrt(squares / count + eps);
+      const Block<acc_t> rs(rstd[c]), w(weight[c]), b(bias[c]);
+      x_t* oc = out + c * ov.c_stride;
+      for (int64_t i = 0; i < xv.n; ++i) {
+        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) {
+          const Block<acc_t> y = (load_block<acc_t>(xc + i * xv.n_stride + j, k) - mu) * rs * w + b;
+          store_block(oc + i * ov.n_stride + j, relu ? CPU_CAPABILITY::relu(y) : y, k);
+        });
+      }
+    }
+    return;
+  }
+  for (int64_t c0 = c_begin; c0 < c_end; c0 += kBlock<acc_t>) {  // BnPath::Channels
+    const int64_t k = std::min(kBlock<acc_t>, c_end - c0);
+    auto at = [&](int64_t i, int64_t j) { return load_block<acc_t>(x + i * xv.n_stride + j * xv.s_stride + c0, k); };
+    Block<acc_t> sum(acc_t(0)), squares(acc_t(0));
+    for (int64_t i = 0; i < xv.n; ++i) {
+      Block<acc_t> part(acc_t(0));
+      for (int64_t j = 0; j < xv.s; ++j) part = part + at(i, j);
+      sum = sum + part;
+    }
+    const Lanes<acc_t> sums(sum);
+    for (int64_t l = 0; l < k; ++l) mean[c0 + l] = sums.v[l] / count;
+    const Block<acc_t> mu = load_block<acc_t>(mean + c0, k);
+    for (int64_t i = 0; i < xv.n; ++i) {
+      Block<acc_t> part(acc_t(0));
+      for (int64_t j = 0; j < xv.s; ++j) {
+        const Block<acc_t> d = at(i, j) - mu;
+        part = part + d * d;
+      }
+      squares = squares + part;
+    }
+    const Lanes<acc_t> squared(squares);
+    for (int64_t l = 0; l < k; ++l) rstd[c0 + l] = acc_t(1) / std::sqrt(squared.v[l] / count + eps);
+    const Block<acc_t> rs = load_block<acc_t>(rstd + c0, k), w = load_block<acc_t>(weight + c0, k),
+                       b = load_block<acc_t>(bias + c0, k);
+    for (int64_t i = 0; i < xv.n; ++i) {
+      for (int64_t j = 0; j < xv.s; ++j) {
+        const Block<acc_t> y = (at(i, j) - mu) * rs * w + b;
+        store_block(out + i * ov.n_stride + j * ov.s_stride + c0, relu ? CPU_CAPABILITY::relu(y) : y, k);
+      }
+    }
+  }
+}
+
+template <typename acc_t, typename x_t>
+void batch_norm_act_bwd_vec(x_t* dx, acc_t* dweight, acc_t* dbias, const x_t* dout, const BnView& dv, const x_t* x,
+                            const BnView& xv, const BnView& dxv, const acc_t* weight, const acc_t* bias,
+                            const acc_t* mean, const acc_t* rstd, bool relu, int64_t c_begin, int64_t c_end,
+                            BnPath path) {
+  const acc_t count = static_cast<acc_t>(xv.n * xv.s);
+  // dy (dout masked by the recomputed pre-activation) and xhat of a block at x offset xo, dout offset do_.
+  auto dy_xhat = [&](int64_t xo, int64_t do_, int64_t k, const Block<acc_t>& mu, const Block<acc_t>& rs,
+                     const Block<acc_t>& w, const Block<acc_t>& b, Block<acc_t>* dy, Block<acc_t>* xhat) {
+    const Block<acc_t> xb = load_block<acc_t>(x + xo, k);
+    *xhat = (xb - mu) * rs;
+    const Block<acc_t> d = load_block<acc_t>(dout + do_, k);
+    *dy = relu ? where_positive((xb - mu) * rs * w + b, d) : d;
+  };
+  if (path == BnPath::Spatial) {
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      const Block<acc_t> mu(mean[c]), rs(rstd[c]), w(weight[c]), b(bias[c]);
+      acc_t sum_dy = 0, sum_dy_xhat = 0;
+      for (int64_t i = 0; i < xv.n; ++i) {
+        Block<acc_t> part_dy(acc_t(0)), part_dy_xhat(acc_t(0));
+        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) {
+          Block<acc_t> dy, xhat;
+          dy_xhat(c * xv.c_stride + i * xv.n_stride + j, c * dv.c_stride + i * dv.n_stride + j, k, mu, rs, w, b, &dy, &xhat);
+          part_dy = part_dy + first(dy, k);
+          part_dy_xhat = part_dy_xhat + first(dy * xhat, k);
+        });
+        sum_dy += total(part_dy);
+        sum_dy_xhat += total(part_dy_xhat);
+      }
+      const Block<acc_t> mean_dy(sum_dy / count), mean_dy_xhat(sum_dy_xhat / count), scale(rstd[c] * weight[c]);
+      for (int64_t i = 0; i < xv.n; ++i) {
+        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) {
+          Block<acc_t> dy, xhat;
+          dy_xhat(c * xv.c_stride + i * xv.n_stride + j, c * dv.c_stride + i * dv.n_stride + j, k, mu, rs, w, b, &dy, &xhat);
+          store_block(dx + c * dxv.c_stride + i * dxv.n_stride + j, scale * (dy - mean_dy - xhat * mean_dy_xhat), k);
+        });
+      }
+      dweight[c] = sum_dy_xhat;
+      dbias[c] = sum_dy;
+    }
+    return;
+  }
+  for (int64_t c0 = c_begin; c0 < c_end; c0 += kBlock<acc_t>) {  // BnPath::Channels
+    const int64_t k = std::min(kBlock<acc_t>, c_end - c0);
+    const Block<acc_t> mu = load_block<acc_t>(mean + c0, k), rs = load_block<acc_t>(rstd + c0, k),
+                       w = load_block<acc_t>(weight + c0, k), b = load_block<acc_t>(bias + c0, k);
+    Block<acc_t> sum_dy(acc_t(0)), sum_dy_xhat(acc_t(0));
+    for (int64_t i = 0; i < xv.n; ++i) {
+      Block<acc_t> part_dy(acc_t(0)), part_dy_xhat(acc_t(0));
+      for (int64_t j = 0; j < xv.s; ++j) {
+        Block<acc_t> dy, xhat;
+        dy_xhat(i * xv.n_stride + j * xv.s_stride + c0, i * dv.n_stride + j * dv.s_stride + c0, k, mu, rs, w, b, &dy, &xhat);
+        part_dy = part_dy + dy;
+        part_dy_xhat = part_dy_xhat + dy * xhat;
+      }
+      sum_dy = sum_dy + part_dy;
+      sum_dy_xhat = sum_dy_xhat + part_dy_xhat;
+    }
+    store_block(dweight + c0, sum_dy_xhat, k);
+    store_block(dbias + c0, sum_dy, k);
+    const Block<acc_t> inv_count(acc_t(1) / count);
+    const Block<acc_t> mean_dy = sum_dy * inv_count, mean_dy_xhat = sum_dy_xhat * inv_count, scale = rs * w;
+    for (int64_t i = 0; i < xv.n; ++i) {
+      for (int64_t j = 0; j < xv.s; ++j) {
+        Block<acc_t> dy, xhat;
+        dy_xhat(i * xv.n_stride + j * xv.s_stride + c0, i * dv.n_stride + j * dv.s_stride + c0, k, mu, rs, w, b, &dy, &xhat);
+        store_block(dx + i * dxv.n_stride + j * dxv.s_stride + c0, scale * (dy - mean_dy - xhat * mean_dy_xhat), k);
+      }
+    }
+  }
+}
+
+void batch_norm_act(void* out, void* mean, void* rstd, const void* x, ScalarKind x_kind, const BnView& xv,
+                    const BnView& ov, const void* weight, const void* bias, double eps, bool relu, int64_t c_begin,
+                    int64_t c_end) {
+  dispatch_float_type(x_kind, [&](auto x_tag) {
+    using x_t = typename decltype(x_tag)::type;
+    using acc_t = typename std::conditional<std::is_same_v<x_t, double>, double, float>::type;
+    const BnPath path = bn_path({&xv, &ov});
+    if (path != BnPath::Scalar) {
+      batch_norm_act_vec<acc_t>(static_cast<x_t*>(out), static_cast<acc_t*>(mean), static_cast<acc_t*>(rstd),
+                                static_cast<const x_t*>(x), xv, ov, static_cast<const acc_t*>(weight),
+                                static_cast<const acc_t*>(bias), static_cast<acc_t>(eps), relu, c_begin, c_end, path);
+      return;
+    }
+    RK_SCALAR(batch_norm_act,
+              batch_norm_act_cpu<acc_t>(static_cast<x_t*>(out), static_cast<acc_t*>(mean), static_cast<acc_t*>(rstd),
+                                        static_cast<const x_t*>(x), xv, ov, static_cast<const acc_t*>(weight),
+                                        static_cast<const acc_t*>(bias), static_cast<acc_t>(eps), relu, c_begin, c_end),
+              out, mean, rstd, x, x_kind, xv, ov, weight, bias, eps, relu, c_begin, c_end);
+  });
+}
+
+void batch_norm_act_bwd(void* dx, void* dweight, void* dbias, const void* dout, const BnView& dv, const void* x,
+                        ScalarKind x_kind, const BnView& xv, const BnView& dxv, const void* weight, const void* bias,
+                        const void* mean, const void* rstd, bool relu, int64_t c_begin, int64_t c_end) {
+  dispatch_float_type(x_kind, [&](auto x_tag) {
+    using x_t = typename decltype(x_tag)::type;
+    using acc_t = typename std::conditional<std::is_same_v<x_t, double>, double, float>::type;
+    const BnPath path = bn_path({&dv, &xv, &dxv});
+    if (path != BnPath::Scalar) {
+      batch_norm_act_bwd_vec<acc_t>(static_cast<x_t*>(dx), static_cast<acc_t*>(dweight), static_cast<acc_t*>(dbias),
+                                    static_cast<const x_t*>(dout), dv, static_cast<const x_t*>(x), xv, dxv,
+                                    static_cast<const acc_t*>(weight), static_cast<const acc_t*>(bias),
+                                    static_cast<const acc_t*>(mean), static_cast<const acc_t*>(rstd), relu, c_begin,
+                                    c_end, path);
+      return;
+    }
+    RK_SCALAR(batch_norm_act_bwd,
+              batch_norm_act_bwd_cpu<acc_t>(static_cast<x_t*>(dx), static_cast<acc_t*>(dweight),
+                                            static_cast<acc_t*>(dbias), static_cast<const x_t*>(dout), dv,
+                                            static_cast<const x_t*>(x), xv, dxv, static_cast<const acc_t*>(weight),
+                                            static_cast<const acc_t*>(bias), static_cast<const acc_t*>(mean),
+                                            static_cast<const acc_t*>(rstd), relu, c_begin, c_end),
+              dx, dweight, dbias, dout, dv, x, x_kind, xv, dxv, weight, bias, mean, rstd, relu, c_begin, c_end);
+  });
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace revkernels
+
+namespace revkernels {
+namespace CPU_CAPABILITY {
+
+// Function pointers only: constant-initialised, no code runs at load time.
+extern const CpuKernels kCpuKernels;
+const CpuKernels kCpuKernels = {RK_CPU_ISA,         RK_NAME(CPU_CAPABILITY), coupling_axpy, sub_layer_norm,   layer_norm_bwd_add,
+                                bias_gelu,          bias_gelu_bwd,   batch_norm_act, batch_norm_act_bwd};
+
+}  // namespace CPU_CAPABILITY
+}  // namespace revkernels
