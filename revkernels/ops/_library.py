@@ -15,6 +15,7 @@
 - Kernels written in Python (fake, Triton, fallback) declare the schema's defaults: the dispatcher
   leaves out trailing arguments equal to their defaults when it calls a Python kernel.
 """
+import math
 import os
 
 import torch
@@ -96,10 +97,30 @@ def register_autograd_fallback(name, backward, setup_context):
         torch.library.register_autograd(f"revkernels::{name}", backward, setup_context=setup_context)
 
 
-def entry_point(name, checked):
+def entry_point(name, checked, check_scalars=None):
     """The public `revkernels.ops.<name>`: the op `torch.ops.revkernels.<name>` itself when the
-    compiled library is loaded, else `checked` (Python checks, then the op)."""
-    return getattr(torch.ops.revkernels, name) if HAS_C_EXTENSION else checked
+    compiled library is loaded, else `checked` (Python checks, then the op). `check_scalars`, given
+    the op's arguments, checks its Python scalars first: the schema parser converts some bad ones
+    silently (``relu=None`` to False, ``eps=True`` to 1.0) before any C++ check could see them."""
+    if not HAS_C_EXTENSION:
+        return checked
+    op = getattr(torch.ops.revkernels, name)
+    if check_scalars is None:
+        return op
+
+    def checked_scalars(*args, **kwargs):
+        check_scalars(*args, **kwargs)
+        return op(*args, **kwargs)
+
+    checked_scalars.__name__ = checked_scalars.__qualname__ = name
+    checked_scalars.__doc__ = checked.__doc__
+    return checked_scalars
+
+
+def check_eps(eps):
+    """ValueError unless `eps` is a finite, non-negative Python number (bool excluded)."""
+    if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"revkernels: eps must be finite and non-negative, got {eps!r}")
 
 
 def register_cuda_kernel(name, triton_impl):

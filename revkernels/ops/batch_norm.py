@@ -52,11 +52,10 @@ Layouts: x (and dout) are read as they are when NCHW-contiguous or channels_last
 channels_last_3d (5-d), and copied with ``.contiguous()`` otherwise; out and dx are allocated with
 ``empty_like`` of the tensor the kernel reads (so a channels_last x gives a channels_last out).
 """
-import math
 
 import torch
 
-from revkernels.ops._library import (check_float_tensor, define_op, entry_point, fill_missing_kernel,
+from revkernels.ops._library import (check_eps, check_float_tensor, define_op, entry_point, fill_missing_kernel,
                                      register_autograd_fallback, register_cuda_kernel)
 
 
@@ -154,8 +153,7 @@ def _check_batch_norm_act_args(x, weight, bias, eps, relu):
     c = _channels(x, "x")
     _check_channel_vector(weight, "weight", c, "x")
     _check_channel_vector(bias, "bias", c, "x")
-    if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not math.isfinite(eps) or eps < 0:
-        raise ValueError(f"revkernels: eps must be finite and non-negative, got {eps!r}")
+    check_eps(eps)
     _check_relu(relu)
     _check_same_device([(weight, "weight"), (bias, "bias")], x, "x")
 
@@ -273,5 +271,11 @@ def _batch_norm_act_bwd_checked(dout, x, weight, bias, mean, rstd, relu=True):
     return _batch_norm_act_bwd(dout, x, weight, bias, mean, rstd, relu)
 
 
-batch_norm_act = entry_point("batch_norm_act", _batch_norm_act_checked)
-batch_norm_act_bwd = entry_point("batch_norm_act_bwd", _batch_norm_act_bwd_checked)
+def _check_batch_norm_act_scalars(x, weight, bias, eps=1e-5, relu=True):
+    check_eps(eps)
+    _check_relu(relu)
+
+
+batch_norm_act = entry_point("batch_norm_act", _batch_norm_act_checked, _check_batch_norm_act_scalars)
+batch_norm_act_bwd = entry_point("batch_norm_act_bwd", _batch_norm_act_bwd_checked,
+                                 lambda dout, x, weight, bias, mean, rstd, relu=True: _check_relu(relu))

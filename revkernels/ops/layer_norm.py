@@ -50,11 +50,10 @@ Layouts: inputs may be non-contiguous; the kernels read each as (rows, N) with u
 (any row stride, 0 included), copying one that has no such view with ``.contiguous()``. Outputs
 are contiguous.
 """
-import math
 
 import torch
 
-from revkernels.ops._library import (check_float_tensor, define_op, entry_point, fill_missing_kernel,
+from revkernels.ops._library import (check_eps, check_float_tensor, define_op, entry_point, fill_missing_kernel,
                                      register_autograd_fallback, register_cuda_kernel)
 
 
@@ -143,8 +142,7 @@ def _check_sub_layer_norm_args(y, g, weight, bias, eps):
     n = _normalised_width(y, "y")
     _check_param(weight, "weight", n, "y")
     _check_param(bias, "bias", n, "y")
-    if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not math.isfinite(eps) or eps < 0:
-        raise ValueError(f"revkernels: eps must be finite and non-negative, got {eps!r}")
+    check_eps(eps)
     _check_same_device([(g, "g"), (weight, "weight"), (bias, "bias")], y, "y")
 
 
@@ -240,5 +238,6 @@ def _layer_norm_bwd_add_checked(dln, x, weight, mean, rstd, dres):
     return _layer_norm_bwd_add(dln, x, weight, mean, rstd, dres)
 
 
-sub_layer_norm = entry_point("sub_layer_norm", _sub_layer_norm_checked)
+sub_layer_norm = entry_point(
+    "sub_layer_norm", _sub_layer_norm_checked, lambda y, g, weight, bias, eps=1e-5: check_eps(eps))
 layer_norm_bwd_add = entry_point("layer_norm_bwd_add", _layer_norm_bwd_add_checked)

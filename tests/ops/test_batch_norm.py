@@ -254,10 +254,22 @@ def test_bad_input_names_the_argument():
     for error, message, call in _bad_cases(batch_norm_act, batch_norm_act_bwd):
         with pytest.raises(error, match=message):
             call()
-    # The entry point is the op: PyTorch's schema parser takes relu as a bool (1 and None convert,
-    # as for any torch op) and rejects what does not convert, naming the argument.
-    with pytest.raises(RuntimeError, match="for argument 'relu'"):
+    with pytest.raises(TypeError, match="relu must be a bool, got str"):
         batch_norm_act(torch.randn(2, 3), *_params(3), EPS, "yes")
+
+
+@pytest.mark.parametrize("relu", [None, 1, 0.0])
+def test_scalars_the_schema_parser_would_convert_are_rejected(relu):
+    # The parser turns relu=None into False (no ReLU) and eps=True into 1.0 without a word: the
+    # entry points check these Python scalars before calling the op.
+    x, (w, b) = torch.randn(4, 3), _params(3)
+    with pytest.raises(TypeError, match="relu must be a bool"):
+        batch_norm_act(x, w, b, EPS, relu)
+    out, mean, rstd = batch_norm_act(x, w, b, EPS, True)
+    with pytest.raises(TypeError, match="relu must be a bool"):
+        batch_norm_act_bwd(out, x, w, b, mean, rstd, relu)
+    with pytest.raises(ValueError, match="eps must be finite and non-negative"):
+        batch_norm_act(x, w, b, True, True)
 
 
 def test_torch_op_checks_in_cpp():

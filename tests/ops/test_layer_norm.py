@@ -580,3 +580,10 @@ def test_cuda_opcheck_and_autograd():
     inputs = [torch.randn(3, 9, dtype=torch.float64, device="cuda", requires_grad=True) for _ in range(2)]
     inputs += [torch.randn(9, dtype=torch.float64, device="cuda", requires_grad=True) for _ in range(2)]
     assert torch.autograd.gradcheck(lambda *a: torch.ops.revkernels.sub_layer_norm(*a, EPS)[:2], inputs)
+
+
+def test_eps_the_schema_parser_would_convert_is_rejected():
+    # eps=True would reach the kernel as 1.0: the entry point checks the Python scalar first.
+    y, g, w, b = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8), torch.randn(8)
+    with pytest.raises(ValueError, match="eps must be finite and non-negative"):
+        sub_layer_norm(y, g, w, b, True)
