@@ -83,3 +83,22 @@ def triton_device():
         assert os.environ.get("TRITON_INTERPRET") == "1"
         return "cpu"
     return "cuda"
+
+
+@torch.no_grad()
+def perturb_parameters(module, scale=0.25, buffers=True):
+    """Moves every parameter of `module` off its initial value by `scale` * N(0, 1) noise, so no
+    LayerNorm/BatchNorm weight is 1, no bias is 0 and F's and G's parameters differ: a fused step
+    that reads the wrong parameter (F's LayerNorm for G's, a weight for a bias) gives a wrong result
+    instead of the same one. With `buffers`, BatchNorm running statistics move too (means by noise,
+    variances by a factor in [0.5, 1.5]), so eval-mode paths read non-trivial statistics.
+    Returns `module`."""
+    for p in module.parameters():
+        if p.is_floating_point():
+            p.add_(scale * torch.randn_like(p))
+    if buffers:
+        for m in module.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None:
+                m.running_mean.add_(scale * torch.randn_like(m.running_mean))
+                m.running_var.mul_(0.5 + torch.rand_like(m.running_var))
+    return module
