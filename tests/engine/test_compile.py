@@ -15,7 +15,7 @@ import torch
 
 from revkernels.nn.reversible import ReversibleSequential
 from revkernels.nn.revvit import RevViTBlock
-from tests.helpers import assert_close_rel, make_seq, run_grads
+from tests.helpers import assert_close_rel, make_seq, perturb_parameters, run_grads
 
 ENGINES = ["autograd", "sequential", "pareprop", "graphs"]
 
@@ -63,7 +63,7 @@ def test_fullgraph_compile_every_engine_matches_eager_autograd(engine):
 
 def test_fullgraph_compile_revvit_blocks():
     # RevViTBlock's fused custom ops run only in its recompute; its forward traces as plain ops.
-    seq = ReversibleSequential(*[RevViTBlock(32, 4) for _ in range(2)], engine="sequential")
+    seq = perturb_parameters(ReversibleSequential(*[RevViTBlock(32, 4) for _ in range(2)], engine="sequential"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         _compiled_vs_eager(seq, _data(2, 5, 32), backend="aot_eager")
@@ -139,7 +139,7 @@ def test_reduce_overhead_inductor_runs_on_cpu():
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["autograd", "sequential"])
 def test_inductor_revvit_matches_eager(engine):
-    seq = ReversibleSequential(*[RevViTBlock(32, 4) for _ in range(2)], engine=engine)
+    seq = perturb_parameters(ReversibleSequential(*[RevViTBlock(32, 4) for _ in range(2)], engine=engine))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         _compiled_vs_eager(seq, _data(2, 5, 32))
