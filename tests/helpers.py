@@ -10,6 +10,12 @@ import revkernels as rk
 from revkernels.nn import DropPath
 
 
+# Engines whose code differs on CPU. "pareprop" and "graphs" run the sequential engine's walker on
+# CPU (tests/engine/test_pareprop.py and test_graphs.py assert that, bitwise), so a CPU test listing
+# them would count the sequential code three times; their own code is tested on CUDA (`gpu` marks).
+CPU_ENGINES = ["autograd", "sequential"]
+
+
 def rel_err(actual, expected):
     """max |actual - expected| / max |expected|, in float64."""
     expected = expected.double()

@@ -21,7 +21,7 @@ def _monitor_warnings(caught):
     return [str(w.message) for w in caught if "reconstruction monitor" in str(w.message)]
 
 
-@pytest.mark.parametrize("engine", ["sequential", "pareprop"])
+@pytest.mark.parametrize("engine", ["sequential"])  # pareprop is this code on CPU (see tests/helpers.py)
 def test_no_warning_on_an_invertible_stack_and_grads_unchanged(engine):
     seq = make_seq(4, 8, engine=engine, dropout=0.3)
     ref = make_seq(4, 8, engine="autograd", dropout=0.3)
