@@ -105,7 +105,7 @@ mutation("batchnorm_stats_updated_in_recompute", STATE,
 mutation("batchnorm_act_stats_updated_in_recompute", BNACT,
          "if self.training and self.track_running_stats and self.running_mean is not None:",
          "if self.training and self.running_mean is not None:",
-         "tests/models/test_revnet.py -k one_training_step_matches_plain_autograd and revnet18")
+         "tests/models/test_revnet.py::test_one_training_step_matches_plain_autograd[revnet18]")
 mutation("engine_no_autocast_reentry", SEQ,
          "        with autocast():\n            rec = block.recompute", "        with contextlib.nullcontext():\n            rec = block.recompute",
          f"{T_SEQ} -k autocast")
@@ -140,10 +140,9 @@ mutation("petra_accum_count_off_by_one", SIM,
          "                    p.grad.div_(k)", "                    p.grad.div_(k + 1)", T_REF)
 mutation("petra_accum_window_off_by_one", SIM,
          "if self.backward_steps % self.trainer.accum_k:", "if (self.backward_steps + 1) % self.trainer.accum_k:", T_REF)
-mutation("petra_staleness_off_by_one", SIM,
-         "out = worker.step(incoming, self._bwd_msgs.get(w + 1), self._labels.pop)",
-         "out = worker.step(incoming, self._bwd_msgs.get(w + 1) if self.tick % 2 else None, self._labels.pop)"
-         if False else "out = worker.step(incoming, bwd_msgs.get(w + 1), self._labels.pop)", T_REF)
+mutation("petra_staleness_off_by_one", SIM,  # forward messages arrive in the tick they are sent
+         "incoming = new_input if w == 0 else self._fwd_msgs.get(w - 1)",
+         "incoming = new_input if w == 0 else fwd_msgs.get(w - 1)", T_REF)
 mutation("petra_rebuild_with_forward_params", PART,
          "            x1, x2, dx1, dx2 = self._run.reverse(y[0].detach(), y[1].detach(), dy[0], dy[1])\n",
          "            x1, x2, dx1, dx2 = self._run.reverse(y[0].detach(), y[1].detach(), dy[0], dy[1])\n"
