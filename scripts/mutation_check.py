@@ -129,11 +129,21 @@ mutation("engine_no_rng_state_per_block", REV,
 mutation("pareprop_forgets_record_stream", PARE,
          "            _hand_over((x1, x2), other)\n", "", "tests/engine/test_pareprop.py", needs="cuda")
 
+mutation("block_keeps_its_input", REV,
+         "        rng_g = RngState(devices) if preserve_rng_state else None\n",
+         "        rng_g = RngState(devices) if preserve_rng_state else None\n        self._kept = x1.clone()\n",
+         "tests/engine/test_memory.py")
+
 # --- half couplings (PETRA's reversible stages) ---------------------------------------------------------
 mutation("half_coupling_rebuild_wrong_sign", REV,
          "x1 = coupling_sub(y2.detach(), f_out.detach())", "x1 = coupling_add(y2.detach(), f_out.detach())", T_REF)
 mutation("half_coupling_dx2_misses_F_term", REV,
          "dx2 = dy1 if dx2_from_f is None else coupling_add(dy1, dx2_from_f)", "dx2 = dy1", T_REF)
+mutation("half_coupling_bias_grads_off_by_1e-3", REV,
+         "return BlockGrads(dx1=dy2, dx2=dx2, params=_grad_params(self.f), param_grads=f_grads)",
+         "return BlockGrads(dx1=dy2, dx2=dx2, params=_grad_params(self.f),\n"
+         "                          param_grads=[g if g is None or g.dim() > 1 else g * 1.001 for g in f_grads])",
+         f"{T_SIM} -k one_batch")
 
 # --- PETRA --------------------------------------------------------------------------------------------
 mutation("petra_accum_count_off_by_one", SIM,
@@ -158,6 +168,10 @@ mutation("distributed_reversed_stage_order", DIST,
          "        self.worker = self.trainer.workers[self.rank]\n",
          "        self.worker = self.trainer.workers[self.world_size - 1 - self.rank]\n",
          "tests/petra/test_distributed.py::test_distributed_equals_simulator")
+
+mutation("bench_petra_claim_compares_backwards", "benchmarks/bench_petra_accuracy.py",
+         "{'yes' if cos['petra'] > cos['delayed'] else 'no'}", "{'yes' if cos['petra'] < cos['delayed'] else 'no'}",
+         "tests/benchmarks/test_bench_petra_accuracy.py")
 
 # --- ops and C++ kernels --------------------------------------------------------------------------------
 mutation("cpp_coupling_ignores_b_stride", "csrc/ops/coupling_layout.cpp",
