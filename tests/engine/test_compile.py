@@ -17,7 +17,9 @@ from revkernels.nn.reversible import ReversibleSequential
 from revkernels.nn.revvit import RevViTBlock
 from tests.helpers import assert_close_rel, make_seq, perturb_parameters, run_grads
 
-ENGINES = ["autograd", "sequential", "pareprop", "graphs"]
+# Under torch.compile every memory-saving engine runs the same per-block checkpoint (the engine's
+# name only appears in the fallback warning), so "sequential" stands for pareprop and graphs too.
+ENGINES = ["autograd", "sequential"]
 
 
 @pytest.fixture(autouse=True)

@@ -24,6 +24,9 @@ import torch
 
 from tests.helpers import make_seq
 
+# On CPU "pareprop" and "graphs" run the sequential walker, but each through its own front end
+# (pareprop's stream dispatch; graphs' signature cache and fallback warnings), which is what their CPU
+# cases here check for leaks; their CUDA code is checked by the gpu test at the end.
 ENGINES = ["autograd", "sequential", "pareprop", "graphs"]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
