@@ -160,7 +160,7 @@ mutation("petra_rebuild_with_forward_params", PART,
 mutation("petra_lr_linear_scaling_wrong", SIM,
          "return self.base_lr * self.batch_size * self.accum_k / 256", "return self.base_lr * self.batch_size / 256", T_REF)
 mutation("petra_delayed_uses_current_params", PART,
-         "            p.data = old\n", "            pass\n", T_SIM)
+         "            p.data = old\n", "            pass\n", "tests/petra/test_delayed_analysis.py -k stashed")
 mutation("petra_bias_gets_weight_decay", SIM,
          'no_decay if isinstance(m, _NORMS) or name == "bias" else decay', 'no_decay if isinstance(m, _NORMS) else decay',
          f"{T_SIM} -k param_groups")
