@@ -217,7 +217,7 @@ def _pytest(root, args, timeout):
         return "passed", "", time.perf_counter() - t0
     if r.returncode == 5:
         return "error", "no tests collected", time.perf_counter() - t0
-    failed = re.search(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
+    failed = re.search(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", out, re.M)
     return "failed", failed.group(1) if failed else out.strip().splitlines()[-1][:200], time.perf_counter() - t0
 
 
