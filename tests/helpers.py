@@ -10,6 +10,12 @@ import revkernels as rk
 from revkernels.nn import DropPath
 
 
+# Engines whose code differs on CPU. "pareprop" and "graphs" run the sequential engine's walker on
+# CPU (tests/engine/test_pareprop.py and test_graphs.py assert that, bitwise), so a CPU test listing
+# them would count the sequential code three times; their own code is tested on CUDA (`gpu` marks).
+CPU_ENGINES = ["autograd", "sequential"]
+
+
 def rel_err(actual, expected):
     """max |actual - expected| / max |expected|, in float64."""
     expected = expected.double()
@@ -83,3 +89,29 @@ def triton_device():
         assert os.environ.get("TRITON_INTERPRET") == "1"
         return "cpu"
     return "cuda"
+
+
+@torch.no_grad()
+def perturb_parameters(module, scale=0.25, buffers=True):
+    """Moves every parameter of `module` off its initial value by `scale` * N(0, 1) noise, so no
+    LayerNorm/BatchNorm weight is 1, no bias is 0 and F's and G's parameters differ: a fused step
+    that reads the wrong parameter (F's LayerNorm for G's, a weight for a bias) gives a wrong result
+    instead of the same one. With `buffers`, BatchNorm running statistics move too (means by noise,
+    variances by a factor in [0.5, 1.5]), so eval-mode paths read non-trivial statistics.
+    Returns `module`."""
+    for p in module.parameters():
+        if p.is_floating_point():
+            p.add_(scale * torch.randn_like(p))
+    if buffers:
+        for m in module.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None:
+                m.running_mean.add_(scale * torch.randn_like(m.running_mean))
+                m.running_var.mul_(0.5 + torch.rand_like(m.running_var))
+    return module
+
+
+def assert_low_precision_rule(actual, same_dtype_torch, exact, what="tensor"):
+    """DESIGN.md's rule for bf16/fp16 results: the error against an exact (float64) reference is at
+    most twice the error of the same-dtype PyTorch op (relative to max |exact|)."""
+    ours, torch_err = rel_err(actual, exact), rel_err(same_dtype_torch, exact)
+    assert ours <= 2 * torch_err, f"{what}: relative error {ours:.3e} > 2 x PyTorch's {torch_err:.3e}"

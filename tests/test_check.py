@@ -8,7 +8,7 @@ import revkernels as rk
 from revkernels.check import ReconstructionMonitor, monitor_reconstruction
 from revkernels.nn.reversible import ReversibleSequential
 from revkernels.nn.revvit import RevViTBlock
-from tests.helpers import assert_close_rel, loss_of, make_seq, run_grads
+from tests.helpers import assert_close_rel, loss_of, make_seq, perturb_parameters, run_grads
 
 
 def _step(seq, shape=(4, 8)):
@@ -21,7 +21,7 @@ def _monitor_warnings(caught):
     return [str(w.message) for w in caught if "reconstruction monitor" in str(w.message)]
 
 
-@pytest.mark.parametrize("engine", ["sequential", "pareprop"])
+@pytest.mark.parametrize("engine", ["sequential"])  # pareprop is this code on CPU (see tests/helpers.py)
 def test_no_warning_on_an_invertible_stack_and_grads_unchanged(engine):
     seq = make_seq(4, 8, engine=engine, dropout=0.3)
     ref = make_seq(4, 8, engine="autograd", dropout=0.3)
@@ -39,7 +39,7 @@ def test_no_warning_on_an_invertible_stack_and_grads_unchanged(engine):
 
 
 def test_revvit_stack_is_monitored_without_warning():
-    seq = ReversibleSequential(*[RevViTBlock(16, 2) for _ in range(3)])
+    seq = perturb_parameters(ReversibleSequential(*[RevViTBlock(16, 2) for _ in range(3)]))
     with warnings.catch_warnings(record=True) as caught, monitor_reconstruction(seq, threshold=1e-4) as monitor:
         warnings.simplefilter("always")
         _step(seq, (2, 5, 16))

@@ -15,9 +15,11 @@ import torch
 
 from revkernels.nn.reversible import ReversibleSequential
 from revkernels.nn.revvit import RevViTBlock
-from tests.helpers import assert_close_rel, make_seq, run_grads
+from tests.helpers import assert_close_rel, make_seq, perturb_parameters, run_grads
 
-ENGINES = ["autograd", "sequential", "pareprop", "graphs"]
+# Under torch.compile every memory-saving engine runs the same per-block checkpoint (the engine's
+# name only appears in the fallback warning), so "sequential" stands for pareprop and graphs too.
+ENGINES = ["autograd", "sequential"]
 
 
 @pytest.fixture(autouse=True)
@@ -63,7 +65,7 @@ def test_fullgraph_compile_every_engine_matches_eager_autograd(engine):
 
 def test_fullgraph_compile_revvit_blocks():
     # RevViTBlock's fused custom ops run only in its recompute; its forward traces as plain ops.
-    seq = ReversibleSequential(*[RevViTBlock(32, 4) for _ in range(2)], engine="sequential")
+    seq = perturb_parameters(ReversibleSequential(*[RevViTBlock(32, 4) for _ in range(2)], engine="sequential"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         _compiled_vs_eager(seq, _data(2, 5, 32), backend="aot_eager")
@@ -139,7 +141,7 @@ def test_reduce_overhead_inductor_runs_on_cpu():
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["autograd", "sequential"])
 def test_inductor_revvit_matches_eager(engine):
-    seq = ReversibleSequential(*[RevViTBlock(32, 4) for _ in range(2)], engine=engine)
+    seq = perturb_parameters(ReversibleSequential(*[RevViTBlock(32, 4) for _ in range(2)], engine=engine))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         _compiled_vs_eager(seq, _data(2, 5, 32))

@@ -12,7 +12,7 @@ from torch import nn
 import revkernels as rk
 from revkernels.engine import graphs
 from revkernels.nn.revvit import RevViTBlock
-from tests.helpers import assert_close_rel, make_seq, plain_forward, rel_err, run_grads
+from tests.helpers import assert_close_rel, make_seq, perturb_parameters, plain_forward, rel_err, run_grads
 
 
 def test_cpu_runs_eagerly_without_warning_and_matches_sequential():
@@ -56,8 +56,8 @@ def test_signature_tracks_what_a_graph_depends_on():
 # --- GPU: capture and replay ------------------------------------------------------------------------
 
 def _vit_stack(depth, drop_path=0.0, dim=64, heads=4, engine="graphs"):
-    return rk.nn.ReversibleSequential(*[RevViTBlock(dim, heads, drop_path=drop_path) for _ in range(depth)],
-                                      engine=engine).cuda()
+    return perturb_parameters(rk.nn.ReversibleSequential(*[RevViTBlock(dim, heads, drop_path=drop_path) for _ in range(depth)],
+                                                             engine=engine).cuda())
 
 
 def _captured_runs(seq):

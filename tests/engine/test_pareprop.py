@@ -6,7 +6,7 @@ import torch
 
 import revkernels as rk
 from revkernels.nn.revvit import RevViTBlock
-from tests.helpers import assert_close_rel, make_seq, plain_forward, rel_err, run_grads
+from tests.helpers import assert_close_rel, make_seq, perturb_parameters, plain_forward, rel_err, run_grads
 
 
 def test_cpu_runs_the_sequential_schedule():
@@ -21,8 +21,8 @@ def test_cpu_runs_the_sequential_schedule():
 
 
 def _vit_stack(depth, drop_path=0.1, dim=64, heads=4):
-    return rk.nn.ReversibleSequential(*[RevViTBlock(dim, heads, drop_path=drop_path) for _ in range(depth)],
-                                      engine="pareprop").cuda()
+    return perturb_parameters(rk.nn.ReversibleSequential(*[RevViTBlock(dim, heads, drop_path=drop_path) for _ in range(depth)],
+                                                             engine="pareprop").cuda())
 
 
 @pytest.mark.gpu

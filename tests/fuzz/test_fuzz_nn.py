@@ -11,9 +11,9 @@ from torch import nn
 
 import revkernels as rk
 from revkernels.check import check_reversibility
-from tests.helpers import rel_err
+from tests.helpers import CPU_ENGINES, rel_err
 
-ENGINES = ["autograd", "sequential", "pareprop"]
+ENGINES = CPU_ENGINES  # pareprop/graphs run the sequential code on CPU (see tests/helpers.py)
 TOL = 1e-5
 
 
@@ -221,7 +221,7 @@ def test_bad_streams_name_the_argument(entry, which, grads, bad, width, batch, e
 @given(engine=st.one_of(st.text(max_size=10), st.sampled_from([None, 1, "Sequential", "auto"])))
 def test_bad_engine_and_blocks(engine):
     block = rk.nn.ReversibleBlock(nn.Identity(), nn.Identity())
-    if engine not in ENGINES:
+    if engine not in rk.engine.ENGINES:
         with pytest.raises(ValueError, match="engine"):
             rk.nn.ReversibleSequential(block, engine=engine)
     with pytest.raises(TypeError, match=r"blocks\[1\]"):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from revkernels.ops import (bias_gelu, bias_gelu_bwd, coupling_add, coupling_add_reference, coupling_sub,
+from revkernels.ops import (batch_norm_act, batch_norm_act_bwd, bias_gelu, bias_gelu_bwd, coupling_add, coupling_add_reference, coupling_sub,
                             coupling_sub_reference, layer_norm_bwd_add, layer_norm_bwd_add_reference, linear_sub,
                             sub_layer_norm)
 from tests.helpers import rel_err
@@ -271,6 +271,115 @@ def test_layer_norm_bwd_add(entry, shape, dx_, dres_, dw, mixed, lx, ld, lr, see
             else:
                 close_rel(got, e, fp_tol(got.dtype, acc), what, scale)
     untouched((dln, x, w, mean, rstd, dres), before)
+
+
+# --- batch_norm_act / batch_norm_act_bwd ----------------------------------------------------------
+
+@st.composite
+def bn_shapes(draw):
+    """(N, C, *spatial) with 0-3 spatial dims and at least two values per channel."""
+    n, c = draw(st.integers(1, 6)), draw(st.integers(1, 9))
+    spatial = draw(st.lists(st.integers(1, 7), max_size=3))
+    if n * math.prod(spatial) < 2:
+        n = 2
+    return (n, c, *spatial)
+
+
+def bn_make(shape, dtype, layout, gen, scale=2.0, offset=0.25):
+    if layout == "channels_last" and len(shape) in (4, 5):
+        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+        return make(shape, dtype, "contiguous", gen, scale, offset).contiguous(memory_format=fmt)
+    return make(shape, dtype, "contiguous" if layout == "channels_last" else layout, gen, scale, offset)
+
+
+bn_layouts = st.sampled_from(LAYOUTS + ["channels_last"])
+
+
+def _bn_truth(x, w, b, eps, relu):
+    """float64 (y before ReLU, out, mean, rstd) by torch's own batch_norm (independent of the op's
+    reference)."""
+    x64, dims = x.double(), [0] + list(range(2, x.dim()))
+    y = F.batch_norm(x64, None, None, w.double(), b.double(), training=True, eps=eps)
+    return y, (torch.relu(y) if relu else y), x64.mean(dims), torch.rsqrt(x64.var(dims, correction=0) + eps)
+
+
+@fuzz(120)
+@given(entry=entries, shape=bn_shapes(), dx_=dtypes, dw=dtypes, mixed=st.booleans(), relu=st.booleans(),
+       lx=bn_layouts, eps=st.sampled_from([1e-5, 1e-3]), seed=seeds)
+def test_batch_norm_act(entry, shape, dx_, dw, mixed, relu, lx, eps, seed):
+    if not mixed:
+        dw = dx_
+    op = batch_norm_act if entry == "python" else R.batch_norm_act
+    gen = gen_of(seed)
+    x = bn_make(shape, dx_, lx, gen, scale=3.0, offset=0.5)
+    w = make((shape[1],), dw, "contiguous", gen, scale=0.5, offset=1.0)
+    b = make((shape[1],), dw, "contiguous", gen, scale=0.5, offset=0.0)
+    before = snapshot(x, w, b)
+    out, mean, rstd = op(x, w, b, eps, relu)
+    acc = torch.float64 if dx_ == torch.float64 else torch.float32
+    assert out.dtype == dx_ and out.shape == shape and mean.dtype == rstd.dtype == acc
+    y64, exact, mean64, rstd64 = _bn_truth(x, w, b, eps, relu)
+    close_rel(mean, mean64, fp_tol(acc, acc), "mean", scale=x.double().abs().amax([0] + list(range(2, x.dim()))))
+    close_rel(rstd, rstd64, fp_tol(acc, acc), "rstd")
+    if dx_ in LOW and not mixed:
+        composed = F.batch_norm(x, None, None, w, b, training=True, eps=eps)
+        within_2x(out, torch.relu(composed) if relu else composed, exact, f"out {dx_}")
+    elif dx_ in LOW:
+        one_rounding(out, exact, "out")
+    else:
+        close_rel(out, exact, fp_tol(dx_, acc), "out")
+    untouched((x, w, b), before)
+
+
+@fuzz(120)
+@given(entry=entries, shape=bn_shapes(), dx_=dtypes, dw=dtypes, mixed=st.booleans(), relu=st.booleans(),
+       lx=bn_layouts, ld=bn_layouts, seed=seeds)
+def test_batch_norm_act_bwd(entry, shape, dx_, dw, mixed, relu, lx, ld, seed):
+    if not mixed:
+        dw = dx_
+    eps = 1e-5
+    op = batch_norm_act_bwd if entry == "python" else R.batch_norm_act_bwd
+    gen = gen_of(seed)
+    x = bn_make(shape, dx_, lx, gen, scale=3.0, offset=0.5)
+    w = make((shape[1],), dw, "contiguous", gen, scale=0.5, offset=1.0)
+    b = make((shape[1],), dw, "contiguous", gen, scale=0.5, offset=0.0)
+    y64, _, mean64, rstd64 = _bn_truth(x, w, b, eps, relu)
+    acc = torch.float64 if dx_ == torch.float64 else torch.float32
+    mean, rstd = mean64.to(acc), rstd64.to(acc)
+    # No gradient where y is within rounding of the ReLU's kink: there the mask is a coin flip.
+    dout = bn_make(shape, dx_, ld, gen, 1.0, 0.0)
+    if relu:
+        dout = torch.where(y64.abs() > 1e-3 * y64.abs().max(), dout, torch.zeros((), dtype=dx_)).to(dx_)
+        dout = bn_make(shape, dx_, ld, torch.Generator(), 0.0, 0.0).copy_(dout) if ld != "expanded" else dout
+    before = snapshot(dout, x, w, b, mean, rstd)
+    dx, dweight, dbias = op(dout, x, w, b, mean, rstd, relu)
+    assert (dx.dtype, dweight.dtype, dbias.dtype) == (dx_, dw, dw) and dx.shape == shape
+    # float64 truth: autograd through torch's batch_norm (+ ReLU) at the same inputs.
+    x64, w64, b64 = (t.double().requires_grad_() for t in (x, w, b))
+    y = F.batch_norm(x64, None, None, w64, b64, training=True, eps=eps)
+    torch.autograd.backward(torch.relu(y) if relu else y, dout.double())
+    exact = (x64.grad, w64.grad, b64.grad)
+    dims, shape_c = [0] + list(range(2, x.dim())), (1, shape[1]) + (1,) * (x.dim() - 2)
+    count = x.numel() // shape[1]
+    xhat = ((x.double() - mean64.view(shape_c)) * rstd64.view(shape_c)).abs()
+    dy = dout.double().abs() * ((y64 > 0) if relu else 1)
+    sw, sb = (dy * xhat).sum(dims), dy.sum(dims)
+    scales = ((rstd64 * w.double()).abs().view(shape_c) * (dy + sb.view(shape_c) / count + xhat * sw.view(shape_c) / count),
+              sw, sb)
+    if dx_ in LOW and not mixed:
+        xt, wt, bt = (t.detach().clone().requires_grad_() for t in (x, w, b))
+        yt = F.batch_norm(xt, None, None, wt, bt, training=True, eps=eps)
+        torch.autograd.backward(torch.relu(yt) if relu else yt, dout)
+        for got, composed, e, scale, what in zip((dx, dweight, dbias), (xt.grad, wt.grad, bt.grad), exact, scales,
+                                                 ("dx", "dweight", "dbias")):
+            within_2x(got, composed, e, f"{what} {dx_}", scale)
+    else:
+        for got, e, scale, what in zip((dx, dweight, dbias), exact, scales, ("dx", "dweight", "dbias")):
+            if got.dtype in LOW:
+                one_rounding(got, e, what, scale)
+            else:
+                close_rel(got, e, fp_tol(got.dtype, acc), what, scale)
+    untouched((dout, x, w, b, mean, rstd), before)
 
 
 # --- bias_gelu / bias_gelu_bwd -----------------------------------------------------------------

@@ -4,13 +4,15 @@ import torch
 
 import revkernels as rk
 from revkernels.nn.revvit import RevViTBlock
-from tests.helpers import assert_close_rel, plain_forward, rel_err, run_grads
+from tests.helpers import assert_close_rel, perturb_parameters, plain_forward, rel_err, run_grads
 
 DIM, HEADS, BATCH, TOKENS = 32, 4, 3, 7
 
 
 def _stack(depth, **kwargs):
-    return rk.nn.ReversibleSequential(*[RevViTBlock(DIM, HEADS, **kwargs) for _ in range(depth)])
+    # Random LayerNorm weights/biases and linear parameters: a fused step that reads F's parameter
+    # for G's (or a weight for a bias) must give a wrong result, not the identity-init one.
+    return perturb_parameters(rk.nn.ReversibleSequential(*[RevViTBlock(DIM, HEADS, **kwargs) for _ in range(depth)]))
 
 
 def _data(device="cpu"):
@@ -79,6 +81,8 @@ def test_recompute_under_autocast_bf16_rebuilds_to_fp32_rounding(drop_path):
     # residual streams, not bf16 rounding of recomputed branch outputs.
     torch.manual_seed(3)  # with drop_path 0.3: each branch keeps one sample and drops the other
     block = RevViTBlock(DIM, HEADS, drop_path=drop_path)
+    with torch.random.fork_rng():  # the seeded stream (and so the drop-path masks) stays as it was
+        perturb_parameters(block)
     x1, x2 = torch.randn(2, 5, DIM), torch.randn(2, 5, DIM)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y1, y2, state = block.forward_with_state(x1, x2)

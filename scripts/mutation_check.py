@@ -1,0 +1,320 @@
+#!/usr/bin/env python
+"""Mutation check: does the test suite catch the bugs it claims to guard against?
+
+Each mutation below is one semantic bug, written as an exact text replacement ``(file, old, new)`` in
+the library, with the test selection that should catch it. The script copies the repository (with
+the built ``revkernels/_C*.so``) to a temporary directory, checks that every ``old`` text occurs
+exactly once (else it stops with "pattern not found" / "pattern occurs N times": the library changed,
+update the table), runs the selections once unmutated (a selection that fails there cannot kill
+anything), then for each mutation: applies it to the copy, rebuilds the C++ extension in the copy
+when the file is under csrc/ (``setup.py build_ext --inplace``), runs the selection with a timeout
+and restores the file (and the original .so). A mutant is *killed* when its selection fails (the
+first failing test is reported), *survived* when it passes: each survivor is a missing test.
+
+    python scripts/mutation_check.py                        # every mutation
+    python scripts/mutation_check.py --only revvit_ln_swap_grads petra_accum_count
+    python scripts/mutation_check.py --list
+    python scripts/mutation_check.py --out benchmarks/results/mutation_check.txt
+
+Run on demand (minutes: one pytest process per mutant), not in CI. Mutations marked ``cuda`` need a
+GPU (they change code that only runs on CUDA) and are reported as "not run" without one.
+
+The library is being rewritten in places; when a pattern is not found, edit its row: keep each row
+one bug, the smallest text that makes it, and a selection of the tests that should catch it.
+"""
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# name, file, old text, new text, pytest selection (arguments), options ("cuda": needs a GPU)
+M = []
+
+
+def mutation(name, file, old, new, tests, needs=None):
+    M.append({"name": name, "file": file, "old": old, "new": new, "tests": tests.split(), "needs": needs})
+
+
+REVVIT = "revkernels/nn/revvit.py"
+REV = "revkernels/nn/reversible.py"
+SEQ = "revkernels/engine/sequential.py"
+STATE = "revkernels/engine/state.py"
+PARE = "revkernels/engine/pareprop.py"
+SIM = "revkernels/petra/simulate.py"
+PART = "revkernels/petra/partition.py"
+DIST = "revkernels/petra/distributed.py"
+BNACT = "revkernels/nn/batch_norm.py"
+T_REVVIT = "tests/nn/test_revvit.py"
+T_SEQ = "tests/engine/test_sequential.py"
+T_REF = "tests/petra/test_reference.py"
+T_SIM = "tests/petra/test_simulate.py"
+
+# --- fused RevViTBlock: F/G parameters, drop-path ----------------------------------------------------
+mutation("revvit_ln2_recompute_uses_F_params", REVVIT,
+         "torch.native_layer_norm(y1, [dim], g.norm.weight, g.norm.bias, g.norm.eps)",
+         "torch.native_layer_norm(y1, [dim], f.norm.weight, f.norm.bias, g.norm.eps)", T_REVVIT)
+mutation("revvit_ln1_rebuild_uses_G_params", REVVIT,
+         "f.norm.weight.detach(), f.norm.bias.detach(), f.norm.eps)",
+         "g.norm.weight.detach(), g.norm.bias.detach(), f.norm.eps)", T_REVVIT)
+mutation("revvit_ln2_bwd_uses_F_weight", REVVIT,
+         "layer_norm_bwd_add(dln2, rec.y1, g.norm.weight,", "layer_norm_bwd_add(dln2, rec.y1, f.norm.weight,", T_REVVIT)
+mutation("revvit_ln1_bwd_uses_G_weight", REVVIT,
+         "layer_norm_bwd_add(dln1, rec.x2, f.norm.weight,", "layer_norm_bwd_add(dln1, rec.x2, g.norm.weight,", T_REVVIT)
+mutation("revvit_swap_F_G_norm_grads", REVVIT,
+         '{"g.norm.weight": dw_ln2, "g.norm.bias": db_ln2, "f.norm.weight": dw_ln1,\n                      "f.norm.bias": db_ln1,',
+         '{"g.norm.weight": dw_ln1, "g.norm.bias": db_ln1, "f.norm.weight": dw_ln2,\n                      "f.norm.bias": db_ln2,',
+         T_REVVIT)
+mutation("revvit_swap_norm_weight_bias_grads", REVVIT,
+         '"f.norm.weight": dw_ln1,\n                      "f.norm.bias": db_ln1,',
+         '"f.norm.weight": db_ln1,\n                      "f.norm.bias": dw_ln1,', T_REVVIT)
+mutation("revvit_proj_grad_ignores_drop_path", REVVIT,
+         "dproj = dy1_total if rec.f_scale is None else dy1_total * rec.f_scale", "dproj = dy1_total", T_REVVIT)
+mutation("revvit_rebuild_ignores_drop_path", REVVIT,
+         "            if f_scale is not None:\n                f_out = f_out * f_scale\n", "", T_REVVIT)
+mutation("revvit_no_rng_replay_for_G", REVVIT,
+         "with maybe_replay(None if state is None else state.rng_g):\n                # The ops",
+         "with maybe_replay(None):\n                # The ops", T_REVVIT)
+mutation("revvit_skip_proj_bias_grad", REVVIT,
+         '"f.proj.weight": d_proj_w, "f.proj.bias": d_proj_b}', '"f.proj.weight": d_proj_w, "f.proj.bias": 0 * d_proj_b}',
+         T_REVVIT)
+
+# --- generic blocks and the sequential engine ----------------------------------------------------------
+mutation("block_rebuild_wrong_sign", REV,
+         "x2 = coupling_sub(y2, g_out.detach()).requires_grad_()", "x2 = coupling_add(y2, g_out.detach()).requires_grad_()",
+         f"{T_SEQ} -k equal_plain")
+mutation("block_grad_add_wrong_sign", REV,
+         "dx2 = dy2 if dx2_from_f is None else coupling_add(dy2, dx2_from_f)",
+         "dx2 = dy2 if dx2_from_f is None else coupling_sub(dy2, dx2_from_f)", f"{T_SEQ} -k equal_plain")
+mutation("block_dy1_misses_G_term", REV,
+         "dy1_total = dy1 if dy1_from_g is None else coupling_add(dy1, dy1_from_g)", "dy1_total = dy1",
+         f"{T_SEQ} -k equal_plain")
+mutation("block_no_rng_replay_for_F", REV,
+         "with maybe_replay(None if state is None else state.rng_f):\n                f_out = functional_call(self.f, f_aliases, (x2,))",
+         "with maybe_replay(None):\n                f_out = functional_call(self.f, f_aliases, (x2,))", f"{T_SEQ} -k dropout")
+mutation("rng_state_not_restored_after_replay", STATE,
+         "            torch.set_rng_state(saved.cpu)\n", "            pass\n", f"{T_SEQ} -k dropout")
+mutation("batchnorm_stats_updated_in_recompute", STATE,
+         "                layer.track_running_stats = False\n", "", f"{T_SEQ} -k batchnorm")
+mutation("batchnorm_act_stats_updated_in_recompute", BNACT,
+         "if self.training and self.track_running_stats and self.running_mean is not None:",
+         "if self.training and self.running_mean is not None:",
+         "tests/models/test_revnet.py::test_one_training_step_matches_plain_autograd[revnet18]")
+mutation("engine_no_autocast_reentry", SEQ,
+         "        with autocast():\n            rec = block.recompute", "        with contextlib.nullcontext():\n            rec = block.recompute",
+         f"{T_SEQ} -k autocast")
+mutation("engine_skips_1d_param_grads", SEQ,
+         "            if grad is None:\n                continue\n            k = index[id(p)]",
+         "            if grad is None or p.dim() == 1:\n                continue\n            k = index[id(p)]",
+         f"{T_SEQ} -k equal_plain")
+mutation("engine_param_grads_counted_twice", SEQ,
+         "param_grads[k] = grad if param_grads[k] is None else param_grads[k] + grad",
+         "param_grads[k] = 2 * grad if param_grads[k] is None else param_grads[k] + grad", f"{T_SEQ} -k equal_plain")
+mutation("engine_keeps_block_activations_on_ctx", SEQ,
+         "                states.append(state)\n",
+         "                states.append(state)\n                state.kept = (x1.clone(), x2.clone())\n",
+         "tests/engine/test_memory.py")
+mutation("engine_saves_every_block_output", SEQ,
+         "        ctx.save_for_backward(x1, x2)\n",
+         "        ctx.save_for_backward(x1, x2, *[torch.zeros_like(x1) for _ in states])\n", "tests/engine/test_memory.py")
+mutation("engine_no_rng_state_per_block", REV,
+         "        rng_f = RngState(devices) if preserve_rng_state else None\n", "        rng_f = None\n",
+         f"{T_SEQ} -k dropout")
+mutation("pareprop_forgets_record_stream", PARE,
+         "            _hand_over((x1, x2), other)\n", "", "tests/engine/test_pareprop.py", needs="cuda")
+
+mutation("block_keeps_its_input", REV,
+         "        rng_g = RngState(devices) if preserve_rng_state else None\n",
+         "        rng_g = RngState(devices) if preserve_rng_state else None\n        self._kept = x1.clone()\n",
+         "tests/engine/test_memory.py")
+
+# --- half couplings (PETRA's reversible stages) ---------------------------------------------------------
+mutation("half_coupling_rebuild_wrong_sign", REV,
+         "x1 = coupling_sub(y2.detach(), f_out.detach())", "x1 = coupling_add(y2.detach(), f_out.detach())", T_REF)
+mutation("half_coupling_dx2_misses_F_term", REV,
+         "dx2 = dy1 if dx2_from_f is None else coupling_add(dy1, dx2_from_f)", "dx2 = dy1", T_REF)
+mutation("half_coupling_bias_grads_off_by_1e-3", REV,
+         "return BlockGrads(dx1=dy2, dx2=dx2, params=_grad_params(self.f), param_grads=f_grads)",
+         "return BlockGrads(dx1=dy2, dx2=dx2, params=_grad_params(self.f),\n"
+         "                          param_grads=[g if g is None or g.dim() > 1 else g * 1.001 for g in f_grads])",
+         f"{T_SIM} -k one_batch")
+
+# --- PETRA --------------------------------------------------------------------------------------------
+mutation("petra_accum_count_off_by_one", SIM,
+         "                    p.grad.div_(k)", "                    p.grad.div_(k + 1)", T_REF)
+mutation("petra_accum_window_off_by_one", SIM,
+         "if self.backward_steps % self.trainer.accum_k:", "if (self.backward_steps + 1) % self.trainer.accum_k:", T_REF)
+mutation("petra_staleness_off_by_one", SIM,  # forward messages arrive in the tick they are sent
+         "incoming = new_input if w == 0 else self._fwd_msgs.get(w - 1)",
+         "incoming = new_input if w == 0 else fwd_msgs.get(w - 1)", T_REF)
+mutation("petra_rebuild_with_forward_params", PART,
+         "            x1, x2, dx1, dx2 = self._run.reverse(y[0].detach(), y[1].detach(), dy[0], dy[1])\n",
+         "            x1, x2, dx1, dx2 = self._run.reverse(y[0].detach(), y[1].detach(), dy[0], dy[1])\n"
+         "            x1, x2 = y[1].detach() - self.module.f(y[0]).detach() * 0.99, y[0].detach()\n", T_REF)
+mutation("petra_lr_linear_scaling_wrong", SIM,
+         "return self.base_lr * self.batch_size * self.accum_k / 256", "return self.base_lr * self.batch_size / 256", T_REF)
+mutation("petra_delayed_uses_current_params", PART,
+         "            p.data = old\n", "            pass\n", "tests/petra/test_delayed_analysis.py -k stashed")
+mutation("petra_bias_gets_weight_decay", SIM,
+         'no_decay if isinstance(m, _NORMS) or name == "bias" else decay', 'no_decay if isinstance(m, _NORMS) else decay',
+         f"{T_SIM} -k param_groups")
+mutation("distributed_reversed_stage_order", DIST,
+         "        self.worker = self.trainer.workers[self.rank]\n",
+         "        self.worker = self.trainer.workers[self.world_size - 1 - self.rank]\n",
+         "tests/petra/test_distributed.py::test_distributed_equals_simulator")
+
+mutation("bench_petra_claim_compares_backwards", "benchmarks/bench_petra_accuracy.py",
+         "{'yes' if cos['petra'] > cos['delayed'] else 'no'}", "{'yes' if cos['petra'] < cos['delayed'] else 'no'}",
+         "tests/benchmarks/test_bench_petra_accuracy.py")
+
+# --- ops and C++ kernels --------------------------------------------------------------------------------
+mutation("cpp_coupling_ignores_b_stride", "csrc/ops/coupling_layout.cpp",
+         "    layout->b_strides[d] = b_strides[d];", "    layout->b_strides[d] = a_strides[d];", "tests/ops/test_coupling.py")
+mutation("cpp_batch_norm_channels_last_stride", "csrc/ops/batch_norm_cpu.cpp",
+         "v.n_stride = c * v.s, v.c_stride = 1, v.s_stride = c;", "v.n_stride = c * v.s, v.c_stride = v.s, v.s_stride = 1;",
+         "tests/fuzz/test_fuzz_ops.py -k batch_norm_act")  # the fuzz test alone (tests/ops/ has layout tests too)
+
+
+def _copy_repo(dst):
+    ignore = shutil.ignore_patterns(".git", "__pycache__", ".venv", "build", "*.egg-info", ".pytest_cache",
+                                    ".hypothesis", "results", "*.png")
+    shutil.copytree(ROOT, dst, ignore=ignore, symlinks=True)
+
+
+def _check_patterns(root, mutations):
+    problems = []
+    for m in mutations:
+        path = os.path.join(root, m["file"])
+        if not os.path.exists(path):
+            problems.append(f"{m['name']}: file {m['file']} not found")
+            continue
+        n = open(path).read().count(m["old"])
+        if n == 0:
+            problems.append(f"{m['name']}: pattern not found in {m['file']}: {m['old']!r}")
+        elif n > 1:
+            problems.append(f"{m['name']}: pattern occurs {n} times in {m['file']}: {m['old']!r}")
+    if problems:
+        raise SystemExit("mutation_check: update the mutation table:\n  " + "\n  ".join(problems))
+
+
+def _pytest(root, args, timeout):
+    env = {**os.environ, "PYTHONPATH": root, "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+           "-m", "not gpu and not slow", *args]
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", f"timed out after {timeout} s", time.perf_counter() - t0
+    out = r.stdout + r.stderr
+    if r.returncode == 0:
+        return "passed", "", time.perf_counter() - t0
+    if r.returncode == 5:
+        return "error", "no tests collected", time.perf_counter() - t0
+    failed = re.search(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", out, re.M)
+    return "failed", failed.group(1) if failed else out.strip().splitlines()[-1][:200], time.perf_counter() - t0
+
+
+def _build(root, timeout=1800):
+    r = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=root, capture_output=True,
+                       text=True, timeout=timeout)
+    return r.returncode == 0, (r.stdout + r.stderr)[-2000:]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="*", help="mutation names to run (default: all)")
+    p.add_argument("--list", action="store_true", help="list the mutations and exit")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per mutant's test run")
+    p.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the selections")
+    p.add_argument("--out", help="also write the report to this file")
+    args = p.parse_args(argv)
+    mutations = [m for m in M if not args.only or m["name"] in args.only]
+    if args.only and len(mutations) != len(set(args.only)):
+        raise SystemExit(f"unknown mutation(s): {sorted(set(args.only) - {m['name'] for m in M})}")
+    if args.list:
+        for m in mutations:
+            print(f"{m['name']:45s} {m['file']:35s} {' '.join(m['tests'])}")
+        return 0
+    _check_patterns(ROOT, mutations)
+    try:
+        import torch
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+
+    t_start = time.perf_counter()
+    lines = []
+
+    def say(line=""):
+        print(line, flush=True)
+        lines.append(line)
+
+    with tempfile.TemporaryDirectory(prefix="revkernels-mutants-") as tmp:
+        root = os.path.join(tmp, "repo")
+        _copy_repo(root)
+        sos = glob.glob(os.path.join(root, "revkernels", "_C*.so"))
+        if not sos:
+            raise SystemExit("mutation_check: no built revkernels/_C*.so in the repository (build it first)")
+        so_backup = {so: open(so, "rb").read() for so in sos}
+        runnable = [m for m in mutations if m["needs"] != "cuda" or has_cuda]
+        if not args.no_baseline:
+            selections = []
+            for m in runnable:
+                if m["tests"] not in selections:
+                    selections.append(m["tests"])
+            for sel in selections:
+                status, detail, secs = _pytest(root, sel, args.timeout)
+                if status != "passed":
+                    raise SystemExit(f"mutation_check: the unmutated selection {' '.join(sel)} {status}: {detail}")
+            say(f"baseline: {len(selections)} selections pass unmutated ({time.perf_counter() - t_start:.0f} s)")
+        results = []
+        for m in mutations:
+            if m["needs"] == "cuda" and not has_cuda:
+                results.append((m, "not run", "needs CUDA", 0.0))
+                say(f"{'NOT RUN':8s} {m['name']:45s} (needs CUDA)")
+                continue
+            path = os.path.join(root, m["file"])
+            original = open(path).read()
+            open(path, "w").write(original.replace(m["old"], m["new"], 1))
+            try:
+                if m["file"].startswith("csrc/"):
+                    ok, log = _build(root)
+                    if not ok:
+                        results.append((m, "killed", "build failed", 0.0))
+                        say(f"{'KILLED':8s} {m['name']:45s} by the build: {log.splitlines()[-1] if log else ''}")
+                        continue
+                status, detail, secs = _pytest(root, m["tests"], args.timeout)
+            finally:
+                open(path, "w").write(original)
+                for so, data in so_backup.items():
+                    if open(so, "rb").read() != data:
+                        open(so, "wb").write(data)
+            verdict = {"passed": "SURVIVED", "failed": "KILLED", "timeout": "KILLED", "error": "ERROR"}[status]
+            results.append((m, verdict.lower(), detail, secs))
+            say(f"{verdict:8s} {m['name']:45s} {secs:6.1f} s  {detail}")
+    killed = sum(r[1] == "killed" for r in results)
+    survived = [r[0]["name"] for r in results if r[1] == "survived"]
+    errors = [r[0]["name"] for r in results if r[1] == "error"]
+    not_run = [r[0]["name"] for r in results if r[1] == "not run"]
+    say()
+    say(f"{len(results)} mutants: {killed} killed, {len(survived)} survived, {len(errors)} errors, "
+        f"{len(not_run)} not run; total {time.perf_counter() - t_start:.0f} s")
+    if survived:
+        say("survived (missing tests): " + ", ".join(survived))
+    if not_run:
+        say("not run here: " + ", ".join(not_run))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 1 if survived or errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
