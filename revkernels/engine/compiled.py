@@ -25,8 +25,9 @@ bounds the signatures per step; past it Dynamo runs the step eagerly).
   ``fallback_random`` (random ops call ATen on the global generator, as eager does), so the
   recompute draws the forward's numbers and the stream after a step is eager's.
 - A step that fails to compile warns once, naming the block, and that block runs its steps eagerly.
-- Blocks with module hooks, and subclasses whose forward is not the plain coupling (other than
-  `RevViTBlock`, whose forward is), run the sequential engine's eager `recompute`/`grads`.
+- Blocks with module hooks run the pure steps eagerly (the hooks fire in the forward and in the
+  recompute, as with the sequential engine); subclasses whose forward is not the plain coupling
+  (other than `RevViTBlock`, whose forward is) run their own eager `recompute`/`grads`.
 """
 import types
 import warnings
@@ -103,7 +104,8 @@ class CompiledSteps:
         backend = options.pop("backend", "inductor")
         if backend == "inductor":
             # fallback_random: random ops draw from the global generator as in eager (see module doc)
-            inductor = dict(torch._inductor.list_mode_options(options.pop("mode", None), options.get("dynamic")))
+            mode = options.pop("mode", None)
+            inductor = dict(torch._inductor.list_mode_options(mode, options.get("dynamic")) if mode else {})
             inductor.update(options.pop("options", None) or {})
             inductor["fallback_random"] = True
             options["options"] = inductor
@@ -189,12 +191,13 @@ def forward_blocks(blocks, x1, x2, steps, preserve_rng_state=True):
     with torch.no_grad():
         for i, block in enumerate(blocks):
             layout = _layout(block)
-            if layout.kind is None or _hooked(block):
+            block_steps = None if _hooked(block) else steps  # hooks fire in eager steps
+            if layout.kind is None:
                 x1, x2, state = block.forward_with_state(x1, x2, preserve_rng_state)
             elif preserve_rng_state and block.draws_random():
-                x1, x2, state = _random_forward(block, i, layout, x1, x2, steps)
+                x1, x2, state = _random_forward(block, i, layout, x1, x2, block_steps)
             else:
-                x1, x2 = _step(steps, "block_forward", block, i, block, layout.kind, x1, x2)
+                x1, x2 = _step(block_steps, "block_forward", block, i, block, layout.kind, x1, x2)
                 state = None
             states.append(state)
     return x1, x2, states
@@ -228,7 +231,7 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
     for i in reversed(range(len(blocks))):
         block, state = blocks[i], None if states is None else states[i]
         layout = _layout(block)
-        if layout.kind is None or _hooked(block):
+        if layout.kind is None:
             with torch.enable_grad(), autocast():
                 rec = block.recompute(y1, y2, state)
             grads = block.grads(rec, dy1, dy2)
@@ -238,23 +241,24 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
             y1, y2, dy1, dy2 = rec.x1.detach(), rec.x2.detach(), grads.dx1, grads.dx2
             del rec, grads
             continue
+        block_steps = None if _hooked(block) else steps
         f_names, f_params, f_index = _grad_slots(layout, layout.f_slots)
         g_names, g_params, g_index = _grad_slots(layout, layout.g_slots)
         with autocast(), frozen_batchnorm_stats(block):
             if state is None:
                 y1, y2, dy1, dy2, f_grads, g_grads = _step(
-                    steps, "block_backward", block, i, block, layout.kind, f_names, f_params, g_names, g_params,
+                    block_steps, "block_backward", block, i, block, layout.kind, f_names, f_params, g_names, g_params,
                     y1, y2, dy1, dy2)
             elif layout.kind == "half":
                 with maybe_replay(state.rng_f):
-                    x1, dx2, f_grads = _step(steps, "branch_backward", block, i, block.f, f_names, f_params, y1, y2, dy1, dy2)
+                    x1, dx2, f_grads = _step(block_steps, "branch_backward", block, i, block.f, f_names, f_params, y1, y2, dy1, dy2)
                 y1, y2, dy1, dy2, g_grads = x1, y1, dy2, dx2, ()
             else:
                 with maybe_replay(state.rng_g):
-                    x2, dy1_total, g_grads = _step(steps, "branch_backward", block, i, block.g, g_names, g_params,
+                    x2, dy1_total, g_grads = _step(block_steps, "branch_backward", block, i, block.g, g_names, g_params,
                                                    y1, y2, dy1, dy2)
                 with maybe_replay(state.rng_f):
-                    x1, dx2, f_grads = _step(steps, "branch_backward", block, i, block.f, f_names, f_params,
+                    x1, dx2, f_grads = _step(block_steps, "branch_backward", block, i, block.f, f_names, f_params,
                                              x2, y1, dy2, dy1_total)
                 y1, y2, dy1, dy2 = x1, x2, dy1_total, dx2
         for i_param, grad in zip(f_index + g_index, tuple(f_grads) + tuple(g_grads)):
