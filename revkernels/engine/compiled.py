@@ -188,6 +188,7 @@ def forward_blocks(blocks, x1, x2, steps, preserve_rng_state=True):
     """Runs `blocks` forward without autograd; returns ``(y1, y2, states)`` with each block's
     `BlockState` (None: nothing to replay). `steps`: a `CompiledSteps`, or None for eager steps."""
     states = []
+    x1, x2 = x1.detach(), x2.detach()  # requires_grad of the run's inputs must not split signatures
     with torch.no_grad():
         for i, block in enumerate(blocks):
             layout = _layout(block)
@@ -228,6 +229,7 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
         param_grads[k] = grad if param_grads[k] is None else param_grads[k] + grad
 
     autocast = (autocast_state or AutocastState.capture(y1.device.type)).enter
+    y1, y2, dy1, dy2 = (t.detach() for t in (y1, y2, dy1, dy2))
     for i in reversed(range(len(blocks))):
         block, state = blocks[i], None if states is None else states[i]
         layout = _layout(block)

@@ -108,6 +108,7 @@ def reversible_run(handle: int, x1: torch.Tensor, x2: torch.Tensor, params: list
     """The run's forward without autograd: ``(y1, y2, generator states)``."""
     seq = _run(handle)
     devices = cuda_devices_of(x1, x2)
+    inputs = (x1, x2)
     with _autocast(x1.device.type, autocast_dtype):
         steps = _steps(seq)
         if steps is None:
@@ -118,7 +119,9 @@ def reversible_run(handle: int, x1: torch.Tensor, x2: torch.Tensor, params: list
                     states.append(state)
         else:
             x1, x2, states = compiled.forward_blocks(list(seq.blocks), x1, x2, steps, seq.preserve_rng_state)
-    return x1, x2, _pack(states, devices)
+    # An op's output may not be one of its inputs (a single HalfCouplingBlock passes x2 through).
+    y1, y2 = (y.clone() if any(y is x for x in inputs) else y for y in (x1, x2))
+    return y1, y2, _pack(states, devices)
 
 
 @reversible_run.register_fake
