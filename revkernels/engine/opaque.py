@@ -102,6 +102,13 @@ def _random_rows(seq):
     return sum((1 if isinstance(b, HalfCouplingBlock) else 2) for b, r in zip(seq.blocks, _random_flags(seq)) if r)
 
 
+def _unaliased(outputs, inputs):
+    """`outputs`, each one that is also an input cloned: an op's output may not be one of its
+    inputs (a single HalfCouplingBlock passes x2 through, and dy2 back as dx1)."""
+    storages = {x.untyped_storage().data_ptr() for x in inputs}
+    return tuple(t.clone() if t.untyped_storage().data_ptr() in storages else t for t in outputs)
+
+
 @torch.library.custom_op("revkernels::reversible_run", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def reversible_run(handle: int, x1: torch.Tensor, x2: torch.Tensor, params: list[torch.Tensor],
                    autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,8 +126,7 @@ def reversible_run(handle: int, x1: torch.Tensor, x2: torch.Tensor, params: list
                     states.append(state)
         else:
             x1, x2, states = compiled.forward_blocks(list(seq.blocks), x1, x2, steps, seq.preserve_rng_state)
-    # An op's output may not be one of its inputs (a single HalfCouplingBlock passes x2 through).
-    y1, y2 = (y.clone() if any(y is x for x in inputs) else y for y in (x1, x2))
+    y1, y2 = _unaliased((x1, x2), inputs)
     return y1, y2, _pack(states, devices)
 
 
@@ -144,6 +150,7 @@ def reversible_run_backward(handle: int, y1: torch.Tensor, y2: torch.Tensor, dy1
     run_params = _grad_params(seq)
     _, _, dx1, dx2, grads = compiled.backward_blocks(blocks, states, y1, y2, dy1, dy2, run_params, _steps(seq),
                                                      autocast_state)
+    dx1, dx2 = _unaliased((dx1, dx2), (y1, y2, dy1, dy2))
     return dx1, dx2, [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
 

@@ -77,7 +77,10 @@ def test_fullgraph_compile_revnet_with_recomputed_stages():
     model = rk.models.revnet18(num_classes=10, stem="cifar", engine="sequential")
     reference = rk.models.revnet18(num_classes=10, stem="cifar", engine="autograd")
     reference.load_state_dict(model.state_dict())
-    x = torch.randn(2, 3, 8, 8)
+    # 16x16: at 8x8 the last stage's BatchNorms see two values per channel, and the grads flowing
+    # through them are rounding noise (the opaque op's torch.func backward and eager autograd
+    # differ there by 3e-2 relative).
+    x = torch.randn(2, 3, 16, 16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         torch.compile(model, fullgraph=True, backend="aot_eager")(x).square().sum().backward()
