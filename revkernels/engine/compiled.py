@@ -3,7 +3,8 @@ per block signature and shared by every block with that signature.
 
 Steps (``torch.func``: the parameters are inputs, never baked into a graph)::
 
-    block_forward(block, x1, x2) -> (y1, y2)                    y1 = x1 + F(x2);  y2 = x2 + G(y1)
+    block_forward(block, kind, x1, x2) -> (y1, y2)              y1 = x1 + F(x2);  y2 = x2 + G(y1)
+    branch_forward(module, name, res, a) -> res + H(a)          (kind "half": (x2, x1 + F(x2)))
     block_backward(block, kind, f_names, f_params, g_names, g_params, y1, y2, dy1, dy2)
         -> (x1, x2, dx1, dx2, f_grads, g_grads)                 G half, then F half:
     branch_backward(module, names, params, a, b, da, db)        b_in = b - H(a)
@@ -13,7 +14,8 @@ Steps (``torch.func``: the parameters are inputs, never baked into a graph)::
 differentiated through ``functional_call``; everything else (frozen parameters, buffers) is read
 from the module, which Dynamo lifts to graph inputs. The block is an argument of the compiled
 function, so Dynamo guards on its structure (types, hyperparameters, training flags), shapes,
-dtypes, autocast mode and which inputs need grad, not on its identity: a stack of identical blocks
+dtypes, autocast mode and which parameters require grad, not on its identity (the streams are
+detached: whether the run's input requires grad does not matter): a stack of identical blocks
 compiles one forward and one backward graph (``torch._dynamo.config.recompile_limit``, default 8,
 bounds the signatures per step; past it Dynamo runs the step eagerly).
 
@@ -85,7 +87,7 @@ def block_backward(block, kind, f_names, f_params, g_names, g_params, y1, y2, dy
 
 def _isolated(fn):
     """A copy of `fn` with its own code object: Dynamo keeps compiled graphs and counts recompiles
-    per code object, so each step kind gets its own cache and recompile limit."""
+    per code object, so each `CompiledSteps` (set of options) gets its own caches and limits."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
@@ -100,7 +102,8 @@ class CompiledSteps:
         options = dict(compile_options or {})
         unknown = set(options) - {"backend", "mode", "dynamic", "options"}
         if unknown:
-            raise ValueError(f"revkernels: compile_options accepts backend, mode, dynamic and options, got {sorted(unknown)}")
+            raise ValueError("revkernels: compile_options accepts backend, mode, dynamic and options, "
+                             f"got {sorted(unknown)}")
         backend = options.pop("backend", "inductor")
         if backend == "inductor":
             # fallback_random: random ops draw from the global generator as in eager (see module doc)
@@ -110,7 +113,8 @@ class CompiledSteps:
             inductor["fallback_random"] = True
             options["options"] = inductor
         self.options = dict(backend=backend, **options)
-        self.functions = {name: torch.compile(_isolated(fn), fullgraph=True, **self.options) for name, fn in _STEPS.items()}
+        self.functions = {name: torch.compile(_isolated(fn), fullgraph=True, **self.options)
+                          for name, fn in _STEPS.items()}
         self.failed = weakref.WeakSet()  # blocks whose steps run eagerly after a compile failure
 
     def call(self, name, block, position, *args):
@@ -124,8 +128,8 @@ class CompiledSteps:
             out = _STEPS[name](*args)  # a genuine error in the block raises here, from eager code
             self.failed.add(block)
             first_line = (str(error).splitlines() or [""])[0]
-            warnings.warn(f"revkernels: compiling the {name} step of blocks[{position}] ({type(block).__name__}) failed; "
-                          f"that block runs its steps eagerly ({type(error).__name__}: {first_line})",
+            warnings.warn(f"revkernels: compiling the {name} step of blocks[{position}] ({type(block).__name__}) "
+                          f"failed; that block runs its steps eagerly ({type(error).__name__}: {first_line})",
                           UserWarning, stacklevel=3)
             return out
 
@@ -143,7 +147,8 @@ class _Layout:
         self.params = slots.params
         index = {id(p): i for i, p in enumerate(slots.params)}
         branches = [block.f] + ([block.g] if self.kind == "full" else [])
-        slot_lists = [[(name, index[id(p)]) for name, p in m.named_parameters(remove_duplicate=False)] for m in branches]
+        slot_lists = [[(name, index[id(p)]) for name, p in m.named_parameters(remove_duplicate=False)]
+                      for m in branches]
         self.f_slots = slot_lists[0]
         self.g_slots = slot_lists[1] if self.kind == "full" else []
 
@@ -156,7 +161,8 @@ def _coupling_kind(block):
     forward = type(block).forward_with_state
     if isinstance(block, _reversible.HalfCouplingBlock):
         return "half" if forward is _reversible.HalfCouplingBlock.forward_with_state else None
-    return "full" if forward in (_reversible.ReversibleBlock.forward_with_state, RevViTBlock.forward_with_state) else None
+    generic = (_reversible.ReversibleBlock.forward_with_state, RevViTBlock.forward_with_state)
+    return "full" if forward in generic else None
 
 
 def _layout(block):
@@ -253,7 +259,8 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
                     y1, y2, dy1, dy2)
             elif layout.kind == "half":
                 with maybe_replay(state.rng_f):
-                    x1, dx2, f_grads = _step(block_steps, "branch_backward", block, i, block.f, f_names, f_params, y1, y2, dy1, dy2)
+                    x1, dx2, f_grads = _step(block_steps, "branch_backward", block, i, block.f, f_names, f_params,
+                                             y1, y2, dy1, dy2)
                 y1, y2, dy1, dy2, g_grads = x1, y1, dy2, dx2, ()
             else:
                 with maybe_replay(state.rng_g):
@@ -293,10 +300,14 @@ class CompiledRun(torch.autograd.Function):
 
 
 def compiled_steps(seq):
-    """The `CompiledSteps` for `seq`'s compile options (shared by every run with the same options)."""
-    key = tuple(sorted((k, repr(v)) for k, v in getattr(seq, "compile_options", {}).items()))
+    """The `CompiledSteps` for ``seq.compile_options`` (a dict of torch.compile keywords; unset:
+    inductor's defaults), shared by every run with the same options."""
+    options = getattr(seq, "compile_options", None) or {}
+    if not isinstance(options, dict):
+        raise TypeError(f"revkernels: compile_options must be a dict, got {type(options).__name__}")
+    key = tuple(sorted((k, repr(v)) for k, v in options.items()))
     if key not in _SHARED:
-        _SHARED[key] = CompiledSteps(getattr(seq, "compile_options", None))
+        _SHARED[key] = CompiledSteps(options)
     return _SHARED[key]
 
 
