@@ -16,6 +16,7 @@ An engine is a function ``engine(seq, x1, x2) -> (y1, y2)``.
 """
 from revkernels.engine.autograd import run_autograd
 from revkernels.engine.compiled import run_compiled
+from revkernels.engine.opaque import run_opaque  # registers revkernels::reversible_run (torch.compile)
 from revkernels.engine.graphs import clear_graphs, run_graphs
 from revkernels.engine.pareprop import reverse_blocks_two_streams, run_pareprop
 from revkernels.engine.sequential import reverse_blocks, run_sequential
@@ -31,5 +32,5 @@ def get_engine(name):
     return ENGINES[name]
 
 
-__all__ = ["ENGINES", "get_engine", "run_autograd", "run_sequential", "run_pareprop", "run_graphs", "run_compiled", "clear_graphs",
-           "reverse_blocks", "reverse_blocks_two_streams"]
+__all__ = ["ENGINES", "get_engine", "run_autograd", "run_sequential", "run_pareprop", "run_graphs", "run_compiled",
+           "run_opaque", "clear_graphs", "reverse_blocks", "reverse_blocks_two_streams"]
