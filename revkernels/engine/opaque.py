@@ -111,8 +111,10 @@ def _unaliased(outputs, inputs):
 
 @torch.library.custom_op("revkernels::reversible_run", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def reversible_run(handle: int, x1: torch.Tensor, x2: torch.Tensor, params: list[torch.Tensor],
-                   autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The run's forward without autograd: ``(y1, y2, generator states)``."""
+                   autocast_dtype: torch.dtype | None, training: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The run's forward without autograd: ``(y1, y2, generator states)``. `training`: the run's
+    mode when traced (an argument so that the graph is traced again when it changes: the shape of
+    the generator states depends on which blocks draw random numbers)."""
     seq = _run(handle)
     devices = cuda_devices_of(x1, x2)
     inputs = (x1, x2)
@@ -131,7 +133,7 @@ def reversible_run(handle: int, x1: torch.Tensor, x2: torch.Tensor, params: list
 
 
 @reversible_run.register_fake
-def _(handle, x1, x2, params, autocast_dtype):
+def _(handle, x1, x2, params, autocast_dtype, training):
     rows = _random_rows(_run(handle))
     return torch.empty_like(x1), torch.empty_like(x2), \
         torch.empty(rows, _state_bytes(cuda_devices_of(x1, x2)), dtype=torch.uint8)
@@ -160,7 +162,7 @@ def _(handle, y1, y2, dy1, dy2, rng, params, autocast_dtype):
 
 
 def _setup_context(ctx, inputs, output):
-    handle, _, _, params, autocast_dtype = inputs
+    handle, _, _, params, autocast_dtype, _ = inputs
     y1, y2, rng = output
     ctx.handle, ctx.autocast_dtype = handle, autocast_dtype
     ctx.save_for_backward(y1, y2, rng, *params)
@@ -171,7 +173,7 @@ def _backward(ctx, dy1, dy2, _drng):
     dy1 = torch.zeros_like(y1) if dy1 is None else dy1
     dy2 = torch.zeros_like(y2) if dy2 is None else dy2
     dx1, dx2, grads = reversible_run_backward(ctx.handle, y1, y2, dy1, dy2, rng, params, ctx.autocast_dtype)
-    return None, dx1, dx2, grads, None
+    return None, dx1, dx2, grads, None, None
 
 
 reversible_run.register_autograd(_backward, setup_context=_setup_context)
@@ -181,5 +183,5 @@ def run_opaque(seq, x1, x2):
     """`seq`'s run as one opaque op (what `ReversibleSequential` calls under torch.compile)."""
     device_type = x1.device.type
     autocast_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-    y1, y2, _ = reversible_run(run_handle(seq), x1, x2, _grad_params(seq), autocast_dtype)
+    y1, y2, _ = reversible_run(run_handle(seq), x1, x2, _grad_params(seq), autocast_dtype, seq.training)
     return y1, y2

@@ -277,3 +277,20 @@ def test_fullgraph_compile_parameter_hook_fires_once_with_the_full_grad():
     assert len(calls) == 1
     assert_close_rel(calls[0], ref.blocks[1].g[1].weight.grad, 1e-5, "hook grad")
     _assert_all_close(got, expected, 1e-5)
+
+
+def test_fullgraph_compile_follows_train_and_eval():
+    # Which blocks draw random numbers (and so the op's generator-state output) depends on the
+    # run's mode: switching it traces the graph again.
+    seq = make_seq(2, 8, engine="sequential", dropout=0.3)
+    fn = torch.compile(lambda a, b: seq(a, b), fullgraph=True, backend="aot_eager")
+    x = torch.randn(4, 8, requires_grad=True)
+    loss_of(*fn(x, x), 1.0, 1.0).backward()
+    seq.eval()
+    with torch.no_grad():
+        got = fn(x, x)
+        expected = plain_forward(seq, x, x)
+    for a, e in zip(got, expected):
+        assert_close_rel(a, e, 1e-6)
+    seq.train()
+    loss_of(*fn(x, x), 1.0, 1.0).backward()
