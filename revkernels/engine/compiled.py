@@ -31,6 +31,7 @@ bounds the signatures per step; past it Dynamo runs the step eagerly).
   recompute, as with the sequential engine); subclasses whose forward is not the plain coupling
   (other than `RevViTBlock`, whose forward is) run their own eager `recompute`/`grads`.
 """
+import contextlib
 import types
 import warnings
 import weakref
@@ -234,7 +235,8 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
         k = index[id(p)]
         param_grads[k] = grad if param_grads[k] is None else param_grads[k] + grad
 
-    autocast = (autocast_state or AutocastState.capture(y1.device.type)).enter
+    autocast_state = autocast_state or AutocastState.capture(y1.device.type)
+    autocast = contextlib.nullcontext if autocast_state.off_then_and_now() else autocast_state.enter
     y1, y2, dy1, dy2 = (t.detach() for t in (y1, y2, dy1, dy2))
     for i in reversed(range(len(blocks))):
         block, state = blocks[i], None if states is None else states[i]
