@@ -8,16 +8,22 @@
     graphs      the run's forward and backward (pareprop schedule) captured as CUDA graphs per
                 input signature and replayed: no launch overhead; eager pareprop where a graph
                 cannot be used (CPU, dropout/drop-path to replay, capture failure), with a warning
+    compiled    the sequential schedule with each block's forward and backward step as a pure
+                function (torch.func), compiled once per block signature and shared by every block
+                with that signature (see `revkernels.engine.compiled`)
 
 An engine is a function ``engine(seq, x1, x2, context=NO_CONTEXT) -> (y1, y2)``; `context` is
 the dict of keywords every F and G is called with (``seq(x1, x2, **context)``).
 """
 from revkernels.engine.autograd import run_autograd
+from revkernels.engine.compiled import run_compiled
+from revkernels.engine.opaque import run_opaque  # registers revkernels::reversible_run (torch.compile)
 from revkernels.engine.graphs import clear_graphs, run_graphs
 from revkernels.engine.pareprop import reverse_blocks_two_streams, run_pareprop
 from revkernels.engine.sequential import reverse_blocks, run_sequential
 
-ENGINES = {"autograd": run_autograd, "sequential": run_sequential, "pareprop": run_pareprop, "graphs": run_graphs}
+ENGINES = {"autograd": run_autograd, "sequential": run_sequential, "pareprop": run_pareprop, "graphs": run_graphs,
+           "compiled": run_compiled}
 
 
 def get_engine(name):
@@ -27,5 +33,5 @@ def get_engine(name):
     return ENGINES[name]
 
 
-__all__ = ["ENGINES", "get_engine", "run_autograd", "run_sequential", "run_pareprop", "run_graphs", "clear_graphs",
-           "reverse_blocks", "reverse_blocks_two_streams"]
+__all__ = ["ENGINES", "get_engine", "run_autograd", "run_sequential", "run_pareprop", "run_graphs", "run_compiled",
+           "run_opaque", "clear_graphs", "reverse_blocks", "reverse_blocks_two_streams"]

@@ -6,7 +6,7 @@ autograd Function (grads reach `.grad` once, through the normal accumulation, an
 fire once), randomness is replayed from the forward's generator state, the forward's autocast mode
 is re-entered, and BatchNorm running statistics are not updated a second time by the recompute.
 Under torch.compile (which cannot trace this Function's backward) it is torch.utils.checkpoint,
-which the compiler handles, as `ReversibleSequential` does for its runs.
+which the compiler handles.
 """
 import torch
 import torch.utils.checkpoint

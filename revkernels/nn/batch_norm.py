@@ -46,6 +46,15 @@ class BatchNormAct2d(nn.BatchNorm2d):
         if weight is None:  # affine=False
             weight = torch.ones(self.num_features, dtype=x.dtype, device=x.device)
             bias = torch.zeros(self.num_features, dtype=x.dtype, device=x.device)
+        if torch._C._are_functorch_transforms_active():
+            # Under torch.func (the steps of revkernels.engine.compiled) the fused op's registered
+            # autograd is unavailable: the values of the fused op (so a recompute is bitwise the
+            # forward) with the gradient of nn.BatchNorm2d's composition.
+            with torch.no_grad():
+                fused = batch_norm_act(x.detach(), weight.detach(), bias.detach(), self.eps, self.relu)[0]
+            out = super().forward(x)
+            out = torch.relu(out) if self.relu else out
+            return fused + (out - out.detach())
         out, mean, rstd = batch_norm_act(x, weight, bias, self.eps, self.relu)
         if self.training and self.track_running_stats and self.running_mean is not None:
             self._update_running_stats(mean, rstd, x.numel() // x.shape[1])

@@ -18,12 +18,9 @@ require grad are differentiated like parameters: the local graphs' `aliases` hol
 `grads` returns their per-block grads among the parameter grads and the walker sums them.
 """
 import inspect
-import warnings
-import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 from torch.func import functional_call
 
@@ -300,8 +297,10 @@ class ReversibleSequential(nn.Module):
             in the backward), "pareprop" (the same with the backward on two CUDA streams),
             "graphs" (the pareprop run captured as CUDA graphs and replayed, for static shapes;
             see `revkernels.engine.graphs`) or "autograd" (reference: ordinary autograd, stores
-            activations). Under torch.compile the memory-saving engines cannot be traced: the run
-            checkpoints each block (torch.utils.checkpoint) instead and warns once.
+            activations), or "compiled" (the sequential schedule with each block's steps compiled
+            once per block signature; options in ``seq.compile_options``, see
+            `revkernels.engine.compiled`). Under torch.compile a memory-saving run is one opaque
+            op of the graph (`revkernels.engine.opaque`): it still saves only its outputs.
         preserve_rng_state: replay each block's randomness (dropout, drop-path) in the recompute.
             Costs a few KB of host memory per block; turn off only for deterministic blocks.
 
@@ -360,19 +359,11 @@ class ReversibleSequential(nn.Module):
         return self._engine_fn(self, x1, x2, context)
 
     def _compiled_forward(self, x1, x2):
-        # The memory-saving engines' backward (autograd.grad inside a custom Function's backward,
-        # Python walkers, generator-state replay) cannot be traced by torch.compile. Under
-        # compile each block is activation-checkpointed instead: the graph saves the block inputs
-        # and recomputes inside (the closest traceable equivalent); `checkpoint` handles
-        # randomness and autocast itself.
-        _warn_compile_fallback(self, self._engine_name)
-        if not torch.is_grad_enabled():
-            for block in self.blocks:
-                x1, x2 = block(x1, x2)
-            return x1, x2
-        for block in self.blocks:
-            x1, x2 = torch.utils.checkpoint.checkpoint(block, x1, x2, use_reentrant=False)
-        return x1, x2
+        # Under torch.compile a memory-saving run is one opaque op (its backward rebuilds the
+        # inputs), so the compiled graph saves only the run's outputs (revkernels.engine.opaque).
+        from revkernels.engine.opaque import run_opaque
+
+        return run_opaque(self, x1, x2)
 
     def inverse(self, y1, y2, **context):
         """Rebuilds the run's input from its output without autograd (no RNG replay); `context`:
@@ -445,21 +436,3 @@ def unique_grad_params(blocks):
                 seen.add(id(p))
                 params.append(p)
     return params
-
-
-_COMPILE_WARNED = weakref.WeakSet()
-
-
-@torch.compiler.assume_constant_result
-def _warn_compile_fallback(seq, engine):
-    # Runs at trace time (torch.compile calls a constant-result function once while tracing and
-    # keeps its value), so the warning is emitted once per module, not per call.
-    if seq not in _COMPILE_WARNED:
-        _COMPILE_WARNED.add(seq)
-        warnings.warn(
-            f"revkernels: engine={engine!r} cannot be traced by torch.compile (its backward rebuilds "
-            "inputs in Python); under compile this ReversibleSequential runs each block with "
-            "torch.utils.checkpoint(use_reentrant=False) instead (saves every block's input, "
-            "recomputes the block in the backward; same gradients)",
-            UserWarning, stacklevel=2)
-    return True

@@ -1,11 +1,11 @@
 """torch.compile over reversible runs.
 
-The memory-saving engines cannot be traced (their backward rebuilds inputs in Python); under
-compile a `ReversibleSequential` runs each block with `torch.utils.checkpoint(use_reentrant=False)`
-instead, warning once per module, so every engine name compiles with ``fullgraph=True`` and gives
-the gradients of eager autograd. Most tests use the ``aot_eager`` backend (Dynamo and AOTAutograd
-trace exactly what inductor gets, without its code generation, which takes tens of seconds on a
-2-core machine); one test runs inductor itself (``mode="reduce-overhead"``).
+Under compile a `ReversibleSequential` with a memory-saving engine is one opaque op of the graph
+(`revkernels.engine.opaque`): every engine name compiles with ``fullgraph=True``, gives the
+gradients of eager autograd and saves only the run's outputs (tests/engine/test_compiled.py
+checks the bytes). Most tests use the ``aot_eager`` backend (Dynamo and AOTAutograd trace exactly
+what inductor gets, without its code generation, which takes tens of seconds on a 2-core
+machine); one test runs inductor itself (``mode="reduce-overhead"``).
 """
 import copy
 import warnings
@@ -15,10 +15,10 @@ import torch
 
 from revkernels.nn.reversible import ReversibleSequential
 from revkernels.nn.revvit import RevViTBlock
-from tests.helpers import assert_close_rel, make_seq, perturb_parameters, run_grads
+from tests.helpers import assert_close_rel, make_seq, perturb_parameters, plain_forward, run_grads
 
-# Under torch.compile every memory-saving engine runs the same per-block checkpoint (the engine's
-# name only appears in the fallback warning), so "sequential" stands for pareprop and graphs too.
+# Under torch.compile every memory-saving engine is the same opaque op running the sequential
+# schedule on CPU, so "sequential" stands for pareprop and graphs too (compiled steps: test_compiled.py).
 ENGINES = ["autograd", "sequential"]
 
 
@@ -72,13 +72,17 @@ def test_fullgraph_compile_revvit_blocks():
 
 
 def test_fullgraph_compile_revnet_with_recomputed_stages():
-    # RevNet's stem and downsampling stages go through run_recomputed, checkpointed under compile.
+    # The reversible runs are opaque ops; the stem and downsampling stages go through
+    # run_recomputed, checkpointed under compile.
     import revkernels as rk
 
     model = rk.models.revnet18(num_classes=10, stem="cifar", engine="sequential")
     reference = rk.models.revnet18(num_classes=10, stem="cifar", engine="autograd")
     reference.load_state_dict(model.state_dict())
-    x = torch.randn(2, 3, 8, 8)
+    # 16x16: at 8x8 the last stage's BatchNorms see two values per channel, and the grads flowing
+    # through them are rounding noise (the opaque op's torch.func backward and eager autograd
+    # differ there by 3e-2 relative).
+    x = torch.randn(2, 3, 16, 16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         torch.compile(model, fullgraph=True, backend="aot_eager")(x).square().sum().backward()
@@ -89,45 +93,38 @@ def test_fullgraph_compile_revnet_with_recomputed_stages():
         assert torch.equal(b, r), name  # BatchNorm statistics counted once, as in eager autograd
 
 
-def test_compile_warns_once_per_module_and_not_for_autograd():
+def test_compile_does_not_warn():
     seq = make_seq(1, 8, engine="sequential")
     fn = torch.compile(lambda a, b: seq(a, b), fullgraph=True, backend="aot_eager")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for batch in (4, 4, 6):  # a new shape recompiles: still one warning
+        for batch in (4, 4, 6):  # a new shape recompiles
             fn(torch.randn(batch, 8, requires_grad=True), torch.randn(batch, 8))[0].sum().backward()
-    messages = [str(w.message) for w in caught if "torch.compile" in str(w.message)]
-    assert len(messages) == 1, messages
-    assert "engine='sequential'" in messages[0] and "checkpoint" in messages[0]
-
-    plain = make_seq(1, 8, engine="autograd")
-    fn = torch.compile(lambda a, b: plain(a, b), fullgraph=True, backend="aot_eager")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fn(torch.randn(4, 8, requires_grad=True), torch.randn(4, 8))[0].sum().backward()
     assert not [w for w in caught if "revkernels" in str(w.message)]
 
 
-def test_compile_dropout_batchnorm_and_autocast():
-    # Compiled dropout does not replay eager's random numbers, but the checkpointed run draws the
-    # same numbers as the compiled autograd run and its recompute reuses them: with the same seed
-    # outputs, grads and BatchNorm running statistics (updated once) are identical.
-    seq = make_seq(2, 8, dropout=0.5, drop_path=0.3, norm="batch")
-    ref = _autograd_copy(seq)
+@pytest.mark.parametrize("engine", ["sequential", "compiled"])
+def test_compile_dropout_batchnorm_and_autocast(engine):
+    # The opaque run draws its random numbers eagerly (the compiled engine's steps with
+    # fallback_random): with the same seed, outputs, grads, BatchNorm running statistics (updated
+    # once) and the RNG stream afterwards are those of eager plain autograd.
+    seq = make_seq(2, 8, engine=engine, dropout=0.5, drop_path=0.3, norm="batch")
+    seq.compile_options = {"backend": "aot_eager"}
+    ref = copy.deepcopy(seq)
     data = _data(4, 8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        fn = torch.compile(lambda a, b: seq(a, b), fullgraph=True, backend="aot_eager")
-        ref_fn = torch.compile(lambda a, b: ref(a, b), fullgraph=True, backend="aot_eager")
-        got, expected = run_grads(fn, seq, *data, seed=5), run_grads(ref_fn, ref, *data, seed=5)
-        for a, b in zip(got, expected):
-            assert torch.equal(a, b)
-        for a, b in zip(seq.buffers(), ref.buffers()):
-            assert torch.equal(a, b)
-        with torch.autocast("cpu", dtype=torch.bfloat16):  # streams stay fp32, F/G in bf16
-            y1, y2 = fn(torch.randn(4, 8, requires_grad=True), torch.randn(4, 8))
-        assert y1.dtype == y2.dtype == torch.float32
-        (y1.sum() + y2.sum()).backward()
+    fn = torch.compile(lambda a, b: seq(a, b), fullgraph=True, backend="aot_eager")
+    got = run_grads(fn, seq, *data, seed=5)
+    rng_after = torch.rand(4)
+    expected = run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data, seed=5)
+    assert torch.equal(rng_after, torch.rand(4))
+    for a, b in zip(got, expected):
+        assert_close_rel(a, b, 1e-5)
+    for a, b in zip(seq.buffers(), ref.buffers()):
+        assert torch.equal(a, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # streams stay fp32, F/G in bf16
+        y1, y2 = fn(torch.randn(4, 8, requires_grad=True), torch.randn(4, 8))
+    assert y1.dtype == y2.dtype == torch.float32
+    (y1.sum() + y2.sum()).backward()
 
 
 def test_reduce_overhead_inductor_runs_on_cpu():

@@ -1,0 +1,324 @@
+r"""The compiled engine: each block's forward and backward step as a pure function, compiled once
+per block signature and shared by every block with that signature.
+
+Steps (``torch.func``: the parameters are inputs, never baked into a graph)::
+
+    block_forward(block, kind, x1, x2) -> (y1, y2)              y1 = x1 + F(x2);  y2 = x2 + G(y1)
+    branch_forward(module, name, res, a) -> res + H(a)          (kind "half": (x2, x1 + F(x2)))
+    block_backward(block, kind, f_names, f_params, g_names, g_params, y1, y2, dy1, dy2)
+        -> (x1, x2, dx1, dx2, f_grads, g_grads)                 G half, then F half:
+    branch_backward(module, names, params, a, b, da, db)        b_in = b - H(a)
+        -> (b_in, da + (dH/da)^T db, (dH/dparams)^T db)         (one `torch.func.vjp` of H)
+
+`names`/`params`: the branch's parameters that require grad (every slot of a tied parameter),
+differentiated through ``functional_call``; everything else (frozen parameters, buffers) is read
+from the module, which Dynamo lifts to graph inputs. The block is an argument of the compiled
+function, so Dynamo guards on its structure (types, hyperparameters, training flags), shapes,
+dtypes, autocast mode and which parameters require grad, not on its identity (the streams are
+detached: whether the run's input requires grad does not matter): a stack of identical blocks
+compiles one forward and one backward graph (``torch._dynamo.config.recompile_limit``, default 8,
+bounds the signatures per step; past it Dynamo runs the step eagerly).
+
+- BatchNorm: the forward step updates the running statistics (an input mutation of the compiled
+  graph); the backward step runs with `frozen_batchnorm_stats` (batch statistics, no update).
+- Randomness: a block that draws random numbers runs its two branches as separate steps
+  (`branch_forward`, `branch_backward`), with the generator state taken before each branch in the
+  forward and replayed around it in the backward. The steps are compiled with inductor's
+  ``fallback_random`` (random ops call ATen on the global generator, as eager does), so the
+  recompute draws the forward's numbers and the stream after a step is eager's.
+- A step that fails to compile warns once, naming the block, and that block runs its steps eagerly.
+- Blocks with module hooks run the pure steps eagerly (the hooks fire in the forward and in the
+  recompute, as with the sequential engine); subclasses whose forward is not the plain coupling
+  (other than `RevViTBlock`, whose forward is) run their own eager `recompute`/`grads`.
+"""
+import contextlib
+import types
+import warnings
+import weakref
+
+import torch
+from torch.func import functional_call, vjp
+from torch.nn.modules import module as module_hooks
+
+from revkernels.engine.state import AutocastState, RngState, cuda_devices_of, frozen_batchnorm_stats, maybe_replay
+from revkernels.engine.structure import cached, param_slots
+import revkernels.nn.reversible as _reversible  # (a module object: the import is circular)
+
+
+# ---- pure steps ----
+
+def branch_forward(module, name, res, a):
+    """``res + module(a)``: one coupling half (`name`: "f" or "g", for errors)."""
+    out = module(a)
+    _reversible._check_residual(out, res, name, "x1" if name == "f" else "x2")
+    return res + out
+
+
+def block_forward(block, kind, x1, x2):
+    """The block's forward: ``(x1 + F(x2), x2 + G(y1))``, or ``(x2, x1 + F(x2))`` for a half block."""
+    y = branch_forward(block.f, "f", x1, x2)
+    if kind == "half":
+        return x2, y
+    return y, branch_forward(block.g, "g", x2, y)
+
+
+def branch_backward(module, names, params, a, b, da, db):
+    """Inverts ``b = b_in + H(a)`` and differentiates it: ``(b - H(a), da + (dH/da)^T db, grads)``
+    with `grads` aligned to `names` (the parameter slots in `params`)."""
+
+    def h(ps, x):
+        return functional_call(module, dict(zip(names, ps)), (x,), strict=False, tie_weights=False)
+
+    out, pull = vjp(h, params, a)
+    d_params, d_a = pull(db.to(out.dtype))
+    return b - out, da + d_a, d_params
+
+
+def block_backward(block, kind, f_names, f_params, g_names, g_params, y1, y2, dy1, dy2):
+    """Rebuilds the block's input from its output and returns ``(x1, x2, dx1, dx2, f_grads, g_grads)``."""
+    if kind == "half":  # (y1, y2) = (x2, x1 + F(x2))
+        x1, dx2, f_grads = branch_backward(block.f, f_names, f_params, y1, y2, dy1, dy2)
+        return x1, y1, dy2, dx2, f_grads, ()
+    x2, dy1_total, g_grads = branch_backward(block.g, g_names, g_params, y1, y2, dy1, dy2)
+    x1, dx2, f_grads = branch_backward(block.f, f_names, f_params, x2, y1, dy2, dy1_total)
+    return x1, x2, dy1_total, dx2, f_grads, g_grads
+
+
+# ---- compilation ----
+
+def _isolated(fn):
+    """A copy of `fn` with its own code object: Dynamo keeps compiled graphs and counts recompiles
+    per code object, so each `CompiledSteps` (set of options) gets its own caches and limits."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+_STEPS = {"block_forward": block_forward, "block_backward": block_backward,
+          "branch_forward": branch_forward, "branch_backward": branch_backward}
+
+
+class CompiledSteps:
+    """The compiled step functions for one set of compile options (``torch.compile`` keywords)."""
+
+    def __init__(self, compile_options=None):
+        options = dict(compile_options or {})
+        unknown = set(options) - {"backend", "mode", "dynamic", "options"}
+        if unknown:
+            raise ValueError("revkernels: compile_options accepts backend, mode, dynamic and options, "
+                             f"got {sorted(unknown)}")
+        backend = options.pop("backend", "inductor")
+        if backend == "inductor":
+            # fallback_random: random ops draw from the global generator as in eager (see module doc)
+            mode = options.pop("mode", None)
+            inductor = dict(torch._inductor.list_mode_options(mode, options.get("dynamic")) if mode else {})
+            inductor.update(options.pop("options", None) or {})
+            inductor["fallback_random"] = True
+            options["options"] = inductor
+        self.options = dict(backend=backend, **options)
+        self.functions = {name: torch.compile(_isolated(fn), fullgraph=True, **self.options)
+                          for name, fn in _STEPS.items()}
+        self.failed = weakref.WeakSet()  # blocks whose steps run eagerly after a compile failure
+
+    def call(self, name, block, position, *args):
+        """``step(*args)`` compiled for `block` (blocks[`position`] of its run); eagerly (warning
+        once) for a block whose compile failed."""
+        if block in self.failed:
+            return _STEPS[name](*args)
+        try:
+            return self.functions[name](*args)
+        except Exception as error:  # noqa: BLE001  (any compile error: the block runs eagerly)
+            out = _STEPS[name](*args)  # a genuine error in the block raises here, from eager code
+            self.failed.add(block)
+            first_line = (str(error).splitlines() or [""])[0]
+            warnings.warn(f"revkernels: compiling the {name} step of blocks[{position}] ({type(block).__name__}) "
+                          f"failed; that block runs its steps eagerly ({type(error).__name__}: {first_line})",
+                          UserWarning, stacklevel=3)
+            return out
+
+
+# ---- per-block layout ----
+
+class _Layout:
+    """What the steps need from a block's structure (cached per structure)."""
+
+    __slots__ = ("kind", "params", "f_slots", "g_slots")
+
+    def __init__(self, block):
+        self.kind = _coupling_kind(block)
+        slots = param_slots(block)
+        self.params = slots.params
+        index = {id(p): i for i, p in enumerate(slots.params)}
+        branches = [block.f] + ([block.g] if self.kind == "full" else [])
+        slot_lists = [[(name, index[id(p)]) for name, p in m.named_parameters(remove_duplicate=False)]
+                      for m in branches]
+        self.f_slots = slot_lists[0]
+        self.g_slots = slot_lists[1] if self.kind == "full" else []
+
+
+def _coupling_kind(block):
+    """"full" (ReversibleBlock's coupling), "half" (HalfCouplingBlock's) or None (a subclass with a
+    forward of its own: stepped by its eager recompute/grads)."""
+    from revkernels.nn.revvit import RevViTBlock
+
+    forward = type(block).forward_with_state
+    if isinstance(block, _reversible.HalfCouplingBlock):
+        return "half" if forward is _reversible.HalfCouplingBlock.forward_with_state else None
+    generic = (_reversible.ReversibleBlock.forward_with_state, RevViTBlock.forward_with_state)
+    return "full" if forward in generic else None
+
+
+def _layout(block):
+    return cached(block, "compiled_layout", _Layout)
+
+
+def _hooked(block):
+    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks \
+            or module_hooks._global_backward_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+               for m in cached(block, "submodules", lambda b: list(b.modules())))
+
+
+def _grad_slots(layout, slots):
+    names, params, indices = [], [], []
+    for name, i in slots:
+        p = layout.params[i]
+        if p.requires_grad:
+            names.append(name)
+            params.append(p)
+            indices.append(i)
+    return tuple(names), tuple(params), indices
+
+
+# ---- the walkers ----
+
+def forward_blocks(blocks, x1, x2, steps, preserve_rng_state=True):
+    """Runs `blocks` forward without autograd; returns ``(y1, y2, states)`` with each block's
+    `BlockState` (None: nothing to replay). `steps`: a `CompiledSteps`, or None for eager steps."""
+    states = []
+    x1, x2 = x1.detach(), x2.detach()  # requires_grad of the run's inputs must not split signatures
+    with torch.no_grad():
+        for i, block in enumerate(blocks):
+            layout = _layout(block)
+            block_steps = None if _hooked(block) else steps  # hooks fire in eager steps
+            if layout.kind is None:
+                x1, x2, state = block.forward_with_state(x1, x2, preserve_rng_state)
+            elif preserve_rng_state and block.draws_random():
+                x1, x2, state = _random_forward(block, i, layout, x1, x2, block_steps)
+            else:
+                x1, x2 = _step(block_steps, "block_forward", block, i, block, layout.kind, x1, x2)
+                state = None
+            states.append(state)
+    return x1, x2, states
+
+
+def _random_forward(block, position, layout, x1, x2, steps):
+    devices = cuda_devices_of(x1, x2)
+    rng_f = RngState(devices)
+    y = _step(steps, "branch_forward", block, position, block.f, "f", x1, x2)
+    if layout.kind == "half":
+        return x2, y, _reversible.BlockState(rng_f, None)
+    rng_g = RngState(devices)
+    return y, _step(steps, "branch_forward", block, position, block.g, "g", x2, y), _reversible.BlockState(rng_f, rng_g)
+
+
+def _step(steps, name, block, position, *args):
+    return _STEPS[name](*args) if steps is None else steps.call(name, block, position, *args)
+
+
+def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_state=None):
+    """Walks `blocks` backwards with the pure steps; returns ``(x1, x2, dx1, dx2, param_grads)``
+    with `param_grads` aligned to `params` (None for a parameter no block used)."""
+    index = {id(p): i for i, p in enumerate(params)}
+    param_grads = [None] * len(params)
+
+    def accumulate(p, grad):
+        k = index[id(p)]
+        param_grads[k] = grad if param_grads[k] is None else param_grads[k] + grad
+
+    autocast_state = autocast_state or AutocastState.capture(y1.device.type)
+    autocast = contextlib.nullcontext if autocast_state.off_then_and_now() else autocast_state.enter
+    y1, y2, dy1, dy2 = (t.detach() for t in (y1, y2, dy1, dy2))
+    for i in reversed(range(len(blocks))):
+        block, state = blocks[i], None if states is None else states[i]
+        layout = _layout(block)
+        if layout.kind is None:
+            with torch.enable_grad(), autocast():
+                rec = block.recompute(y1, y2, state)
+            grads = block.grads(rec, dy1, dy2)
+            for p, grad in zip(grads.params, grads.param_grads):
+                if grad is not None:
+                    accumulate(p, grad)
+            y1, y2, dy1, dy2 = rec.x1.detach(), rec.x2.detach(), grads.dx1, grads.dx2
+            del rec, grads
+            continue
+        block_steps = None if _hooked(block) else steps
+        f_names, f_params, f_index = _grad_slots(layout, layout.f_slots)
+        g_names, g_params, g_index = _grad_slots(layout, layout.g_slots)
+        with autocast(), frozen_batchnorm_stats(block):
+            if state is None:
+                y1, y2, dy1, dy2, f_grads, g_grads = _step(
+                    block_steps, "block_backward", block, i, block, layout.kind, f_names, f_params, g_names, g_params,
+                    y1, y2, dy1, dy2)
+            elif layout.kind == "half":
+                with maybe_replay(state.rng_f):
+                    x1, dx2, f_grads = _step(block_steps, "branch_backward", block, i, block.f, f_names, f_params,
+                                             y1, y2, dy1, dy2)
+                y1, y2, dy1, dy2, g_grads = x1, y1, dy2, dx2, ()
+            else:
+                with maybe_replay(state.rng_g):
+                    x2, dy1_total, g_grads = _step(block_steps, "branch_backward", block, i, block.g, g_names, g_params,
+                                                   y1, y2, dy1, dy2)
+                with maybe_replay(state.rng_f):
+                    x1, dx2, f_grads = _step(block_steps, "branch_backward", block, i, block.f, f_names, f_params,
+                                             x2, y1, dy2, dy1_total)
+                y1, y2, dy1, dy2 = x1, x2, dy1_total, dx2
+        for i_param, grad in zip(f_index + g_index, tuple(f_grads) + tuple(g_grads)):
+            accumulate(layout.params[i_param], grad)
+    return y1, y2, dy1, dy2, param_grads
+
+
+# ---- the engine ----
+
+class CompiledRun(torch.autograd.Function):
+    """One autograd node for a run stepped by compiled steps (saves only the run's outputs)."""
+
+    @staticmethod
+    def forward(ctx, seq, params, x1, x2, *param_tensors):
+        steps = compiled_steps(seq)
+        y1, y2, ctx.states = forward_blocks(list(seq.blocks), x1, x2, steps, seq.preserve_rng_state)
+        ctx.blocks, ctx.params, ctx.steps = list(seq.blocks), params, steps
+        ctx.autocast_state = AutocastState.capture(x1.device.type)
+        ctx.save_for_backward(y1, y2)
+        return y1, y2
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy1, dy2):
+        y1, y2 = ctx.saved_tensors
+        _, _, dx1, dx2, param_grads = backward_blocks(ctx.blocks, ctx.states, y1, y2, dy1, dy2, ctx.params,
+                                                      ctx.steps, ctx.autocast_state)
+        ctx.states = None
+        return (None, None, dx1, dx2, *param_grads)
+
+
+def compiled_steps(seq):
+    """The `CompiledSteps` for ``seq.compile_options`` (a dict of torch.compile keywords; unset:
+    inductor's defaults), shared by every run with the same options."""
+    options = getattr(seq, "compile_options", None) or {}
+    if not isinstance(options, dict):
+        raise TypeError(f"revkernels: compile_options must be a dict, got {type(options).__name__}")
+    key = tuple(sorted((k, repr(v)) for k, v in options.items()))
+    if key not in _SHARED:
+        _SHARED[key] = CompiledSteps(options)
+    return _SHARED[key]
+
+
+_SHARED = {}
+
+
+def run_compiled(seq, x1, x2):
+    params = _reversible.unique_grad_params(seq.blocks)
+    if not torch.is_grad_enabled() or not (x1.requires_grad or x2.requires_grad or params):
+        y1, y2, _ = forward_blocks(list(seq.blocks), x1, x2, compiled_steps(seq), preserve_rng_state=False)
+        return y1, y2
+    return CompiledRun.apply(seq, params, x1, x2, *params)

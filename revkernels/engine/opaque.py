@@ -1,0 +1,187 @@
+r"""A reversible run as one opaque op inside a ``torch.compile`` graph.
+
+Under ``torch.compile`` a `ReversibleSequential` with a memory-saving engine calls
+``revkernels::reversible_run`` (forward: the blocks without autograd) whose registered autograd
+calls ``revkernels::reversible_run_backward`` (rebuild and differentiate, last block first). The
+compiler sees two ops with fake implementations, so the user's graph compiles with
+``fullgraph=True`` and autograd saves only the run's outputs, the parameters and the generator
+states of blocks that draw random numbers (a few KB each): activation memory stays flat in depth.
+
+Inside an op's kernel autograd is off, so the backward differentiates with the pure steps of
+`revkernels.engine.compiled` (``torch.func.vjp``), compiled when the run's engine is "compiled"
+and eager otherwise (pareprop and graphs run the sequential schedule there). The run's module
+reaches the kernels through an integer handle; the autocast mode of the forward is an argument, so
+the kernels enter it explicitly. BatchNorm running statistics are updated by the forward kernel
+(once; the backward uses batch statistics).
+"""
+import itertools
+import weakref
+
+import torch
+
+from revkernels.engine import compiled
+from revkernels.engine.state import AutocastState, RngState, cuda_devices_of
+
+_RUNS = weakref.WeakValueDictionary()
+_NEXT = itertools.count()
+
+
+@torch.compiler.assume_constant_result
+def run_handle(seq):
+    """The integer naming `seq` to the kernels (a constant of the traced graph)."""
+    handle = getattr(seq, "_opaque_handle", None)
+    if handle is None:
+        handle = next(_NEXT)
+        seq._opaque_handle = handle
+        _RUNS[handle] = seq
+    return handle
+
+
+def _run(handle):
+    seq = _RUNS.get(handle)
+    if seq is None:
+        raise RuntimeError(f"revkernels: the ReversibleSequential of compiled run {handle} no longer exists")
+    return seq
+
+
+def _grad_params(seq):
+    return [p for p in seq.parameters() if p.requires_grad]
+
+
+def _autocast(device_type, dtype):
+    return AutocastState(device_type, dtype is not None, dtype or torch.float32, True).enter()
+
+
+def _steps(seq):
+    return compiled.compiled_steps(seq) if seq.engine == "compiled" else None
+
+
+# Generator states travel from the forward to the backward kernel as one uint8 tensor: per block
+# that draws random numbers, the CPU state and each CUDA device's, before F and (full blocks) G.
+
+def _state_bytes(devices):
+    return torch.get_rng_state().numel() + sum(torch.cuda.get_rng_state(d).numel() for d in devices)
+
+
+def _pack(states, devices):
+    rows = [torch.cat([s.cpu] + [s.cuda[d] for d in devices])
+            for state in states if state is not None for s in (state.rng_f, state.rng_g) if s is not None]
+    return torch.stack(rows) if rows else torch.empty(0, _state_bytes(devices), dtype=torch.uint8)
+
+
+def _unpack(packed, blocks, random_flags, devices):
+    from revkernels.nn.reversible import BlockState, HalfCouplingBlock
+
+    sizes = [torch.get_rng_state().numel()] + [torch.cuda.get_rng_state(d).numel() for d in devices]
+    rows = iter(packed)
+
+    def state():
+        parts = next(rows).split(sizes)
+        rng = RngState.__new__(RngState)
+        rng.cpu, rng.cuda = parts[0].clone(), {d: p.clone() for d, p in zip(devices, parts[1:])}
+        return rng
+
+    states = []
+    for block, random in zip(blocks, random_flags):
+        if not random:
+            states.append(None)
+        elif isinstance(block, HalfCouplingBlock):
+            states.append(BlockState(state(), None))
+        else:
+            states.append(BlockState(state(), state()))
+    return states
+
+
+def _random_flags(seq):
+    return [seq.preserve_rng_state and block.draws_random() for block in seq.blocks]
+
+
+def _random_rows(seq):
+    from revkernels.nn.reversible import HalfCouplingBlock
+
+    return sum((1 if isinstance(b, HalfCouplingBlock) else 2) for b, r in zip(seq.blocks, _random_flags(seq)) if r)
+
+
+def _unaliased(outputs, inputs):
+    """`outputs`, each one that is also an input cloned: an op's output may not be one of its
+    inputs (a single HalfCouplingBlock passes x2 through, and dy2 back as dx1)."""
+    storages = {x.untyped_storage().data_ptr() for x in inputs}
+    return tuple(t.clone() if t.untyped_storage().data_ptr() in storages else t for t in outputs)
+
+
+@torch.library.custom_op("revkernels::reversible_run", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def reversible_run(handle: int, x1: torch.Tensor, x2: torch.Tensor, params: list[torch.Tensor],
+                   autocast_dtype: torch.dtype | None, training: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The run's forward without autograd: ``(y1, y2, generator states)``. `training`: the run's
+    mode when traced (an argument so that the graph is traced again when it changes: the shape of
+    the generator states depends on which blocks draw random numbers)."""
+    seq = _run(handle)
+    devices = cuda_devices_of(x1, x2)
+    inputs = (x1, x2)
+    with _autocast(x1.device.type, autocast_dtype):
+        steps = _steps(seq)
+        if steps is None:
+            states = []
+            with torch.no_grad():
+                for block in seq.blocks:
+                    x1, x2, state = block.forward_with_state(x1, x2, seq.preserve_rng_state)
+                    states.append(state)
+        else:
+            x1, x2, states = compiled.forward_blocks(list(seq.blocks), x1, x2, steps, seq.preserve_rng_state)
+    y1, y2 = _unaliased((x1, x2), inputs)
+    return y1, y2, _pack(states, devices)
+
+
+@reversible_run.register_fake
+def _(handle, x1, x2, params, autocast_dtype, training):
+    rows = _random_rows(_run(handle))
+    return torch.empty_like(x1), torch.empty_like(x2), \
+        torch.empty(rows, _state_bytes(cuda_devices_of(x1, x2)), dtype=torch.uint8)
+
+
+@torch.library.custom_op("revkernels::reversible_run_backward", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def reversible_run_backward(handle: int, y1: torch.Tensor, y2: torch.Tensor, dy1: torch.Tensor, dy2: torch.Tensor,
+                            rng: torch.Tensor, params: list[torch.Tensor],
+                            autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """``(dx1, dx2, param grads)`` of the run from its outputs and their grads (zeros for a
+    parameter no block used)."""
+    seq = _run(handle)
+    blocks = list(seq.blocks)
+    states = _unpack(rng, blocks, _random_flags(seq), cuda_devices_of(y1, y2))
+    autocast_state = AutocastState(y1.device.type, autocast_dtype is not None, autocast_dtype or torch.float32, True)
+    run_params = _grad_params(seq)
+    _, _, dx1, dx2, grads = compiled.backward_blocks(blocks, states, y1, y2, dy1, dy2, run_params, _steps(seq),
+                                                     autocast_state)
+    dx1, dx2 = _unaliased((dx1, dx2), (y1, y2, dy1, dy2))
+    return dx1, dx2, [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+
+
+@reversible_run_backward.register_fake
+def _(handle, y1, y2, dy1, dy2, rng, params, autocast_dtype):
+    return torch.empty_like(y1), torch.empty_like(y2), [torch.empty_like(p) for p in params]
+
+
+def _setup_context(ctx, inputs, output):
+    handle, _, _, params, autocast_dtype, _ = inputs
+    y1, y2, rng = output
+    ctx.handle, ctx.autocast_dtype = handle, autocast_dtype
+    ctx.save_for_backward(y1, y2, rng, *params)
+
+
+def _backward(ctx, dy1, dy2, _drng):
+    y1, y2, rng, *params = ctx.saved_tensors
+    dy1 = torch.zeros_like(y1) if dy1 is None else dy1
+    dy2 = torch.zeros_like(y2) if dy2 is None else dy2
+    dx1, dx2, grads = reversible_run_backward(ctx.handle, y1, y2, dy1, dy2, rng, params, ctx.autocast_dtype)
+    return None, dx1, dx2, grads, None, None
+
+
+reversible_run.register_autograd(_backward, setup_context=_setup_context)
+
+
+def run_opaque(seq, x1, x2):
+    """`seq`'s run as one opaque op (what `ReversibleSequential` calls under torch.compile)."""
+    device_type = x1.device.type
+    autocast_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    y1, y2, _ = reversible_run(run_handle(seq), x1, x2, _grad_params(seq), autocast_dtype, seq.training)
+    return y1, y2
