@@ -93,14 +93,18 @@ def triton_device():
 
 @torch.no_grad()
 def perturb_parameters(module, scale=0.25, buffers=True):
-    """Moves every parameter of `module` off its initial value by `scale` * N(0, 1) noise, so no
+    """Moves every vector parameter of `module` (norm weights and biases, linear and conv biases,
+    the parameters initialised to 1 or 0) off its initial value by `scale` * N(0, 1) noise, so no
     LayerNorm/BatchNorm weight is 1, no bias is 0 and F's and G's parameters differ: a fused step
     that reads the wrong parameter (F's LayerNorm for G's, a weight for a bias) gives a wrong result
-    instead of the same one. With `buffers`, BatchNorm running statistics move too (means by noise,
-    variances by a factor in [0.5, 1.5]), so eval-mode paths read non-trivial statistics.
-    Returns `module`."""
+    instead of the same one. Weight matrices and kernels keep their (random) initialisation: noise
+    of this size on them would make the blocks' Jacobians large enough that the fp32 rebuild error
+    of a deep reversible run, amplified by them, exceeds the 1e-5 tolerance without any bug (the
+    rebuild is as exact as the arithmetic; the conditioning of the function is the test's choice).
+    With `buffers`, BatchNorm running statistics move too (means by noise, variances by a factor
+    in [0.5, 1.5]), so eval-mode paths read non-trivial statistics. Returns `module`."""
     for p in module.parameters():
-        if p.is_floating_point():
+        if p.is_floating_point() and p.dim() <= 1:
             p.add_(scale * torch.randn_like(p))
     if buffers:
         for m in module.modules():

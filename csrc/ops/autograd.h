@@ -9,6 +9,10 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 
+#include <functional>
+#include <initializer_list>
+#include <utility>
+
 #include "coupling_layout.h"  // check_defined: Function::apply reads every tensor argument's device
 
 namespace revkernels {
@@ -20,6 +24,24 @@ using torch::autograd::variable_list;
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> typed_op(const char* qualified_name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(qualified_name, "").typed<Signature>();
+}
+
+// Whether an autograd kernel must build a graph node: grad mode on and a tensor argument that
+// requires grad. Otherwise the kernel calls the op below autograd directly: no node is built, and
+// torch.func transforms (which refuse a C++ autograd::Function) see a plain call.
+inline bool records_grad(std::initializer_list<std::reference_wrapper<const at::Tensor>> tensors) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const at::Tensor& t : tensors) {
+    if (t.defined() && t.requires_grad()) return true;
+  }
+  return false;
+}
+
+// `op.call(args...)` below autograd (a kernel whose inputs need no graph node).
+template <typename Signature, typename... Args>
+decltype(auto) call_below_autograd(const c10::TypedOperatorHandle<Signature>& op, Args&&... args) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(std::forward<Args>(args)...);
 }
 
 }  // namespace revkernels

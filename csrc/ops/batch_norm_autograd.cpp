@@ -47,6 +47,10 @@ Tensors3 batch_norm_act_autograd(const at::Tensor& x, const at::Tensor& weight, 
   check_defined(x, "x");
   check_defined(weight, "weight");
   check_defined(bias, "bias");
+  if (!records_grad({x, weight, bias})) {
+    static const auto op = typed_op<BatchNormActOp>("revkernels::batch_norm_act");
+    return call_below_autograd(op, x, weight, bias, eps, relu);
+  }
   const variable_list out = BatchNormAct::apply(x, weight, bias, eps, relu);
   return {out[0], out[1], out[2]};
 }

@@ -42,6 +42,10 @@ struct BiasGelu : torch::autograd::Function<BiasGelu> {
 at::Tensor bias_gelu_autograd(const at::Tensor& x, const at::Tensor& bias, c10::string_view approximate) {
   check_defined(x, "x");
   check_defined(bias, "bias");
+  if (!records_grad({x, bias})) {
+    static const auto op = typed_op<BiasGeluOp>("revkernels::bias_gelu");
+    return call_below_autograd(op, x, bias, approximate);
+  }
   return BiasGelu::apply(x, bias, approximate);
 }
 

@@ -30,12 +30,20 @@ struct Coupling : torch::autograd::Function<Coupling<kSub>> {
 at::Tensor coupling_sub_autograd(const at::Tensor& y, const at::Tensor& f) {
   check_defined(y, "y");
   check_defined(f, "f");
+  if (!records_grad({y, f})) {
+    static const auto op = typed_op<CouplingOp>("revkernels::coupling_sub");
+    return call_below_autograd(op, y, f);
+  }
   return Coupling<true>::apply(y, f);
 }
 
 at::Tensor coupling_add_autograd(const at::Tensor& a, const at::Tensor& b) {
   check_defined(a, "a");
   check_defined(b, "b");
+  if (!records_grad({a, b})) {
+    static const auto op = typed_op<CouplingOp>("revkernels::coupling_add");
+    return call_below_autograd(op, a, b);
+  }
   return Coupling<false>::apply(a, b);
 }
 

@@ -50,6 +50,10 @@ Tensors4 sub_layer_norm_autograd(const at::Tensor& y, const at::Tensor& g, const
   check_defined(g, "g");
   check_defined(weight, "weight");
   check_defined(bias, "bias");
+  if (!records_grad({y, g, weight, bias})) {
+    static const auto op = typed_op<SubLayerNormOp>("revkernels::sub_layer_norm");
+    return call_below_autograd(op, y, g, weight, bias, eps);
+  }
   const variable_list out = SubLayerNorm::apply(y, g, weight, bias, eps);
   return {out[0], out[1], out[2], out[3]};
 }

@@ -55,6 +55,11 @@ at::Tensor linear_sub_autograd(const at::Tensor& y, const at::Tensor& a, const a
   check_defined(y, "y");
   check_defined(a, "a");
   check_defined(weight, "weight");
+  const at::Tensor no_bias;
+  if (!records_grad({y, a, weight, bias.has_value() ? *bias : no_bias})) {
+    static const auto op = typed_op<LinearSubOp>("revkernels::linear_sub");
+    return call_below_autograd(op, y, a, weight, bias);
+  }
   return LinearSub::apply(y, a, weight, bias);
 }
 

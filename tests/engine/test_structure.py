@@ -9,7 +9,7 @@ from torch import nn
 import revkernels as rk
 from revkernels.engine import structure
 from revkernels.nn.revvit import RevViTBlock
-from tests.helpers import assert_close_rel, loss_of, make_seq, plain_forward, residual_fn, run_grads
+from tests.helpers import assert_close_rel, loss_of, make_seq, perturb_parameters, plain_forward, residual_fn, run_grads
 
 WIDTH = 8
 
@@ -26,13 +26,6 @@ def _assert_grads_equal_plain(seq, data, seed=None, tol=1e-5):
         assert (a is None) == (e is None), f"output/grad {i}: presence differs"
         if e is not None:
             assert_close_rel(a, e, tol, f"output/grad {i}")
-
-
-def _perturb(module):
-    """Random, non-identity parameters (LayerNorm weights and biases included)."""
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(0.2 * torch.randn_like(p))
 
 
 class _Counting:
@@ -143,13 +136,13 @@ def test_a_block_that_declares_randomness_replays_it_exactly():
 @pytest.mark.parametrize("options", [{}, {"drop_path": 0.3, "qkv_bias": False}])
 def test_fused_block_with_random_parameters_equals_plain_autograd(options):
     seq = rk.nn.ReversibleSequential(*[RevViTBlock(16, 4, **options) for _ in range(3)])
-    _perturb(seq)
+    perturb_parameters(seq)
     _assert_grads_equal_plain(seq, _inputs(shape=(3, 6, 16)), seed=torch.randint(0, 2**31, ()).item())
 
 
 def test_fused_block_with_frozen_parameters():
     seq = rk.nn.ReversibleSequential(*[RevViTBlock(16, 4) for _ in range(2)])
-    _perturb(seq)
+    perturb_parameters(seq)
     for p in (seq.blocks[0].f.qkv.weight, seq.blocks[1].g.fc1.bias, seq.blocks[1].f.norm.weight):
         p.requires_grad_(False)
     _assert_grads_equal_plain(seq, _inputs(shape=(2, 5, 16)))
@@ -158,7 +151,7 @@ def test_fused_block_with_frozen_parameters():
 
 def test_fused_forward_runs_the_modules_when_a_forward_hook_is_registered():
     seq = rk.nn.ReversibleSequential(*[RevViTBlock(16, 4, drop_path=0.2) for _ in range(2)])
-    _perturb(seq)
+    perturb_parameters(seq)
     seen = []
     handle = seq.blocks[1].g.fc1.register_forward_hook(lambda module, args, out: seen.append(out.shape))
     data = _inputs(shape=(4, 5, 16))
