@@ -57,11 +57,11 @@ from torch import nn
 
 from revkernels.engine.recompute import run_recomputed
 from revkernels.nn.batch_norm import BatchNormAct2d
+from revkernels.models.staged import StagedModel
 from revkernels.nn.reversible import HalfCouplingBlock, ReversibleSequential, check_streams
 
 STEMS = ("cifar", "imagenet")
 KINDS = ("stem", "reversible", "down", "head")
-_LETTER = {"stem": "S", "reversible": "r", "down": "D", "head": "H"}
 
 
 def _conv(cin, cout, kernel, stride=1, bias=False):
@@ -199,7 +199,7 @@ class Head(nn.Module):
         return self.fc(z.flatten(1))
 
 
-class RevNet(nn.Module):
+class RevNet(StagedModel, nn.Module):
     """A two-stream reversible ResNet in PETRA's stage layout (see the module docstring).
 
     Args:
@@ -271,40 +271,6 @@ class RevNet(nn.Module):
             elif isinstance(m, nn.BatchNorm2d):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
-
-    @property
-    def runs(self):
-        """The `ReversibleSequential` runs of consecutive reversible stages, in order."""
-        return [s for s in self.segments if isinstance(s, ReversibleSequential)]
-
-    @property
-    def stages(self):
-        """The ordered stage list for PETRA: the same module objects the forward runs."""
-        out = []
-        for segment in self.segments:
-            out.extend(segment.blocks if isinstance(segment, ReversibleSequential) else [segment])
-        return out
-
-    @property
-    def layout(self):
-        """The stage layout as a string, e.g. ``"S r r D r D r D r H"``."""
-        return " ".join(_LETTER[s.kind] for s in self.stages)
-
-    @property
-    def engine(self):
-        return self._engine
-
-    @engine.setter
-    def engine(self, name):
-        runs = self.runs
-        for run in runs:  # validates the name before anything changes
-            run.engine = name
-        self._engine = name
-
-    def set_engine(self, name):
-        """Switches every reversible run to engine `name`; returns the model."""
-        self.engine = name
-        return self
 
     def forward(self, x):
         # With a memory-saving engine the stem and downsampling blocks keep only their input and

@@ -43,6 +43,7 @@ from torch import nn
 
 from revkernels.engine.recompute import run_recomputed
 from revkernels.nn.drop_path import DropPath
+from revkernels.models.staged import StagedModel
 from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential, check_streams
 from revkernels.nn.revvit import MlpBranch
 
@@ -52,7 +53,6 @@ CONFIGS = {
     "swin_b": dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32)),
 }
 PATCH = 4
-_LETTER = {"stem": "S", "reversible": "r", "down": "D", "head": "H"}
 
 
 def window_partition(x, window_size):
@@ -224,7 +224,7 @@ def _positive_int(value, name):
         raise ValueError(f"revkernels: {name} must be a positive int, got {value!r}")
 
 
-class RevSwin(nn.Module):
+class RevSwin(StagedModel, nn.Module):
     """A Swin Transformer with reversible blocks (see the module docstring).
 
     Args:
@@ -302,39 +302,6 @@ class RevSwin(nn.Module):
                     nn.init.zeros_(m.bias)
             elif isinstance(m, WindowAttention):
                 nn.init.trunc_normal_(m.relative_position_bias_table, std=0.02)
-
-    @property
-    def runs(self):
-        """The `ReversibleSequential` runs (one per stage), in order."""
-        return [s for s in self.segments if isinstance(s, ReversibleSequential)]
-
-    @property
-    def stages(self):
-        """The ordered stage list for PETRA: the same module objects the forward runs."""
-        out = []
-        for segment in self.segments:
-            out.extend(segment.blocks if isinstance(segment, ReversibleSequential) else [segment])
-        return out
-
-    @property
-    def layout(self):
-        """The stage layout as a string, e.g. ``"S r r D r r D r r r r r r D r r H"`` (Swin-T)."""
-        return " ".join(_LETTER[getattr(s, "kind", "reversible")] for s in self.stages)
-
-    @property
-    def engine(self):
-        return self._engine
-
-    @engine.setter
-    def engine(self, name):
-        for run in self.runs:  # the first run validates the name before anything changes
-            run.engine = name
-        self._engine = name
-
-    def set_engine(self, name):
-        """Switches every reversible run to engine `name`; returns the model."""
-        self.engine = name
-        return self
 
     def forward(self, images):
         # With a memory-saving engine the stem and merging stages keep only their input and
