@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from revkernels.engine.state import frozen_batchnorm_stats
+from revkernels.engine.structure import frozen_batchnorm_stats
 from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential, check_context, check_streams
 
 

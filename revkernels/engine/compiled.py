@@ -40,7 +40,8 @@ import torch
 from torch.func import functional_call, vjp
 from torch.nn.modules import module as module_hooks
 
-from revkernels.engine.state import AutocastState, RngState, cuda_devices_of, frozen_batchnorm_stats, maybe_replay
+from revkernels.engine.state import AutocastState, RngState, cuda_devices_of, maybe_replay
+from revkernels.engine.structure import frozen_batchnorm_stats
 from revkernels.engine.structure import cached, param_slots
 import revkernels.nn.reversible as _reversible  # (a module object: the import is circular)
 

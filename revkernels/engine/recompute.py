@@ -12,7 +12,8 @@ import torch
 import torch.utils.checkpoint
 from torch.func import functional_call
 
-from revkernels.engine.state import AutocastState, RngState, cuda_devices_of, frozen_batchnorm_stats, maybe_replay
+from revkernels.engine.state import AutocastState, RngState, cuda_devices_of, maybe_replay
+from revkernels.engine.structure import frozen_batchnorm_stats
 
 
 class _Recomputed(torch.autograd.Function):

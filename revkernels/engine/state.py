@@ -4,16 +4,13 @@
   a recompute so dropout draws the same masks; the caller's RNG stream is restored afterwards.
 - `AutocastState` records the autocast mode of the forward so the recompute runs in the same
   dtypes.
-- `frozen_batchnorm_stats` makes BatchNorm layers in training mode normalise with batch
-  statistics without updating their running statistics, so a recompute does not count a batch
-  twice.
+(BatchNorm in a recompute: `revkernels.engine.structure.frozen_batchnorm_stats`.)
 """
 import contextlib
 from dataclasses import dataclass
 
 import torch
 
-from revkernels.engine.structure import frozen_batchnorm_stats  # noqa: F401  (re-exported)
 
 # The context of a run called without keywords. A plain dict (``f(x, **NO_CONTEXT)`` costs least
 # with one); nothing may write to it (a callee's ``**context`` is always a copy).

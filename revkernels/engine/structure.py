@@ -85,9 +85,6 @@ class ParamSlots:
         # functional_call knows how to substitute those.
         self.parametrized = any(parametrize.is_parametrized(m) for m in module.modules())
 
-    def grad_params(self):
-        return [p for p in self.params if p.requires_grad]
-
     @contextlib.contextmanager
     def substituted(self, aliases):
         """Runs the body with `aliases` ({index in params: tensor}) in place of the parameters."""

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from revkernels.engine.state import frozen_batchnorm_stats
+from revkernels.engine.structure import frozen_batchnorm_stats
 from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential
 
 KINDS = ("stem", "reversible", "down", "head")

@@ -76,7 +76,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from revkernels.engine.state import frozen_batchnorm_stats
+from revkernels.engine.structure import frozen_batchnorm_stats
 from revkernels.nn.reversible import ReversibleSequential
 from revkernels.petra.partition import count_sizes, partition
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import revkernels as rk
-from revkernels.engine.state import frozen_batchnorm_stats
+from revkernels.engine.structure import frozen_batchnorm_stats
 from revkernels.nn import BatchNormAct2d
 from tests.helpers import assert_close_rel, assert_low_precision_rule
 
