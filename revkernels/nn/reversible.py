@@ -428,11 +428,15 @@ class ReverseResult(tuple):
 
 
 def unique_grad_params(blocks):
-    """The parameters of `blocks` that require grad, each once, in module order."""
+    """The parameters of `blocks` (a ModuleList) that require grad, each once, in module order."""
+    return [p for p in cached(blocks, "unique_params", _unique_params) if p.requires_grad]
+
+
+def _unique_params(blocks):
     seen, params = set(), []
     for block in blocks:
         for p in param_slots(block).params:
-            if p.requires_grad and id(p) not in seen:
+            if id(p) not in seen:
                 seen.add(id(p))
                 params.append(p)
     return params
