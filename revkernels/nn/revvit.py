@@ -350,8 +350,8 @@ class RevTransformerBlock(ReversibleBlock):
         named["f.proj.bias"] = lambda: _to(_to(dproj, torch.float32).sum(0), P["f.proj.bias"].dtype)
         d_out = torch.mm(dproj, _to(proj_w, o.dtype)).view(batch, tokens, heads, head_dim).transpose(1, 2)
         dq, dk, dv = _attention_vjp(rec.attention, d_out)
-        # (3, batch, heads, tokens, head_dim) back to the qkv projection's (batch * tokens, 3 dim)
-        dqkv = torch.stack((dq, dk, dv)).permute(1, 3, 0, 2, 4).reshape(batch * tokens, -1)
+        # back to the qkv projection's layout (batch, tokens, 3, heads, head_dim) in one copy
+        dqkv = torch.stack((dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)), dim=2).view(batch * tokens, -1)
         ln1 = rec.ln1
         named["f.qkv.weight"] = lambda: _to(torch.mm(dqkv.t(), _to(ln1, dqkv.dtype)), qkv_w.dtype)
         if "f.qkv.bias" in P:
