@@ -161,9 +161,9 @@ def reversible_run(handle: int, x1: torch.Tensor, x2: torch.Tensor, params: list
                    context: int, context_tensors: list[torch.Tensor], context_numbers: Sequence[int | float | bool],
                    autocast_dtype: torch.dtype | None, training: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The run's forward without autograd: ``(y1, y2, generator states)``. `context`: a
-    `context_handle` (its tensors and numbers: `context_tensors`, `context_numbers`). `training`: the run's mode when traced (an
-    argument so that the graph is traced again when it changes: the shape of the generator
-    states depends on which blocks draw random numbers)."""
+    `context_handle` (its tensors and numbers: `context_tensors`, `context_numbers`). `training`:
+    the run's mode when traced (an argument so that the graph is traced again when it changes: the
+    shape of the generator states depends on which blocks draw random numbers)."""
     seq = _run(handle)
     devices = cuda_devices_of(x1, x2)
     inputs = (x1, x2)

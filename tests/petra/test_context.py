@@ -123,7 +123,8 @@ def test_checkpoint_keeps_the_in_flight_contexts():
     merged = merge_rank_states([split_trainer_state(state, r, image_spec) for r in range(3)])
     assert sorted(merged["contexts"]) == sorted(state["contexts"])
     for b, c in state["contexts"].items():
-        assert torch.equal(merged["contexts"][b]["attn_mask"], c["attn_mask"]) and merged["contexts"][b]["scale"] == c["scale"]
+        got = merged["contexts"][b]
+        assert torch.equal(got["attn_mask"], c["attn_mask"]) and got["scale"] == c["scale"]
 
 
 def _train_rank(n, groups):
