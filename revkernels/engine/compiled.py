@@ -5,9 +5,9 @@ Steps (``torch.func``: the parameters and context tensors are inputs, never bake
 
     block_forward(block, kind, x1, x2, context) -> (y1, y2)     y1 = x1 + F(x2);  y2 = x2 + G(y1)
     branch_forward(module, name, res, a, context) -> res + H(a) (kind "half": (x2, x1 + F(x2)))
-    block_backward(block, kind, f_names, f_params, g_names, g_params, y1, y2, dy1, dy2, context, grad_context)
+    block_backward(block, kind, f_names, g_names, y1, y2, dy1, dy2, context, grad_context)
         -> (x1, x2, dx1, dx2, f_grads, g_grads, context_grads)  G half, then F half:
-    branch_backward(module, names, params, a, b, da, db, context, grad_context)   b_in = b - H(a)
+    branch_backward(module, names, a, b, da, db, context, grad_context)   b_in = b - H(a)
         -> (b_in, da + (dH/da)^T db, (dH/dparams)^T db, (dH/dc)^T db)   (one `torch.func.vjp` of H)
 
 Context (``seq(x1, x2, **context)``): every H is called as ``H(a, **context, **grad_context)``;
@@ -16,9 +16,11 @@ their grads summed over F and G in the step and over the blocks by the walker), 
 rest. Tensors in either dict are graph inputs; plain values (a float scale, a flag) are guarded
 on by Dynamo, so they are part of the step's signature (a new value compiles a new graph).
 
-`names`/`params`: the branch's parameters that require grad (every slot of a tied parameter),
-differentiated through ``functional_call``; everything else (frozen parameters, buffers) is read
-from the module, which Dynamo lifts to graph inputs. The block is an argument of the compiled
+`names`: the slots of the branch's parameters that require grad (every slot of a tied parameter),
+read from the module inside the step and differentiated through ``functional_call``; everything
+else (frozen parameters, buffers) is read from the module too. Dynamo lifts them all to graph
+inputs: passing the parameters as arguments besides the module would add a Python aliasing guard
+per parameter to every call. The block is an argument of the compiled
 function, so Dynamo guards on its structure (types, hyperparameters, training flags), shapes,
 dtypes, autocast mode and which parameters require grad, not on its identity (the streams are
 detached: whether the run's input requires grad does not matter): a stack of identical blocks
@@ -70,10 +72,11 @@ def block_forward(block, kind, x1, x2, context):
     return y, branch_forward(block.g, "g", x2, y, context)
 
 
-def branch_backward(module, names, params, a, b, da, db, context, grad_context):
+def branch_backward(module, names, a, b, da, db, context, grad_context):
     """Inverts ``b = b_in + H(a)`` and differentiates it: ``(b - H(a), da + (dH/da)^T db, grads,
-    context_grads)`` with `grads` aligned to `names` (the parameter slots in `params`) and
+    context_grads)`` with `grads` aligned to `names` (parameter slots of `module`) and
     `context_grads` a dict over `grad_context`."""
+    params = tuple(module.get_parameter(name) for name in names)
 
     def h(ps, cs, x):
         return functional_call(module, dict(zip(names, ps)), (x,), {**context, **cs}, strict=False, tie_weights=False)
@@ -83,16 +86,16 @@ def branch_backward(module, names, params, a, b, da, db, context, grad_context):
     return b - out, da + d_a, d_params, d_context
 
 
-def block_backward(block, kind, f_names, f_params, g_names, g_params, y1, y2, dy1, dy2, context, grad_context):
+def block_backward(block, kind, f_names, g_names, y1, y2, dy1, dy2, context, grad_context):
     """Rebuilds the block's input from its output and returns
     ``(x1, x2, dx1, dx2, f_grads, g_grads, context_grads)`` (context grads of F and G summed)."""
     if kind == "half":  # (y1, y2) = (x2, x1 + F(x2))
-        x1, dx2, f_grads, context_grads = branch_backward(block.f, f_names, f_params, y1, y2, dy1, dy2,
+        x1, dx2, f_grads, context_grads = branch_backward(block.f, f_names, y1, y2, dy1, dy2,
                                                           context, grad_context)
         return x1, y1, dy2, dx2, f_grads, (), context_grads
-    x2, dy1_total, g_grads, g_context = branch_backward(block.g, g_names, g_params, y1, y2, dy1, dy2,
+    x2, dy1_total, g_grads, g_context = branch_backward(block.g, g_names, y1, y2, dy1, dy2,
                                                         context, grad_context)
-    x1, dx2, f_grads, f_context = branch_backward(block.f, f_names, f_params, x2, y1, dy2, dy1_total,
+    x1, dx2, f_grads, f_context = branch_backward(block.f, f_names, x2, y1, dy2, dy1_total,
                                                   context, grad_context)
     return x1, x2, dy1_total, dx2, f_grads, g_grads, {k: f_context[k] + g_context[k] for k in grad_context}
 
@@ -192,14 +195,13 @@ def _hooked(block):
 
 
 def _grad_slots(layout, slots):
-    names, params, indices = [], [], []
+    """(names, indices into layout.params) of the slots whose parameter requires grad."""
+    names, indices = [], []
     for name, i in slots:
-        p = layout.params[i]
-        if p.requires_grad:
+        if layout.params[i].requires_grad:
             names.append(name)
-            params.append(p)
             indices.append(i)
-    return tuple(names), tuple(params), indices
+    return tuple(names), indices
 
 
 # ---- the walkers ----
@@ -279,27 +281,27 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
             del rec, grads
             continue
         block_steps = None if _hooked(block) else steps
-        f_names, f_params, f_index = _grad_slots(layout, layout.f_slots)
-        g_names, g_params, g_index = _grad_slots(layout, layout.g_slots)
+        f_names, f_index = _grad_slots(layout, layout.f_slots)
+        g_names, g_index = _grad_slots(layout, layout.g_slots)
         with autocast(), frozen_batchnorm_stats(block):
             if state is None:
                 y1, y2, dy1, dy2, f_grads, g_grads, context_grads = _step(
-                    block_steps, "block_backward", block, i, block, layout.kind, f_names, f_params, g_names, g_params,
+                    block_steps, "block_backward", block, i, block, layout.kind, f_names, g_names,
                     y1, y2, dy1, dy2, plain_context, grad_context)
             elif layout.kind == "half":
                 with maybe_replay(state.rng_f):
                     x1, dx2, f_grads, context_grads = _step(
-                        block_steps, "branch_backward", block, i, block.f, f_names, f_params, y1, y2, dy1, dy2,
+                        block_steps, "branch_backward", block, i, block.f, f_names, y1, y2, dy1, dy2,
                         plain_context, grad_context)
                 y1, y2, dy1, dy2, g_grads = x1, y1, dy2, dx2, ()
             else:
                 with maybe_replay(state.rng_g):
                     x2, dy1_total, g_grads, g_context = _step(
-                        block_steps, "branch_backward", block, i, block.g, g_names, g_params, y1, y2, dy1, dy2,
+                        block_steps, "branch_backward", block, i, block.g, g_names, y1, y2, dy1, dy2,
                         plain_context, grad_context)
                 with maybe_replay(state.rng_f):
                     x1, dx2, f_grads, context_grads = _step(
-                        block_steps, "branch_backward", block, i, block.f, f_names, f_params, x2, y1, dy2, dy1_total,
+                        block_steps, "branch_backward", block, i, block.f, f_names, x2, y1, dy2, dy1_total,
                         plain_context, grad_context)
                 for k, grad in g_context.items():
                     accumulate(leaves[k], grad)
