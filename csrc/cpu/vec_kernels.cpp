@@ -50,6 +50,17 @@ extern const CpuKernels kCpuKernels;
 #define RK_SCALAR(entry, call, ...) call
 #endif
 
+// The AVX512 build forwards the all-fp32 calls of the streaming kernels (coupling_axpy,
+// sub_layer_norm) to AVX2's table: on the AVX-512 CPU measured (AMD Zen 4), a loop of 512-bit
+// loads streams fp32 from L3/DRAM 10-15% slower than the same loop with 256-bit loads, which is
+// also why ATen runs its own elementwise and LayerNorm kernels from its AVX2 build on AVX-512 CPUs.
+// With 16-bit data, or mixed with fp32, the AVX-512 code is as fast or faster, and stays.
+#if defined(CPU_CAPABILITY_AVX512)
+namespace revkernels::AVX2 {
+extern const CpuKernels kCpuKernels;
+}
+#endif
+
 namespace revkernels {
 namespace CPU_CAPABILITY {
 
@@ -76,27 +87,30 @@ struct Block {
   Block(Vec<acc_t> l, Vec<acc_t> h) : lo(l), hi(h) {}
   explicit Block(acc_t v) : lo(v), hi(v) {}
 };
-template <typename acc_t> Block<acc_t> operator+(const Block<acc_t>& a, const Block<acc_t>& b) { return {a.lo + b.lo, a.hi + b.hi}; }
-template <typename acc_t> Block<acc_t> operator-(const Block<acc_t>& a, const Block<acc_t>& b) { return {a.lo - b.lo, a.hi - b.hi}; }
-template <typename acc_t> Block<acc_t> operator*(const Block<acc_t>& a, const Block<acc_t>& b) { return {a.lo * b.lo, a.hi * b.hi}; }
+// The per-block helpers below are forced inline: GCC left some of them out of line in hot loops (a
+// call through the PLT per block, the vectors passed through memory), e.g. gelu_value and the bf16
+// store in bias_gelu on bf16, a third of its time.
+template <typename acc_t> C10_ALWAYS_INLINE Block<acc_t> operator+(const Block<acc_t>& a, const Block<acc_t>& b) { return {a.lo + b.lo, a.hi + b.hi}; }
+template <typename acc_t> C10_ALWAYS_INLINE Block<acc_t> operator-(const Block<acc_t>& a, const Block<acc_t>& b) { return {a.lo - b.lo, a.hi - b.hi}; }
+template <typename acc_t> C10_ALWAYS_INLINE Block<acc_t> operator*(const Block<acc_t>& a, const Block<acc_t>& b) { return {a.lo * b.lo, a.hi * b.hi}; }
 
 // relu(v) as the scalar kernels form it: v where v > 0, else 0 (NaN included).
 template <typename acc_t>
-inline Block<acc_t> relu(const Block<acc_t>& v) {
+C10_ALWAYS_INLINE Block<acc_t> relu(const Block<acc_t>& v) {
   const Vec<acc_t> zero(acc_t(0));
   return {Vec<acc_t>::blendv(zero, v.lo, v.lo > zero), Vec<acc_t>::blendv(zero, v.hi, v.hi > zero)};
 }
 
 // d where y > 0, else 0.
 template <typename acc_t>
-inline Block<acc_t> where_positive(const Block<acc_t>& y, const Block<acc_t>& d) {
+C10_ALWAYS_INLINE Block<acc_t> where_positive(const Block<acc_t>& y, const Block<acc_t>& d) {
   const Vec<acc_t> zero(acc_t(0));
   return {Vec<acc_t>::blendv(zero, d.lo, y.lo > zero), Vec<acc_t>::blendv(zero, d.hi, y.hi > zero)};
 }
 
 // Loads count (<= kBlock) elements of T as acc_t; lanes past count are unspecified.
 template <typename acc_t, typename T>
-inline Block<acc_t> load_block(const T* p, int64_t count = kBlock<acc_t>) {
+C10_ALWAYS_INLINE Block<acc_t> load_block(const T* p, int64_t count = kBlock<acc_t>) {
   constexpr int64_t L = kLanes<acc_t>;
   if constexpr (std::is_same_v<T, acc_t>) {
     if (count >= kBlock<acc_t>) return {Vec<acc_t>::loadu(p), Vec<acc_t>::loadu(p + L)};
@@ -114,7 +128,7 @@ inline Block<acc_t> load_block(const T* p, int64_t count = kBlock<acc_t>) {
 
 // Stores the first count (<= kBlock) elements, rounded once to T (round to nearest even).
 template <typename acc_t, typename T>
-inline void store_block(T* p, const Block<acc_t>& v, int64_t count = kBlock<acc_t>) {
+C10_ALWAYS_INLINE void store_block(T* p, const Block<acc_t>& v, int64_t count = kBlock<acc_t>) {
   constexpr int64_t L = kLanes<acc_t>;
   if constexpr (std::is_same_v<T, acc_t>) {
     if (count >= kBlock<acc_t>) {
@@ -140,7 +154,7 @@ inline void store_block(T* p, const Block<acc_t>& v, int64_t count = kBlock<acc_
 
 // v rounded to T and back (the value a store to T then a load would give).
 template <typename T, typename acc_t>
-inline Block<acc_t> rounded(const Block<acc_t>& v) {
+C10_ALWAYS_INLINE Block<acc_t> rounded(const Block<acc_t>& v) {
   if constexpr (std::is_same_v<T, acc_t>) {
     return v;
   } else {
@@ -152,7 +166,7 @@ inline Block<acc_t> rounded(const Block<acc_t>& v) {
 
 // v with the lanes past count set to zero.
 template <typename acc_t>
-inline Block<acc_t> first(const Block<acc_t>& v, int64_t count) {
+C10_ALWAYS_INLINE Block<acc_t> first(const Block<acc_t>& v, int64_t count) {
   constexpr int64_t L = kLanes<acc_t>;
   const Vec<acc_t> zero(acc_t(0));
   if (count >= kBlock<acc_t>) return v;
@@ -162,7 +176,7 @@ inline Block<acc_t> first(const Block<acc_t>& v, int64_t count) {
 
 // The sum of a block's lanes, folded pairwise in a fixed order.
 template <typename acc_t>
-inline acc_t total(const Block<acc_t>& v) {
+C10_ALWAYS_INLINE acc_t total(const Block<acc_t>& v) {
   __at_align__ acc_t lanes[kLanes<acc_t>];
   (v.lo + v.hi).store(lanes);
   for (int64_t width = kLanes<acc_t> / 2; width > 0; width /= 2) {
@@ -171,9 +185,11 @@ inline acc_t total(const Block<acc_t>& v) {
   return lanes[0];
 }
 
-// fn(i, count) over [0, n) in blocks: count = kBlock but for the last one.
+// fn(i, count) over [0, n) in blocks: count = kBlock but for the last one. The block bodies passed
+// here are forced inline too (C10_ALWAYS_INLINE_ATTRIBUTE): GCC otherwise keeps the larger ones
+// (bias_gelu's on bf16) out of line, a call per block that reloads every constant.
 template <typename acc_t, typename Fn>
-inline void for_blocks(int64_t n, Fn&& fn) {
+C10_ALWAYS_INLINE void for_blocks(int64_t n, Fn&& fn) {
   int64_t i = 0;
   for (; i + kBlock<acc_t> <= n; i += kBlock<acc_t>) fn(i, kBlock<acc_t>);
   if (i < n) fn(i, n - i);
@@ -200,7 +216,7 @@ void coupling_axpy_vec(out_t* out, const out_t* a, const b_t* b, acc_t alpha, co
     out_t* o = out + linear;
     const out_t* pa = a + a_off;
     const b_t* pb = b + b_off;
-    for_blocks<acc_t>(run, [&](int64_t i, int64_t count) {
+    for_blocks<acc_t>(run, [&](int64_t i, int64_t count) C10_ALWAYS_INLINE_ATTRIBUTE {
       store_block(o + i, load_block<acc_t>(pa + i, count) + alpha_v * load_block<acc_t>(pb + i, count), count);
     });
     linear += run;
@@ -209,6 +225,11 @@ void coupling_axpy_vec(out_t* out, const out_t* a, const b_t* b, acc_t alpha, co
 
 void coupling_axpy(void* out, const void* a, ScalarKind out_kind, const void* b, ScalarKind b_kind, double alpha,
                    const CouplingLayout& layout, int64_t begin, int64_t end) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (out_kind == ScalarKind::Float32 && b_kind == ScalarKind::Float32) {  // why: see AVX2's declaration above
+    return AVX2::kCpuKernels.coupling_axpy(out, a, out_kind, b, b_kind, alpha, layout, begin, end);
+  }
+#endif
   dispatch_float_pair(out_kind, b_kind, [&](auto acc_tag, auto out_tag, auto b_tag) {
     using acc_t = typename decltype(acc_tag)::type;
     using out_t = typename decltype(out_tag)::type;
@@ -250,7 +271,7 @@ void sub_layer_norm_vec(x_t* x, x_t* ln, acc_t* mean, acc_t* rstd, const x_t* y,
       xs = scratch.get();
     }
     Block<acc_t> sum(acc_t(0));
-    for_blocks<acc_t>(n, [&](int64_t i, int64_t c) {
+    for_blocks<acc_t>(n, [&](int64_t i, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
       const Block<acc_t> v = load_block<acc_t>(yr + i, c) - load_block<acc_t>(gr + i, c);
       store_block(xr + i, v, c);
       const Block<acc_t> xv = rounded<x_t>(v);
@@ -260,13 +281,13 @@ void sub_layer_norm_vec(x_t* x, x_t* ln, acc_t* mean, acc_t* rstd, const x_t* y,
     const acc_t mu = total(sum) / count;
     const Block<acc_t> mu_v(mu);
     Block<acc_t> squares(acc_t(0));
-    for_blocks<acc_t>(n, [&](int64_t i, int64_t c) {
+    for_blocks<acc_t>(n, [&](int64_t i, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
       const Block<acc_t> d = first(load_block<acc_t>(xs + i, c) - mu_v, c);
       squares = squares + d * d;
     });
     const acc_t rs = acc_t(1) / std::sqrt(total(squares) / count + eps);
     const Block<acc_t> rs_v(rs);
-    for_blocks<acc_t>(n, [&](int64_t i, int64_t c) {
+    for_blocks<acc_t>(n, [&](int64_t i, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
       store_block(lr + i, (load_block<acc_t>(xs + i, c) - mu_v) * rs_v * load_block<acc_t>(weight + i, c) + load_block<acc_t>(bias + i, c), c);
     });
     mean[r] = mu;
@@ -278,6 +299,12 @@ void sub_layer_norm(void* x, void* ln, void* mean, void* rstd, ScalarKind x_kind
                     int64_t y_row_stride, const void* g, ScalarKind g_kind, int64_t g_row_stride,
                     const void* weight, const void* bias, double eps, int64_t n, int64_t row_begin,
                     int64_t row_end) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (x_kind == ScalarKind::Float32 && g_kind == ScalarKind::Float32) {  // why: see AVX2's declaration above
+    return AVX2::kCpuKernels.sub_layer_norm(x, ln, mean, rstd, x_kind, y, y_row_stride, g, g_kind, g_row_stride,
+                                            weight, bias, eps, n, row_begin, row_end);
+  }
+#endif
   dispatch_float_pair(x_kind, g_kind, [&](auto acc_tag, auto x_tag, auto g_tag) {
     using acc_t = typename decltype(acc_tag)::type;
     using x_t = typename decltype(x_tag)::type;
@@ -302,7 +329,7 @@ void layer_norm_bwd_add_vec(dres_t* dx, acc_t* dweight_partial, acc_t* dbias_par
                             int64_t dln_row_stride, const x_t* x, int64_t x_row_stride, const acc_t* weight,
                             const acc_t* mean, const acc_t* rstd, const dres_t* dres, int64_t dres_row_stride,
                             int64_t n, int64_t row_begin, int64_t row_end) {
-  for_blocks<acc_t>(n, [&](int64_t i, int64_t c) {
+  for_blocks<acc_t>(n, [&](int64_t i, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
     store_block(dweight_partial + i, Block<acc_t>(acc_t(0)), c);
     store_block(dbias_partial + i, Block<acc_t>(acc_t(0)), c);
   });
@@ -315,7 +342,7 @@ void layer_norm_bwd_add_vec(dres_t* dx, acc_t* dweight_partial, acc_t* dbias_par
     const Block<acc_t> mu(mean[r]), rs(rstd[r]);
     // Pass 1: the row sums of dxhat and dxhat * xhat, and the dweight/dbias partial sums.
     Block<acc_t> sum_dxhat(acc_t(0)), sum_dxhat_xhat(acc_t(0));
-    for_blocks<acc_t>(n, [&](int64_t i, int64_t c) {
+    for_blocks<acc_t>(n, [&](int64_t i, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
       const Block<acc_t> xhat = (load_block<acc_t>(xr + i, c) - mu) * rs;
       const Block<acc_t> d = first(load_block<acc_t>(dr + i, c), c);
       const Block<acc_t> dxhat = d * load_block<acc_t>(weight + i, c);
@@ -327,7 +354,7 @@ void layer_norm_bwd_add_vec(dres_t* dx, acc_t* dweight_partial, acc_t* dbias_par
     const Block<acc_t> mean_dxhat(total(sum_dxhat) / count);
     const Block<acc_t> mean_dxhat_xhat(total(sum_dxhat_xhat) / count);
     // Pass 2: dx, with the residual gradient added before the one rounding to dres_t.
-    for_blocks<acc_t>(n, [&](int64_t i, int64_t c) {
+    for_blocks<acc_t>(n, [&](int64_t i, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
       const Block<acc_t> xhat = (load_block<acc_t>(xr + i, c) - mu) * rs;
       const Block<acc_t> dxhat = load_block<acc_t>(dr + i, c) * load_block<acc_t>(weight + i, c);
       store_block(out + i, load_block<acc_t>(res + i, c) + rs * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat), c);
@@ -366,7 +393,7 @@ void layer_norm_bwd_add(void* dx, ScalarKind dres_kind, void* dweight_partial, v
 // at::vec's own fp32 erf uses) and exp by at::vec's inline exp_u20 (relative error ~1e-6): no
 // out-of-line Sleef call per vector, which is what GELU's time goes to. fp64 keeps Sleef's.
 template <typename acc_t>
-inline Vec<acc_t> fast_exp(const Vec<acc_t>& v) {
+C10_ALWAYS_INLINE Vec<acc_t> fast_exp(const Vec<acc_t>& v) {
   if constexpr (std::is_same_v<acc_t, float>) {
     return v.exp_u20();
   } else {
@@ -375,7 +402,7 @@ inline Vec<acc_t> fast_exp(const Vec<acc_t>& v) {
 }
 
 template <typename acc_t>
-inline Vec<acc_t> fast_erf(const Vec<acc_t>& v) {
+C10_ALWAYS_INLINE Vec<acc_t> fast_erf(const Vec<acc_t>& v) {
   if constexpr (std::is_same_v<acc_t, float>) {
     const Vec<float> one(1.f), a = v.abs();
     const Vec<float> t = one / (Vec<float>(0.3275911f) * a + one);
@@ -392,7 +419,7 @@ inline Vec<acc_t> fast_erf(const Vec<acc_t>& v) {
 
 // sigmoid(2u) and sigmoid(-2u) from e = exp(-2|u|), as gelu_math::sigmoid_pair.
 template <typename acc_t>
-inline void sigmoid_pair(const Vec<acc_t>& u, Vec<acc_t>* plus, Vec<acc_t>* minus) {
+C10_ALWAYS_INLINE void sigmoid_pair(const Vec<acc_t>& u, Vec<acc_t>* plus, Vec<acc_t>* minus) {
   const Vec<acc_t> one(acc_t(1));
   const Vec<acc_t> e = fast_exp(u.abs() * Vec<acc_t>(acc_t(-2)));
   const Vec<acc_t> big = one / (one + e);
@@ -404,7 +431,7 @@ inline void sigmoid_pair(const Vec<acc_t>& u, Vec<acc_t>* plus, Vec<acc_t>* minu
 
 // gelu_value and gelu_derivative (kernels/bias_gelu.h), one vector at a time.
 template <GeluApprox approx, typename acc_t>
-inline Vec<acc_t> gelu_value(const Vec<acc_t>& z) {
+C10_ALWAYS_INLINE Vec<acc_t> gelu_value(const Vec<acc_t>& z) {
   using C = gelu_math::Constants<acc_t>;
   if constexpr (approx == GeluApprox::Tanh) {
     const Vec<acc_t> u = Vec<acc_t>(C::kBeta) * (z + Vec<acc_t>(C::kKappa) * z * z * z);
@@ -417,7 +444,7 @@ inline Vec<acc_t> gelu_value(const Vec<acc_t>& z) {
 }
 
 template <GeluApprox approx, typename acc_t>
-inline Vec<acc_t> gelu_derivative(const Vec<acc_t>& z) {
+C10_ALWAYS_INLINE Vec<acc_t> gelu_derivative(const Vec<acc_t>& z) {
   using C = gelu_math::Constants<acc_t>;
   const Vec<acc_t> one(acc_t(1)), half(acc_t(0.5));
   const Vec<acc_t> z2 = z * z;
@@ -440,7 +467,7 @@ void bias_gelu_vec(x_t* out, const x_t* x, int64_t x_row_stride, const bias_t* b
   for (int64_t r = row_begin; r < row_end; ++r) {
     x_t* o = out + r * n;
     const x_t* xr = x + r * x_row_stride;
-    for_blocks<acc_t>(n, [&](int64_t j, int64_t c) {
+    for_blocks<acc_t>(n, [&](int64_t j, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
       const Block<acc_t> z = load_block<acc_t>(xr + j, c) + load_block<acc_t>(bias + j, c);
       store_block(o + j, Block<acc_t>(gelu_value<approx>(z.lo), gelu_value<approx>(z.hi)), c);
     });
@@ -454,7 +481,7 @@ void bias_gelu_bwd_vec(x_t* dx, const x_t* dy, int64_t dy_row_stride, const x_t*
     x_t* d = dx + r * n;
     const x_t* dyr = dy + r * dy_row_stride;
     const x_t* xr = x + r * x_row_stride;
-    for_blocks<acc_t>(n, [&](int64_t j, int64_t c) {
+    for_blocks<acc_t>(n, [&](int64_t j, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
       const Block<acc_t> z = load_block<acc_t>(xr + j, c) + load_block<acc_t>(bias + j, c);
       const Block<acc_t> g =
           load_block<acc_t>(dyr + j, c) * Block<acc_t>(gelu_derivative<approx>(z.lo), gelu_derivative<approx>(z.hi));
@@ -550,13 +577,13 @@ void batch_norm_act_vec(x_t* out, acc_t* mean, acc_t* rstd, const x_t* x, const 
       acc_t sum = 0, squares = 0;
       for (int64_t i = 0; i < xv.n; ++i) {
         Block<acc_t> part(acc_t(0));
-        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) { part = part + first(load_block<acc_t>(xc + i * xv.n_stride + j, k), k); });
+        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) C10_ALWAYS_INLINE_ATTRIBUTE { part = part + first(load_block<acc_t>(xc + i * xv.n_stride + j, k), k); });
         sum += total(part);
       }
       const Block<acc_t> mu(sum / count);
       for (int64_t i = 0; i < xv.n; ++i) {
         Block<acc_t> part(acc_t(0));
-        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) {
+        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) C10_ALWAYS_INLINE_ATTRIBUTE {
           const Block<acc_t> d = first(load_block<acc_t>(xc + i * xv.n_stride + j, k) - mu, k);
           part = part + d * d;
         });
@@ -567,7 +594,7 @@ void batch_norm_act_vec(x_t* out, acc_t* mean, acc_t* rstd, const x_t* x, const 
       const Block<acc_t> rs(rstd[c]), w(weight[c]), b(bias[c]);
       x_t* oc = out + c * ov.c_stride;
       for (int64_t i = 0; i < xv.n; ++i) {
-        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) {
+        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) C10_ALWAYS_INLINE_ATTRIBUTE {
           const Block<acc_t> y = (load_block<acc_t>(xc + i * xv.n_stride + j, k) - mu) * rs * w + b;
           store_block(oc + i * ov.n_stride + j, relu ? CPU_CAPABILITY::relu(y) : y, k);
         });
@@ -628,7 +655,7 @@ void batch_norm_act_bwd_vec(x_t* dx, acc_t* dweight, acc_t* dbias, const x_t* do
       acc_t sum_dy = 0, sum_dy_xhat = 0;
       for (int64_t i = 0; i < xv.n; ++i) {
         Block<acc_t> part_dy(acc_t(0)), part_dy_xhat(acc_t(0));
-        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) {
+        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) C10_ALWAYS_INLINE_ATTRIBUTE {
           Block<acc_t> dy, xhat;
           dy_xhat(c * xv.c_stride + i * xv.n_stride + j, c * dv.c_stride + i * dv.n_stride + j, k, mu, rs, w, b, &dy, &xhat);
           part_dy = part_dy + first(dy, k);
@@ -639,7 +666,7 @@ void batch_norm_act_bwd_vec(x_t* dx, acc_t* dweight, acc_t* dbias, const x_t* do
       }
       const Block<acc_t> mean_dy(sum_dy / count), mean_dy_xhat(sum_dy_xhat / count), scale(rstd[c] * weight[c]);
       for (int64_t i = 0; i < xv.n; ++i) {
-        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) {
+        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) C10_ALWAYS_INLINE_ATTRIBUTE {
           Block<acc_t> dy, xhat;
           dy_xhat(c * xv.c_stride + i * xv.n_stride + j, c * dv.c_stride + i * dv.n_stride + j, k, mu, rs, w, b, &dy, &xhat);
           store_block(dx + c * dxv.c_stride + i * dxv.n_stride + j, scale * (dy - mean_dy - xhat * mean_dy_xhat), k);

@@ -55,7 +55,8 @@ struct CpuKernels {
 };
 
 // The kernels for this CPU: the widest compiled ISA that ATen would use (at::get_cpu_capability(),
-// which honours the ATEN_CPU_CAPABILITY environment variable). Chosen once.
+// which honours the ATEN_CPU_CAPABILITY environment variable). Chosen once. (The AVX512 table runs
+// some all-fp32 calls with the AVX2 code: vec_kernels.cpp says which and why.)
 const CpuKernels& cpu_kernels();
 
 // The kernels compiled for `isa`, or nullptr when they were not compiled or this CPU lacks the ISA

@@ -1,6 +1,7 @@
 // Shared by the Autograd-key kernels (csrc/ops/<family>_autograd.cpp). Each differentiable op has a
 // torch::autograd::Function whose forward calls the op again below autograd, reaching the device
-// kernel (which checks the arguments), and whose backward calls the ops or ATen. The formulas are
+// kernel (which checks the arguments), and whose backward calls the ops or ATen (the coupling ops,
+// whose derivative is that of ATen's sub / add, attach ATen's own nodes instead). The formulas are
 // device-agnostic: every device's kernel gets them. Math: revkernels/ops/<family>.py.
 // A backward returns one grad per forward argument (undefined for the non-tensor ones); the edge
 // indices of ctx->needs_input_grad count tensor arguments only (the ops take them first).

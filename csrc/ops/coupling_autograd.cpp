@@ -1,7 +1,15 @@
 // Autograd kernels of revkernels::coupling_sub / coupling_add. Both are linear (out = a + alpha * b,
-// alpha = -1 or 1), so the backward needs nothing saved but b's dtype:
-//   d a = g,   d b = alpha * g in b's dtype.
+// alpha = -1 or 1), so the backward needs nothing saved:
+//   d a = g,   d b = alpha * g
+// That is the derivative of ATen's a - b and a + b, so the graph gets ATen's own nodes for them
+// (SubBackward0 / AddBackward0 with alpha 1, as the generated VariableType kernels build them): a
+// third of the host cost of a torch::autograd::Function node, and compiled autograd knows them.
+// d b reaches b in b's dtype: the autograd engine casts every grad to its input's dtype.
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/generated/Functions.h>
 #include <torch/library.h>
+
+#include <type_traits>
 
 #include "autograd.h"
 
@@ -11,40 +19,30 @@ namespace {
 using CouplingOp = at::Tensor(const at::Tensor&, const at::Tensor&);
 
 template <bool kSub>
-struct Coupling : torch::autograd::Function<Coupling<kSub>> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b) {
-    static const auto op = typed_op<CouplingOp>(kSub ? "revkernels::coupling_sub" : "revkernels::coupling_add");
-    ctx->saved_data["b_dtype"] = b.scalar_type();
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return op.call(a, b);
+at::Tensor coupling_autograd(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name) {
+  using Backward = std::conditional_t<kSub, torch::autograd::generated::SubBackward0,
+                                      torch::autograd::generated::AddBackward0>;
+  static const auto op = typed_op<CouplingOp>(kSub ? "revkernels::coupling_sub" : "revkernels::coupling_add");
+  check_defined(a, a_name);
+  check_defined(b, b_name);
+  at::Tensor out = call_below_autograd(op, a, b);
+  if (records_grad({a, b})) {
+    auto node = c10::make_intrusive<Backward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(a, b));
+    node->alpha = 1;
+    node->self_scalar_type = a.scalar_type();
+    node->other_scalar_type = b.scalar_type();
+    torch::autograd::set_history(out, node);
   }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const at::Tensor& g = grads[0];
-    at::Tensor db;
-    if (ctx->needs_input_grad(1)) db = (kSub ? g.neg() : g).to(ctx->saved_data["b_dtype"].toScalarType());
-    return {g, db};
-  }
-};
+  return out;
+}
 
 at::Tensor coupling_sub_autograd(const at::Tensor& y, const at::Tensor& f) {
-  check_defined(y, "y");
-  check_defined(f, "f");
-  if (!records_grad({y, f})) {
-    static const auto op = typed_op<CouplingOp>("revkernels::coupling_sub");
-    return call_below_autograd(op, y, f);
-  }
-  return Coupling<true>::apply(y, f);
+  return coupling_autograd<true>(y, "y", f, "f");
 }
 
 at::Tensor coupling_add_autograd(const at::Tensor& a, const at::Tensor& b) {
-  check_defined(a, "a");
-  check_defined(b, "b");
-  if (!records_grad({a, b})) {
-    static const auto op = typed_op<CouplingOp>("revkernels::coupling_add");
-    return call_below_autograd(op, a, b);
-  }
-  return Coupling<false>::apply(a, b);
+  return coupling_autograd<false>(a, "a", b, "b");
 }
 
 }  // namespace
