@@ -40,6 +40,7 @@ import torch
 from torch.func import functional_call, vjp
 from torch.nn.modules import module as module_hooks
 
+from revkernels.engine.fsdp import block_units, run_sharded_compiled
 from revkernels.engine.state import AutocastState, RngState, cuda_devices_of, maybe_replay
 from revkernels.engine.structure import frozen_batchnorm_stats
 from revkernels.engine.structure import cached, param_slots
@@ -318,6 +319,9 @@ _SHARED = {}
 
 
 def run_compiled(seq, x1, x2):
+    units = block_units(seq)
+    if units is not None:  # blocks sharded by FSDP2 one by one: one autograd node per block
+        return run_sharded_compiled(seq, x1, x2, units)
     params = _reversible.unique_grad_params(seq.blocks)
     if not torch.is_grad_enabled() or not (x1.requires_grad or x2.requires_grad or params):
         y1, y2, _ = forward_blocks(list(seq.blocks), x1, x2, compiled_steps(seq), preserve_rng_state=False)

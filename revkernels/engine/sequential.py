@@ -16,7 +16,8 @@ import contextlib
 
 import torch
 
-from revkernels.engine.state import NO_CONTEXT, AutocastState
+from revkernels.engine.fsdp import block_units, run_sharded
+from revkernels.engine.state import NO_CONTEXT, AutocastState, grad_tensors, keep_context, kept_context
 
 
 def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None, monitor=None, context=NO_CONTEXT):
@@ -55,6 +56,14 @@ def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None
     return y1, y2, dy1, dy2, param_grads
 
 
+def forward_step(block, x1, x2, preserve_rng_state, context=NO_CONTEXT):
+    """``block.forward_with_state`` (without context: the steps' pre-context signature, so blocks
+    that override them still work)."""
+    if context:
+        return block.forward_with_state(x1, x2, preserve_rng_state, context)
+    return block.forward_with_state(x1, x2, preserve_rng_state)
+
+
 class ReversibleRun(torch.autograd.Function):
     """One autograd node for a run of reversible blocks. `walker` is the backward schedule:
     a function with `reverse_blocks`' signature (sequential here, two streams in pareprop)."""
@@ -72,8 +81,7 @@ class ReversibleRun(torch.autograd.Function):
             for block in seq.blocks:
                 if monitor is not None:
                     samples.append(monitor.sample(x1, x2))
-                x1, x2, state = block.forward_with_state(x1, x2, seq.preserve_rng_state, context) if context \
-                    else block.forward_with_state(x1, x2, seq.preserve_rng_state)
+                x1, x2, state = forward_step(block, x1, x2, seq.preserve_rng_state, context)
                 states.append(state)
         ctx.monitor = None if monitor is None else (monitor, samples)
         ctx.blocks = list(seq.blocks)
@@ -81,31 +89,17 @@ class ReversibleRun(torch.autograd.Function):
         ctx.params = params
         ctx.walker = walker
         ctx.autocast_state = AutocastState.capture(x1.device.type)
-        if not context:
-            ctx.context_names = ()
-            ctx.save_for_backward(x1, x2)
-            return x1, x2
-        names = [k for k, v in context.items() if isinstance(v, torch.Tensor)]
-        ctx.context_names = names
-        ctx.context_values = {k: v for k, v in context.items() if k not in names}
-        ctx.context_grad = [context[k].requires_grad for k in names]
-        ctx.save_for_backward(x1, x2, *(context[k] for k in names))
+        ctx.save_for_backward(x1, x2, *keep_context(ctx, context))
         return x1, x2
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy1, dy2):
         y1, y2, *saved = ctx.saved_tensors
-        params, context = ctx.params, NO_CONTEXT
-        if ctx.context_names:
-            context, leaves = dict(ctx.context_values), []
-            for name, t, grad in zip(ctx.context_names, saved, ctx.context_grad):
-                context[name] = t.detach().requires_grad_() if grad else t.detach()
-                if grad:
-                    leaves.append(context[name])
-            params = params + leaves
+        context, leaves = kept_context(ctx, saved)
         _, _, dx1, dx2, grads = ctx.walker(
-            ctx.blocks, ctx.states, y1, y2, dy1, dy2, params, ctx.autocast_state, monitor=ctx.monitor, context=context
+            ctx.blocks, ctx.states, y1, y2, dy1, dy2, ctx.params + leaves, ctx.autocast_state, monitor=ctx.monitor,
+            context=context
         )
         ctx.states = ctx.monitor = None
         return (None, None, None, None, dx1, dx2, *grads)
@@ -115,8 +109,11 @@ def run_reversible(seq, x1, x2, walker, context=NO_CONTEXT):
     """Runs `seq`'s blocks as one `ReversibleRun` whose backward follows `walker`."""
     from revkernels.nn.reversible import unique_grad_params
 
+    units = block_units(seq)
+    if units is not None:  # blocks sharded by FSDP2 one by one: one autograd node per block
+        return run_sharded(seq, x1, x2, units, reverse_blocks, forward_step, context)
     params = unique_grad_params(seq.blocks)
-    grad_context = [v for v in context.values() if isinstance(v, torch.Tensor) and v.requires_grad] if context else []
+    grad_context = grad_tensors(context)
     if not torch.is_grad_enabled() or not (x1.requires_grad or x2.requires_grad or params or grad_context):
         # Nothing to differentiate: a plain forward that keeps nothing.
         for block in seq.blocks:

@@ -1,0 +1,211 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) with blocks sharded one by one.
+
+FSDP2 hangs everything on a unit's forward call: its pre-forward all-gathers the unit's parameters
+(and makes the backward reduce-scatter their grads once the grad reaches the forward's inputs), its
+post-forward frees them (``reshard_after_forward``) and makes the backward all-gather them again,
+prefetching the unit that ran before, when the grad of the forward's outputs arrives. The
+memory-saving engines call a block's steps, not the block, so a run whose blocks (or their F and
+G, or a module inside them) are FSDP units takes another shape:
+
+- every block is one autograd node (`BlockStep`) entered through the forward of each of the
+  block's units: FSDP's public ``register_fsdp_forward_method`` makes a method of the unit run
+  its pre- and post-forward, so the all-gathers, the reshards, the backward's prefetch and the
+  reduce-scatter of the block's grads happen per block, exactly as for an ordinary module. The
+  node's inputs are the block's unsharded parameters, so its grads accumulate where FSDP
+  reduce-scatters them from;
+- a node saves nothing but, for the last block, the run's outputs: its backward takes its block's
+  output from the backward of the block after it (the input that block rebuilt), rebuilds its own
+  input with the engine's step and hands it on. Activation memory stays O(1) in depth, and at most
+  two blocks' parameters are unsharded in the backward (the block stepped and the one prefetched).
+
+The schedule is the sequential engine's, one block at a time, with the engine's own steps (eager,
+or compiled for ``engine="compiled"``): pareprop's second stream cannot rebuild block i-1 before
+FSDP all-gathers its parameters, which it does after block i's node, and collectives cannot be
+captured in a CUDA graph. FSDP overlaps the communication instead.
+
+A run sharded as one unit (``fully_shard(seq)`` or a module above it, blocks not sharded) needs
+none of this: the unit's forward unshards every block before the engine runs.
+"""
+import functools
+import sys
+
+import torch
+
+from revkernels.engine.state import NO_CONTEXT, AutocastState, grad_tensors, keep_context, kept_context
+from revkernels.engine.structure import cached, invalidate, param_slots
+
+_MANAGED = "_is_fsdp_managed_module"  # fully_shard's mark on every module whose parameters it manages
+_ENTRY = "_revkernels_fsdp_forward"  # the method FSDP runs its forward logic around (`enter`)
+
+
+def _call(fn, *args):
+    return fn(*args)
+
+
+def _units(module):
+    """The FSDP units among `module`'s modules, outermost first, each given the `_ENTRY` method."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:  # FSDP never imported: nothing can be sharded (and importing it costs)
+        return ()
+    units = tuple(m for m in module.modules() if isinstance(m, fsdp.FSDPModule))
+    for unit in units:
+        if _ENTRY not in unit.__dict__:
+            unit.__dict__[_ENTRY] = _call
+            fsdp.register_fsdp_forward_method(unit, _ENTRY)
+    return units
+
+
+def _cached_units(module, key, probe, build):
+    # fully_shard registers nothing the structure cache sees: a module sharded after its
+    # structure was cached shows as FSDP's mark appearing on `probe`.
+    managed = probe.__dict__.get(_MANAGED, False)
+    entry = cached(module, key, lambda m: (managed, build(m)))
+    if entry[0] != managed:
+        invalidate()
+        entry = cached(module, key, lambda m: (managed, build(m)))
+    return entry[1]
+
+
+def _units_per_block(seq):
+    units = [_units(block) for block in seq.blocks]
+    return units if any(units) else None
+
+
+def block_units(seq):
+    """Per block of `seq`, its FSDP units (outermost first); None when no block holds one. The
+    engines' one check per step (cached per structure)."""
+    return _cached_units(seq, "fsdp_block_units", seq.blocks[0], _units_per_block)
+
+
+def module_units(module):
+    """The FSDP units among `module`'s modules, outermost first (cached per structure)."""
+    return _cached_units(module, "fsdp_units", module, _units)
+
+
+def enter(units, fn, *args):
+    """``fn(*args)`` run as the forward of every unit in `units`, the first outermost: FSDP's
+    pre-forward (all-gather; the reduce-scatter hook on the grad-requiring tensors of `args`, which
+    it may cast or wrap: `fn` gets them) before, its post-forward (reshard; the backward's
+    all-gather hook on the outputs) after."""
+    if not units:
+        return fn(*args)
+    return getattr(units[0], _ENTRY)(lambda *inner: enter(units[1:], fn, *inner), *args)
+
+
+class ShardedRun:
+    """What the `BlockStep` nodes of one run share."""
+
+    __slots__ = ("blocks", "forward_step", "walker", "preserve_rng_state", "autocast_state", "monitor", "samples",
+                 "errors", "handed")
+
+    def __init__(self, seq, forward_step, walker, device_type):
+        self.blocks = list(seq.blocks)
+        self.forward_step, self.walker = forward_step, walker
+        self.preserve_rng_state = seq.preserve_rng_state
+        self.autocast_state = AutocastState.capture(device_type)
+        monitor = getattr(seq, "reconstruction_monitor", None)
+        self.monitor = monitor if monitor is not None and monitor.begin_forward() else None
+        self.samples = [None] * len(self.blocks)
+        self.errors = [None] * len(self.blocks)
+        self.handed = None
+
+    def hand_over(self, index, x1, x2):
+        """Block `index`'s output (rebuilt by the backward of block index + 1)."""
+        self.handed = (index, x1, x2)
+
+    def take(self, index):
+        if self.handed is None or self.handed[0] != index:
+            raise RuntimeError(f"revkernels: the backward of blocks[{index}] ran before its output was rebuilt "
+                               "(each block's node must be differentiated after the next block's, once)")
+        _, x1, x2 = self.handed
+        self.handed = None
+        return x1, x2
+
+
+class BlockStep(torch.autograd.Function):
+    """One block of a `ShardedRun` as an autograd node (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, run, index, context, n_params, x1, x2, *tensors):
+        # tensors: the block's parameters that require grad, then the context tensors that do
+        block = run.blocks[index]
+        if run.monitor is not None:
+            run.samples[index] = run.monitor.sample(x1, x2)
+        y1, y2, ctx.state = run.forward_step(block, x1, x2, run.preserve_rng_state, context or NO_CONTEXT)
+        ctx.run, ctx.index, ctx.params = run, index, list(tensors[:n_params])
+        ctx.last = index == len(run.blocks) - 1
+        kept = keep_context(ctx, context)
+        ctx.save_for_backward(*((y1, y2) if ctx.last else ()), *kept)
+        return y1, y2
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy1, dy2):
+        run, index = ctx.run, ctx.index
+        saved = ctx.saved_tensors
+        if ctx.last:
+            y1, y2, *saved = saved
+        else:
+            y1, y2 = run.take(index)
+        context, leaves = kept_context(ctx, saved)
+        block = run.blocks[index]
+        param_slots(block)  # the current (unsharded) parameters, for steps that read them from their cache
+        x1, x2, dx1, dx2, grads = run.walker([block], [ctx.state], y1, y2, dy1, dy2, ctx.params + leaves,
+                                             run.autocast_state, context=context)
+        ctx.state = None
+        if run.monitor is not None:
+            run.errors[index] = run.monitor.error(run.samples[index], x1, x2)
+            if index == 0:
+                run.monitor.report(run.errors)
+        if index > 0:
+            run.hand_over(index - 1, x1, x2)
+        return (None, None, None, None, dx1, dx2, *grads)
+
+
+def _plain_step(forward_step, block, x1, x2, context):
+    return forward_step(block, x1, x2, False, context)[:2]
+
+
+def _step_node(run, index, x1, x2, context):
+    # Inside the block's units' forward: the block's parameters are the unsharded ones now.
+    from revkernels.nn.reversible import unique_grad_params
+
+    params = unique_grad_params([run.blocks[index]])
+    return BlockStep.apply(run, index, context or None, len(params), x1, x2, *params, *grad_tensors(context))
+
+
+def run_sharded(seq, x1, x2, units, walker, forward_step, context=NO_CONTEXT):
+    """Runs `seq`, whose blocks hold the FSDP `units` (from `block_units`), one `BlockStep` node
+    per block. `forward_step(block, x1, x2, preserve_rng_state, context) -> (y1, y2, state)` and
+    `walker` (`reverse_blocks`' signature, called with one block) are the engine's steps."""
+    from revkernels.nn.reversible import unique_grad_params
+
+    needs_grad = torch.is_grad_enabled() and (
+        x1.requires_grad or x2.requires_grad or unique_grad_params(seq.blocks) or grad_tensors(context))
+    if not needs_grad:  # a plain forward that keeps nothing
+        for block, unit_list in zip(seq.blocks, units):
+            x1, x2 = enter(unit_list, functools.partial(_plain_step, forward_step, block), x1, x2, context)
+        return x1, x2
+    run = ShardedRun(seq, forward_step, walker, x1.device.type)
+    for index, unit_list in enumerate(units):
+        x1, x2 = enter(unit_list, functools.partial(_step_node, run, index), x1, x2, context)
+    return x1, x2
+
+
+def run_sharded_compiled(seq, x1, x2, units):
+    """`run_sharded` with the compiled engine's steps."""
+    from revkernels.engine import compiled
+
+    steps = compiled.compiled_steps(seq)
+
+    def forward_step(block, a1, a2, preserve_rng_state, context):
+        y1, y2, states = compiled.forward_blocks([block], a1, a2, steps, preserve_rng_state)
+        return y1, y2, states[0]
+
+    def walker(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None, context=NO_CONTEXT):
+        return compiled.backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_state)
+
+    return run_sharded(seq, x1, x2, units, walker, forward_step)
+
+
+__all__ = ["block_units", "module_units", "enter", "run_sharded", "run_sharded_compiled", "BlockStep", "ShardedRun"]
