@@ -7,6 +7,9 @@ forward's autocast mode, ``grads`` turns the output grads into input and paramet
 parameters are inputs of the Function, so their grads reach ``.grad`` through autograd's normal
 accumulation (tensor hooks, DDP's reducer and gradient accumulation see them as usual).
 
+Blocks sharded one by one by FSDP2 run one autograd node per block instead, with the same steps
+(`revkernels.engine.fsdp`).
+
 Context (``seq(x1, x2, **context)``): the context's tensors are saved once per run; those that
 require grad are inputs of the Function too. The backward hands every block the same detached
 leaf per such tensor and differentiates it like a parameter (the walker's `params` end with the
