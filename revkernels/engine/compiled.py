@@ -176,8 +176,9 @@ def _hooked(block):
     if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks \
             or module_hooks._global_backward_hooks:
         return True
+    # The block's own hooks (FSDP's, for one) never fire in its steps: no engine calls the block.
     return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-               for m in cached(block, "submodules", lambda b: list(b.modules())))
+               for m in cached(block, "submodules", lambda b: list(b.modules())[1:]))
 
 
 def _grad_slots(layout, slots):
