@@ -38,6 +38,7 @@ CASES = {
     "generic-fg-raf": ("generic", "fg", True, "sequential", False),
     "generic-run": ("generic", "none", True, "sequential", False),  # the run as one unit
     "vit-block-late": ("vit", "block", True, "sequential", False),  # a step before fully_shard
+    "context-block-raf": ("context", "block", True, "sequential", False),  # seq(x1, x2, cond=c), c requires grad
     "vit-block-raf": ("vit", "block", True, "sequential", False),
     "vit-block-keep": ("vit", "block", False, "sequential", False),
     "staged-stage-raf": ("staged", "block", True, "sequential", False),
@@ -75,6 +76,17 @@ class _Mix(nn.Module):
         return torch.tanh(x2), x1 + self.f(x2)
 
 
+class _Film(nn.Module):
+    """F or G scaled by a context tensor: ``fn(x) * (1 + cond)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fn = residual_fn(WIDTH)
+
+    def forward(self, x, cond=None):
+        return self.fn(x) * (1 + cond)
+
+
 class _Staged(StagedModel, nn.Module):
     """RevNet in miniature: stem, run of half blocks, non-reversible stage, run, head; the stem and
     the non-reversible stage recomputed, as RevNet's are."""
@@ -97,9 +109,11 @@ def _model(kind, engine="autograd"):
     (the steps traced as for inductor, in seconds instead of a minute)."""
     if kind == "staged":
         return _Staged(engine)
-    if kind in ("generic", "vit"):
-        seq = make_seq(DEPTH, WIDTH) if kind == "generic" else \
-            rk.nn.ReversibleSequential(*(rk.nn.RevViTBlock(WIDTH, 2, mlp_ratio=2.0) for _ in range(2)))
+    if kind in ("generic", "vit", "context"):
+        blocks = {"generic": lambda: make_seq(DEPTH, WIDTH).blocks,
+                  "vit": lambda: [rk.nn.RevViTBlock(WIDTH, 2, mlp_ratio=2.0) for _ in range(2)],
+                  "context": lambda: [rk.nn.ReversibleBlock(_Film(), _Film()) for _ in range(2)]}[kind]()
+        seq = rk.nn.ReversibleSequential(*blocks)
         seq.engine = engine.removesuffix("-dynamo")
         if engine.endswith("-dynamo"):
             seq.compile_options = {"backend": "eager"}
@@ -114,17 +128,19 @@ def _batch(kind):
     if kind == "staged":
         return torch.randn(BATCH, WIDTH), torch.randn(BATCH, 10)
     shape = (BATCH, TOKENS, WIDTH) if kind == "vit" else (BATCH, WIDTH)
-    return tuple(torch.randn(shape) for _ in range(4))
+    return tuple(torch.randn(shape) for _ in range(5 if kind == "context" else 4))
 
 
 def _loss(model, kind, batch):
-    """The rank's mean loss (FSDP's reduce-scatter averages the ranks' grads)."""
+    """The rank's mean loss (FSDP's reduce-scatter averages the ranks' grads) and the input (or
+    context tensor) whose grad is checked (None: none requires grad)."""
     if kind in ("revnet18", "staged"):
         x, w = batch
-        return (model(x) * w).sum() / x.shape[0]
-    x1, x2, w1, w2 = batch
-    y1, y2 = model(x1.detach().requires_grad_(), x2)  # an input that requires grad: FSDP hooks it
-    return loss_of(y1, y2, w1, w2) / x1.shape[0]
+        return (model(x) * w).sum() / x.shape[0], None
+    x1, x2, w1, w2, *cond = batch
+    leaf = (cond[0] if cond else x1).detach().requires_grad_()  # FSDP hooks the grad-requiring inputs
+    y1, y2 = model(x1, x2, cond=leaf) if cond else model(leaf, x2)
+    return loss_of(y1, y2, w1, w2) / x1.shape[0], leaf
 
 
 def _shard(model, kind, units, raf, mixed):
@@ -167,14 +183,14 @@ def _run_case(name, case, data, shard):
     model = _model(kind, engine)
     model.load_state_dict(data["state"])
     if name.endswith("-late"):  # the structure cache is built before sharding
-        _loss(model, kind, tuple(t[shard] for t in data["batches"][0])).backward()
+        _loss(model, kind, tuple(t[shard] for t in data["batches"][0]))[0].backward()
         model.zero_grad(set_to_none=True)
     _shard(model, kind, units, raf, mixed)
     observed, after_forward = [], None
     if name == "generic-block-raf":
         _watch_backward(model, observed)
     for step, batch in enumerate(data["batches"]):
-        loss = _loss(model, kind, tuple(t[shard] for t in batch))
+        loss, leaf = _loss(model, kind, tuple(t[shard] for t in batch))
         if step == 0 and units == "block" and kind in ("generic", "vit"):
             after_forward = [_is_sharded(b) for b in model.blocks]
         loss.backward()
@@ -183,6 +199,8 @@ def _run_case(name, case, data, shard):
                 del block.recompute
     params = list(model.parameters())
     return {
+        # the last step's input grad, scaled from the rank's mean loss to the whole batch's
+        "input_grad": None if leaf is None else leaf.grad * (shard.stop - shard.start) / BATCH,
         "grads": [p.grad.full_tensor() for p in params],
         "grad_dtypes": {p.grad.dtype for p in params},
         "local": sum(p.to_local().numel() for p in params), "total": sum(p.numel() for p in params),
@@ -232,16 +250,21 @@ def two_ranks(tmp_path_factory):
 
 
 def _one_process_grads(kind, data):
+    """The parameter grads after the steps and the last step's input grad, in one process."""
     model = _model(kind)
     model.load_state_dict(data["state"])
     for batch in data["batches"]:
-        _loss(model, kind, batch).backward()
-    return [p.grad for p in model.parameters()]
+        loss, leaf = _loss(model, kind, batch)
+        loss.backward()
+    return [p.grad for p in model.parameters()], leaf
 
 
 def _check_case(name, case, data, result):
-    for i, (g, ref) in enumerate(zip(result["grads"], _one_process_grads(case[0], data), strict=True)):
+    grads, leaf = _one_process_grads(case[0], data)
+    for i, (g, ref) in enumerate(zip(result["grads"], grads, strict=True)):
         assert_close_rel(g, ref, 1e-5, f"{name}: FSDP2 grad of param {i}")
+    if leaf is not None:  # rank 0's input grad: its half of the batch
+        assert_close_rel(result["input_grad"], leaf.grad[:BATCH // 2], 1e-5, f"{name}: input grad")
     # Each rank keeps half the parameters (dim-0 shards; every dim here is even) and, after the
     # step, only its shards: nothing is left unsharded.
     assert result["local"] * 2 == result["total"], name
@@ -283,6 +306,6 @@ def test_mixed_precision_policy(two_ranks):
     errors = {}
     for name in ("generic-block-bf16", "generic-block-bf16-autograd"):
         assert results[name]["grad_dtypes"] == {torch.float32}
-        reference = _one_process_grads(CASES[name][0], data[name])
+        reference = _one_process_grads(CASES[name][0], data[name])[0]
         errors[name] = max(rel_err(g, ref) for g, ref in zip(results[name]["grads"], reference, strict=True))
     assert 0 < errors["generic-block-bf16"] <= 2 * errors["generic-block-bf16-autograd"], errors
