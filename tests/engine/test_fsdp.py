@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import revkernels as rk
+from revkernels.check import monitor_reconstruction
 from revkernels.engine.recompute import run_recomputed
 from revkernels.models.staged import StagedModel
 from tests.helpers import assert_close_rel, loss_of, make_seq, rel_err, residual_fn
@@ -189,6 +190,7 @@ def _run_case(name, case, data, shard):
     observed, after_forward = [], None
     if name == "generic-block-raf":
         _watch_backward(model, observed)
+    monitor = monitor_reconstruction(model) if name == "generic-block-keep" else None
     for step, batch in enumerate(data["batches"]):
         loss, leaf = _loss(model, kind, tuple(t[shard] for t in batch))
         if step == 0 and units == "block" and kind in ("generic", "vit"):
@@ -206,6 +208,7 @@ def _run_case(name, case, data, shard):
         "local": sum(p.to_local().numel() for p in params), "total": sum(p.numel() for p in params),
         "resharded": all(isinstance(p, torch.distributed.tensor.DTensor) for p in params),
         "after_forward": after_forward, "observed": observed,
+        "monitored": None if monitor is None else monitor.errors,
     }
 
 
@@ -270,6 +273,8 @@ def _check_case(name, case, data, result):
     assert result["local"] * 2 == result["total"], name
     assert result["resharded"], name
     assert not result["warnings"], (name, result["warnings"])  # e.g. a compiled step fallen back to eager
+    if result["monitored"] is not None:  # the reconstruction monitor sees every block's rebuild
+        assert len(result["monitored"]) == DEPTH and max(result["monitored"]) < 1e-5, result["monitored"]
     if result["after_forward"] is not None:
         raf = case[2]
         assert result["after_forward"] == [raf] * len(result["after_forward"]), f"{name}: sharded after forward"
