@@ -9,7 +9,8 @@ Also checked inside the spawn: the parameters are half per rank; in the backward
 is rebuilt, its parameters are the only unsharded ones allocated (the blocks after it are
 resharded, their grads reduce-scattered: per block, as FSDP does for ordinary modules); with
 ``reshard_after_forward=False`` the forward leaves them unsharded. A mixed-precision policy (bf16
-parameters, fp32 reduce) gives fp32 grads as accurate as the autograd engine under the same policy.
+parameters, fp32 reduce; fp32 streams under bf16 autocast) gives fp32 grads as accurate as the
+autograd engine under the same policy.
 """
 import datetime
 import os
@@ -30,7 +31,9 @@ from tests.helpers import assert_close_rel, loss_of, make_seq, rel_err, residual
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 
 WIDTH, DEPTH, TOKENS, BATCH, STEPS = 16, 3, 4, 4, 2
-BF16 = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+# The streams stay fp32 (no input cast; F and G compute in bf16 under autocast): bf16 streams would
+# rebuild each block only to bf16 precision (README, "Expected drift"), which is not FSDP's doing.
+BF16 = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 # name: (model, what fully_shard wraps before the model, reshard_after_forward, engine, mixed precision)
 CASES = {
@@ -47,8 +50,8 @@ CASES = {
     "generic-block-pareprop": ("generic", "block", True, "pareprop", False),
     "generic-block-graphs": ("generic", "block", False, "graphs", False),
     "generic-block-compiled": ("generic", "block", True, "compiled-dynamo", False),
-    "generic-block-bf16": ("generic", "block", True, "sequential", True),
-    "generic-block-bf16-autograd": ("generic", "block", True, "autograd", True),
+    "mlp-block-bf16": ("mlp", "block", True, "sequential", True),
+    "mlp-block-bf16-autograd": ("mlp", "block", True, "autograd", True),
 }
 SLOW_CASES = {"revnet18-stage-raf": ("revnet18", "block", True, "sequential", False),
               "vit-block-inductor": ("vit", "block", True, "compiled", False)}
@@ -75,6 +78,11 @@ class _Mix(nn.Module):
 
     def forward(self, x1, x2):
         return torch.tanh(x2), x1 + self.f(x2)
+
+
+def _mlp():
+    """F or G without a LayerNorm (CPU LayerNorm takes no bf16 weights with an fp32 input)."""
+    return nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
 
 
 class _Film(nn.Module):
@@ -110,8 +118,9 @@ def _model(kind, engine="autograd"):
     (the steps traced as for inductor, in seconds instead of a minute)."""
     if kind == "staged":
         return _Staged(engine)
-    if kind in ("generic", "vit", "context"):
+    if kind in ("generic", "mlp", "vit", "context"):
         blocks = {"generic": lambda: make_seq(DEPTH, WIDTH).blocks,
+                  "mlp": lambda: [rk.nn.ReversibleBlock(_mlp(), _mlp()) for _ in range(DEPTH)],
                   "vit": lambda: [rk.nn.RevViTBlock(WIDTH, 2, mlp_ratio=2.0) for _ in range(2)],
                   "context": lambda: [rk.nn.ReversibleBlock(_Film(), _Film()) for _ in range(2)]}[kind]()
         seq = rk.nn.ReversibleSequential(*blocks)
@@ -192,7 +201,8 @@ def _run_case(name, case, data, shard):
         _watch_backward(model, observed)
     monitor = monitor_reconstruction(model) if name == "generic-block-keep" else None
     for step, batch in enumerate(data["batches"]):
-        loss, leaf = _loss(model, kind, tuple(t[shard] for t in batch))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+            loss, leaf = _loss(model, kind, tuple(t[shard] for t in batch))
         if step == 0 and units == "block" and kind in ("generic", "vit"):
             after_forward = [_is_sharded(b) for b in model.blocks]
         loss.backward()
@@ -306,11 +316,11 @@ def test_backward_unshards_one_block_at_a_time(two_ranks):
 
 def test_mixed_precision_policy(two_ranks):
     """bf16 parameters and compute, fp32 reduce: the grads are fp32, and their error against fp32
-    in one process is at most twice the autograd engine's under the same policy."""
+    in one process (over all grads) is at most twice the autograd engine's under the same policy."""
     data, results = two_ranks
     errors = {}
-    for name in ("generic-block-bf16", "generic-block-bf16-autograd"):
+    for name in ("mlp-block-bf16", "mlp-block-bf16-autograd"):
         assert results[name]["grad_dtypes"] == {torch.float32}
         reference = _one_process_grads(CASES[name][0], data[name])[0]
-        errors[name] = max(rel_err(g, ref) for g, ref in zip(results[name]["grads"], reference, strict=True))
-    assert 0 < errors["generic-block-bf16"] <= 2 * errors["generic-block-bf16-autograd"], errors
+        errors[name] = rel_err(*(torch.cat([g.reshape(-1) for g in grads]) for grads in (results[name]["grads"], reference)))
+    assert 0 < errors["mlp-block-bf16"] <= 2 * errors["mlp-block-bf16-autograd"], errors
