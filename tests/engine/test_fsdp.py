@@ -42,6 +42,7 @@ CASES = {
     "generic-fg-raf": ("generic", "fg", True, "sequential", False),
     "generic-run": ("generic", "none", True, "sequential", False),  # the run as one unit
     "vit-block-late": ("vit", "block", True, "sequential", False),  # a step before fully_shard
+    "vit-block-nosync": ("vit", "block", True, "sequential", False),  # grads accumulated unsharded, then synced
     "context-block-raf": ("context", "block", True, "sequential", False),  # seq(x1, x2, cond=c), c requires grad
     "vit-block-raf": ("vit", "block", True, "sequential", False),
     "vit-block-keep": ("vit", "block", False, "sequential", False),
@@ -201,6 +202,8 @@ def _run_case(name, case, data, shard):
         _watch_backward(model, observed)
     monitor = monitor_reconstruction(model) if name == "generic-block-keep" else None
     for step, batch in enumerate(data["batches"]):
+        if name.endswith("-nosync"):
+            model.set_requires_gradient_sync(step == len(data["batches"]) - 1)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
             loss, leaf = _loss(model, kind, tuple(t[shard] for t in batch))
         if step == 0 and units == "block" and kind in ("generic", "vit"):
@@ -316,11 +319,18 @@ def test_backward_unshards_one_block_at_a_time(two_ranks):
 
 def test_mixed_precision_policy(two_ranks):
     """bf16 parameters and compute, fp32 reduce: the grads are fp32, and their error against fp32
-    in one process (over all grads) is at most twice the autograd engine's under the same policy."""
+    in one process is at most twice the autograd engine's under the same policy.
+
+    The error is ||grads - reference|| / ||reference|| over all grads: a max-abs error of bf16
+    grads is set by the few elements whose bf16 rounding flips (the rebuild differs from the
+    forward's input by fp32 rounding, enough to flip a bf16 cast now and then), so the ratio of two
+    such maxima spread from 0.6x to 4x over seeds while the norms' ratio stays near 1."""
     data, results = two_ranks
     errors = {}
     for name in ("mlp-block-bf16", "mlp-block-bf16-autograd"):
         assert results[name]["grad_dtypes"] == {torch.float32}
         reference = _one_process_grads(CASES[name][0], data[name])[0]
-        errors[name] = rel_err(*(torch.cat([g.reshape(-1) for g in grads]) for grads in (results[name]["grads"], reference)))
+        actual, expected = (torch.cat([g.reshape(-1).double() for g in grads])
+                            for grads in (results[name]["grads"], reference))
+        errors[name] = ((actual - expected).norm() / expected.norm()).item()
     assert 0 < errors["mlp-block-bf16"] <= 2 * errors["mlp-block-bf16-autograd"], errors
