@@ -5,7 +5,8 @@ recomputed; RevNet-18 itself in a slow test), with ``reshard_after_forward`` Tru
 for a run sharded as one unit. One spawn runs every CI case (each spawn costs seconds); the parent
 compares each case's grads with plain autograd in one process.
 
-Also checked inside the spawn: the parameters are half per rank; in the backward, when block i
+Also checked inside the spawn: a forward saves only the run's outputs for the backward; the
+parameters are half per rank; in the backward, when block i
 is rebuilt, its parameters are the only unsharded ones allocated (the blocks after it are
 resharded, their grads reduce-scattered: per block, as FSDP does for ordinary modules); with
 ``reshard_after_forward=False`` the forward leaves them unsharded. A mixed-precision policy (bf16
@@ -213,7 +214,7 @@ def _run_case(name, case, data, shard):
             for block in model.blocks:  # the watch is for the first step only
                 del block.recompute
     params = list(model.parameters())
-    return {
+    result = {
         # the last step's input grad, scaled from the rank's mean loss to the whole batch's
         "input_grad": None if leaf is None else leaf.grad * (shard.stop - shard.start) / BATCH,
         "grads": [p.grad.full_tensor() for p in params],
@@ -223,6 +224,14 @@ def _run_case(name, case, data, shard):
         "after_forward": after_forward, "observed": observed,
         "monitored": None if monitor is None else monitor.errors,
     }
+    if name in ("generic-block-raf", "vit-block-keep"):  # what a forward saves for the backward
+        x1, x2 = (t[shard].detach().requires_grad_() for t in data["batches"][0][:2])
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            y1, y2 = model(x1, x2)
+        (y1.sum() + y2.sum()).backward()  # completes FSDP's iteration (the grads were read above)
+        result["saved"], result["outputs"] = sum(saved), y1.numel() + y2.numel()
+    return result
 
 
 def _worker(rank, world, cases, data_file, init_file, out_file):
@@ -286,6 +295,8 @@ def _check_case(name, case, data, result):
     assert result["local"] * 2 == result["total"], name
     assert result["resharded"], name
     assert not result["warnings"], (name, result["warnings"])  # e.g. a compiled step fallen back to eager
+    if "saved" in result:  # only the run's outputs: activation memory O(1) in depth
+        assert result["saved"] == result["outputs"], (name, result["saved"], result["outputs"])
     if result["monitored"] is not None:  # the reconstruction monitor sees every block's rebuild
         assert len(result["monitored"]) == DEPTH and max(result["monitored"]) < 1e-5, result["monitored"]
     if result["after_forward"] is not None:
