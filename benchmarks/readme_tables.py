@@ -156,24 +156,25 @@ def overhead_tables(steps, ops):
         lines += [f"Train step (forward + backward), ms, median after warm-up, {steps[0]['dtype']} "
                   f"({_provenance(steps)}); speed against baselines of the same run (> 1 is faster):", ""]
         lines += [f"- `{c}`: {_config_line([r for r in steps if r['config'] == c])}" for c in configs] + [""]
+        bases = ["standard", "reversible_plain", "checkpoint"] + ["standard_compile"] * ("standard_compile" in variants)
         header, rule = "| variant |", "|---|"
         for c in configs:
-            header += f" {c} ms | vs standard | vs reversible_plain | vs checkpoint |"
-            rule += "---|" * 4
+            header += f" {c} ms | " + " | ".join(f"vs {b.replace('_compile', ' compiled')}" for b in bases) + " |"
+            rule += "---|" * (1 + len(bases))
         lines += [header, rule]
         for v in variants:
             cells = []
             for c in configs:
                 r = by.get((c, v))
                 if r is None:
-                    cells += [""] * 4
+                    cells += [""] * (1 + len(bases))
                     continue
                 ms = _num(r["step_ms"])
                 cell = f"{ms:.2f}" if ms == ms else "failed"
                 if r.get("compile_s"):
                     cell += f" (compile {_num(r['compile_s']):.1f} s)"
                 cells += [cell] + [_ratio(by.get((c, b), {}).get("step_ms"), r["step_ms"])
-                                   for b in ("standard", "reversible_plain", "checkpoint")]
+                                   for b in bases]
             lines.append(f"| `{v}` | " + " | ".join(cells) + " |")
     if ops:
         columns = list(dict.fromkeys((r["case"], r["dtype"]) for r in ops))

@@ -70,6 +70,35 @@ def run_grads(fn, module, x1, x2, w1, w2, seed=None):
     return [y1.detach(), y2.detach(), a1.grad, a2.grad] + grads_of(module.parameters())
 
 
+class CountingBackend:
+    """A Dynamo backend that counts the graphs it is given and runs them as traced."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return gm.forward
+
+
+def compiled_saved_bytes(seq, x, **context):
+    """Bytes autograd saves, parameters aside, in one step of ``seq(x, x, **context)`` under
+    ``torch.compile(fullgraph=True)`` (aot_eager backend)."""
+    params = {id(p) for p in seq.parameters()}
+    total = [0]
+
+    def pack(t):
+        if id(t) not in params:
+            total[0] += t.numel() * t.element_size()
+        return t
+
+    fn = torch.compile(lambda a, b, c: seq(a, b, **c), fullgraph=True, backend="aot_eager")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y1, y2 = fn(x, x, context)
+    loss_of(y1, y2, 1.0, 1.0).backward()
+    return total[0]
+
+
 def grads_of(params):
     return [None if p.grad is None else p.grad.detach().clone() for p in params]
 

@@ -69,7 +69,14 @@ at::Tensor linear_sub_composite(const at::Tensor& y, const at::Tensor& a, const 
   const int64_t n = weight.size(0), k = weight.size(1);
   const at::Tensor a2d = a.reshape({-1, k}).to(gemm), w = weight.to(gemm);
   at::Tensor acc = y.reshape({-1, n});  // addmm reads its accumulator and writes a new tensor: y is not modified
-  if (bias) acc = (acc - *bias).to(at::promote_types(y.scalar_type(), gemm));
+  const at::ScalarType acc_dtype = at::promote_types(y.scalar_type(), gemm);
+  if (bias && at::isReducedFloatingType(acc_dtype)) {
+    // A 16-bit accumulator would round y - b before the GEMM adds to it: F.linear's single rounding of
+    // a @ W^T + b, then the subtraction's (see revkernels/ops/linear_sub.py).
+    const at::Tensor out = acc.to(acc_dtype) - at::addmm(bias->to(gemm), a2d, w.t());
+    return out.reshape(y.sizes()).to(y.scalar_type());
+  }
+  if (bias) acc = (acc - *bias).to(acc_dtype);
   at::Tensor out;
   if (acc.scalar_type() == gemm) {
     out = at::addmm(acc, a2d, w.t(), /*beta=*/1, /*alpha=*/-1);

@@ -17,6 +17,9 @@ Variants, all built from the same seed (F = AttentionBranch and G = MlpBranch of
 created in the same order in every variant, so they hold the same weights):
 
     standard                     pre-norm blocks x + F(x), x + G(x), eager autograd
+    standard_compile             standard under torch.compile (inductor's defaults); not in --quick runs
+                                 unless named with --variants (its compiles take ~1 min per
+                                 configuration on 2 CPU cores)
     checkpoint                   standard with per-block torch.utils.checkpoint (use_reentrant=False)
     reversible_plain             the minREV-style reversible stack of this module (PlainReversibleStack):
                                  one autograd Function over the plain F and G modules, no
@@ -67,7 +70,7 @@ CONFIGS = {
     "host_bound": dict(depth=12, dim=64, heads=4, tokens=8, batch=2, threads=1),
     "compute_bound": dict(depth=6, dim=192, heads=3, tokens=65, batch=16, threads=2),
 }
-BASELINES = ("standard", "reversible_plain", "checkpoint")
+BASELINES = ("standard", "reversible_plain", "checkpoint", "standard_compile")
 TINY = (8, 64)
 LARGE = (4096, 768)
 TINY_THREADS, LARGE_THREADS = 1, 2
@@ -151,7 +154,7 @@ class PlainReversibleStack(nn.Module):
 def variants(engines=None):
     """Every variant name, the engines from revkernels.engine.ENGINES (or `engines`)."""
     engines = list(rk.engine.ENGINES) if engines is None else list(engines)
-    return (["standard", "checkpoint", "reversible_plain"] + [f"revkernels_{e}" for e in engines]
+    return (["standard", "standard_compile", "checkpoint", "reversible_plain"] + [f"revkernels_{e}" for e in engines]
             + [f"revkernels_generic_{e}" for e in engines])
 
 
@@ -159,6 +162,8 @@ def build(variant, depth, dim, heads):
     """The model of `variant`; F then G of each block are created in the same order in every variant."""
     if variant in ("standard", "checkpoint"):
         return StandardStack(depth, dim, heads, use_checkpoint=variant == "checkpoint")
+    if variant == "standard_compile":
+        return torch.compile(StandardStack(depth, dim, heads))
     if variant == "reversible_plain":
         return PlainReversibleStack([PlainBlock(AttentionBranch(dim, heads), MlpBranch(dim, 4 * dim))
                                      for _ in range(depth)])
@@ -179,8 +184,8 @@ def engine_of(variant):
 
 
 def compiles(variant):
-    """Whether the variant's first step compiles (an engine named like "compiled")."""
-    return "compile" in (engine_of(variant) or "")
+    """Whether the variant's first step compiles (standard_compile, or an engine named like "compiled")."""
+    return variant == "standard_compile" or "compile" in (engine_of(variant) or "")
 
 
 def make_model(variant, cfg, device, seed=0):
@@ -478,6 +483,13 @@ def parse_args(argv=None, default_out=DEFAULT_OUT):
     return args
 
 
+def selected_variants(args):
+    """The variants `args` asks for: --variants, else all (standard_compile only without --quick)."""
+    if args.variants:
+        return [v for v in variants() if v in args.variants]
+    return [v for v in variants() if not (args.quick and v == "standard_compile")]
+
+
 def _fmt(value, spec):
     return format(value, spec) if isinstance(value, float) and math.isfinite(value) else "n/a"
 
@@ -488,7 +500,7 @@ def run(args):
     device = torch.device(args.device)
     tag = device.type
     meta = provenance(args.device)
-    names = [v for v in variants() if not args.variants or v in args.variants]
+    names = selected_variants(args)
     ops = OPS if args.ops is None else [op for op in OPS if op in args.ops]
     warmup = args.warmup or (2 if args.quick else 3)
     rounds = {name: args.rounds or ((10 if args.quick else 30) if name == "host_bound" else (3 if args.quick else 10))
@@ -536,12 +548,12 @@ def _print_steps(rows):
               f"batch {cfg['batch']}, {cfg['threads']} thread(s), {cfg['dtype']}; median of {cfg['steps']} steps "
               "(speed vs baseline: > 1 is faster)")
         print(f"{'variant':<34} {'step ms':>9} {'first ms':>9} {'compile s':>9} {'vs standard':>12} "
-              f"{'vs plain':>9} {'vs ckpt':>8}")
+              f"{'vs plain':>9} {'vs ckpt':>8} {'vs std compiled':>16}")
         for r in mine:
             print(f"{r['variant']:<34} {_fmt(r['step_ms'], '9.2f')} {_fmt(r['first_step_ms'], '9.1f')} "
                   f"{_fmt(r['compile_s'], '9.2f') if r['compile_s'] != '' else '':>9} "
                   f"{_fmt(r['vs_standard'], '11.2f')}x {_fmt(r['vs_reversible_plain'], '8.2f')}x "
-                  f"{_fmt(r['vs_checkpoint'], '7.2f')}x")
+                  f"{_fmt(r['vs_checkpoint'], '7.2f')}x {_fmt(r['vs_standard_compile'], '15.2f')}x")
 
 
 def _print_ops(rows):

@@ -1,18 +1,26 @@
 r"""The compiled engine: each block's forward and backward step as a pure function, compiled once
 per block signature and shared by every block with that signature.
 
-Steps (``torch.func``: the parameters are inputs, never baked into a graph)::
+Steps (``torch.func``: the parameters and context tensors are inputs, never baked into a graph)::
 
-    block_forward(block, kind, x1, x2) -> (y1, y2)              y1 = x1 + F(x2);  y2 = x2 + G(y1)
-    branch_forward(module, name, res, a) -> res + H(a)          (kind "half": (x2, x1 + F(x2)))
-    block_backward(block, kind, f_names, f_params, g_names, g_params, y1, y2, dy1, dy2)
-        -> (x1, x2, dx1, dx2, f_grads, g_grads)                 G half, then F half:
-    branch_backward(module, names, params, a, b, da, db)        b_in = b - H(a)
-        -> (b_in, da + (dH/da)^T db, (dH/dparams)^T db)         (one `torch.func.vjp` of H)
+    block_forward(block, kind, x1, x2, context) -> (y1, y2)     y1 = x1 + F(x2);  y2 = x2 + G(y1)
+    branch_forward(module, name, res, a, context) -> res + H(a) (kind "half": (x2, x1 + F(x2)))
+    block_backward(block, kind, f_names, g_names, y1, y2, dy1, dy2, context, grad_context)
+        -> (x1, x2, dx1, dx2, f_grads, g_grads, context_grads)  G half, then F half:
+    branch_backward(module, names, a, b, da, db, context, grad_context)   b_in = b - H(a)
+        -> (b_in, da + (dH/da)^T db, (dH/dparams)^T db, (dH/dc)^T db)   (one `torch.func.vjp` of H)
 
-`names`/`params`: the branch's parameters that require grad (every slot of a tied parameter),
-differentiated through ``functional_call``; everything else (frozen parameters, buffers) is read
-from the module, which Dynamo lifts to graph inputs. The block is an argument of the compiled
+Context (``seq(x1, x2, **context)``): every H is called as ``H(a, **context, **grad_context)``;
+`grad_context` holds the context tensors that require grad (differentiated like the parameters,
+their grads summed over F and G in the step and over the blocks by the walker), `context` the
+rest. Tensors in either dict are graph inputs; plain values (a float scale, a flag) are guarded
+on by Dynamo, so they are part of the step's signature (a new value compiles a new graph).
+
+`names`: the slots of the branch's parameters that require grad (every slot of a tied parameter),
+read from the module inside the step and differentiated through ``functional_call``; everything
+else (frozen parameters, buffers) is read from the module too. Dynamo lifts them all to graph
+inputs: passing the parameters as arguments besides the module would add a Python aliasing guard
+per parameter to every call. The block is an argument of the compiled
 function, so Dynamo guards on its structure (types, hyperparameters, training flags), shapes,
 dtypes, autocast mode and which parameters require grad, not on its identity (the streams are
 detached: whether the run's input requires grad does not matter): a stack of identical blocks
@@ -41,7 +49,8 @@ from torch.func import functional_call, vjp
 from torch.nn.modules import module as module_hooks
 
 from revkernels.engine.fsdp import block_units, run_sharded_compiled
-from revkernels.engine.state import AutocastState, RngState, cuda_devices_of, maybe_replay
+from revkernels.engine.sequential import save_with_context, saved_with_context
+from revkernels.engine.state import NO_CONTEXT, AutocastState, RngState, cuda_devices_of, maybe_replay
 from revkernels.engine.structure import frozen_batchnorm_stats
 from revkernels.engine.structure import cached, param_slots
 import revkernels.nn.reversible as _reversible  # (a module object: the import is circular)
@@ -49,41 +58,47 @@ import revkernels.nn.reversible as _reversible  # (a module object: the import i
 
 # ---- pure steps ----
 
-def branch_forward(module, name, res, a):
-    """``res + module(a)``: one coupling half (`name`: "f" or "g", for errors)."""
-    out = module(a)
+def branch_forward(module, name, res, a, context):
+    """``res + module(a, **context)``: one coupling half (`name`: "f" or "g", for errors)."""
+    out = module(a, **context)
     _reversible._check_residual(out, res, name, "x1" if name == "f" else "x2")
     return res + out
 
 
-def block_forward(block, kind, x1, x2):
+def block_forward(block, kind, x1, x2, context):
     """The block's forward: ``(x1 + F(x2), x2 + G(y1))``, or ``(x2, x1 + F(x2))`` for a half block."""
-    y = branch_forward(block.f, "f", x1, x2)
+    y = branch_forward(block.f, "f", x1, x2, context)
     if kind == "half":
         return x2, y
-    return y, branch_forward(block.g, "g", x2, y)
+    return y, branch_forward(block.g, "g", x2, y, context)
 
 
-def branch_backward(module, names, params, a, b, da, db):
-    """Inverts ``b = b_in + H(a)`` and differentiates it: ``(b - H(a), da + (dH/da)^T db, grads)``
-    with `grads` aligned to `names` (the parameter slots in `params`)."""
+def branch_backward(module, names, a, b, da, db, context, grad_context):
+    """Inverts ``b = b_in + H(a)`` and differentiates it: ``(b - H(a), da + (dH/da)^T db, grads,
+    context_grads)`` with `grads` aligned to `names` (parameter slots of `module`) and
+    `context_grads` a dict over `grad_context`."""
+    params = tuple(module.get_parameter(name) for name in names)
 
-    def h(ps, x):
-        return functional_call(module, dict(zip(names, ps)), (x,), strict=False, tie_weights=False)
+    def h(ps, cs, x):
+        return functional_call(module, dict(zip(names, ps)), (x,), {**context, **cs}, strict=False, tie_weights=False)
 
-    out, pull = vjp(h, params, a)
-    d_params, d_a = pull(db.to(out.dtype))
-    return b - out, da + d_a, d_params
+    out, pull = vjp(h, params, grad_context, a)
+    d_params, d_context, d_a = pull(db.to(out.dtype))
+    return b - out, da + d_a, d_params, d_context
 
 
-def block_backward(block, kind, f_names, f_params, g_names, g_params, y1, y2, dy1, dy2):
-    """Rebuilds the block's input from its output and returns ``(x1, x2, dx1, dx2, f_grads, g_grads)``."""
+def block_backward(block, kind, f_names, g_names, y1, y2, dy1, dy2, context, grad_context):
+    """Rebuilds the block's input from its output and returns
+    ``(x1, x2, dx1, dx2, f_grads, g_grads, context_grads)`` (context grads of F and G summed)."""
     if kind == "half":  # (y1, y2) = (x2, x1 + F(x2))
-        x1, dx2, f_grads = branch_backward(block.f, f_names, f_params, y1, y2, dy1, dy2)
-        return x1, y1, dy2, dx2, f_grads, ()
-    x2, dy1_total, g_grads = branch_backward(block.g, g_names, g_params, y1, y2, dy1, dy2)
-    x1, dx2, f_grads = branch_backward(block.f, f_names, f_params, x2, y1, dy2, dy1_total)
-    return x1, x2, dy1_total, dx2, f_grads, g_grads
+        x1, dx2, f_grads, context_grads = branch_backward(block.f, f_names, y1, y2, dy1, dy2,
+                                                          context, grad_context)
+        return x1, y1, dy2, dx2, f_grads, (), context_grads
+    x2, dy1_total, g_grads, g_context = branch_backward(block.g, g_names, y1, y2, dy1, dy2,
+                                                        context, grad_context)
+    x1, dx2, f_grads, f_context = branch_backward(block.f, f_names, x2, y1, dy2, dy1_total,
+                                                  context, grad_context)
+    return x1, x2, dy1_total, dx2, f_grads, g_grads, {k: f_context[k] + g_context[k] for k in grad_context}
 
 
 # ---- compilation ----
@@ -182,55 +197,64 @@ def _hooked(block):
 
 
 def _grad_slots(layout, slots):
-    names, params, indices = [], [], []
+    """(names, indices into layout.params) of the slots whose parameter requires grad."""
+    names, indices = [], []
     for name, i in slots:
-        p = layout.params[i]
-        if p.requires_grad:
+        if layout.params[i].requires_grad:
             names.append(name)
-            params.append(p)
             indices.append(i)
-    return tuple(names), tuple(params), indices
+    return tuple(names), indices
 
 
 # ---- the walkers ----
 
-def forward_blocks(blocks, x1, x2, steps, preserve_rng_state=True):
+def forward_blocks(blocks, x1, x2, steps, preserve_rng_state=True, context=NO_CONTEXT):
     """Runs `blocks` forward without autograd; returns ``(y1, y2, states)`` with each block's
-    `BlockState` (None: nothing to replay). `steps`: a `CompiledSteps`, or None for eager steps."""
+    `BlockState` (None: nothing to replay). `steps`: a `CompiledSteps`, or None for eager steps.
+    `context`: the keywords of every F and G."""
     states = []
-    x1, x2 = x1.detach(), x2.detach()  # requires_grad of the run's inputs must not split signatures
+    # requires_grad of the run's inputs and context must not split signatures
+    x1, x2, context = x1.detach(), x2.detach(), _detached(context)
     with torch.no_grad():
         for i, block in enumerate(blocks):
             layout = _layout(block)
             block_steps = None if _hooked(block) else steps  # hooks fire in eager steps
             if layout.kind is None:
-                x1, x2, state = block.forward_with_state(x1, x2, preserve_rng_state)
+                x1, x2, state = block.forward_with_state(x1, x2, preserve_rng_state, context) if context \
+                    else block.forward_with_state(x1, x2, preserve_rng_state)
             elif preserve_rng_state and block.draws_random():
-                x1, x2, state = _random_forward(block, i, layout, x1, x2, block_steps)
+                x1, x2, state = _random_forward(block, i, layout, x1, x2, block_steps, context)
             else:
-                x1, x2 = _step(block_steps, "block_forward", block, i, block, layout.kind, x1, x2)
+                x1, x2 = _step(block_steps, "block_forward", block, i, block, layout.kind, x1, x2, context)
                 state = None
             states.append(state)
     return x1, x2, states
 
 
-def _random_forward(block, position, layout, x1, x2, steps):
+def _detached(context):
+    return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in context.items()} if context else NO_CONTEXT
+
+
+def _random_forward(block, position, layout, x1, x2, steps, context):
     devices = cuda_devices_of(x1, x2)
     rng_f = RngState(devices)
-    y = _step(steps, "branch_forward", block, position, block.f, "f", x1, x2)
+    y = _step(steps, "branch_forward", block, position, block.f, "f", x1, x2, context)
     if layout.kind == "half":
         return x2, y, _reversible.BlockState(rng_f, None)
     rng_g = RngState(devices)
-    return y, _step(steps, "branch_forward", block, position, block.g, "g", x2, y), _reversible.BlockState(rng_f, rng_g)
+    y2 = _step(steps, "branch_forward", block, position, block.g, "g", x2, y, context)
+    return y, y2, _reversible.BlockState(rng_f, rng_g)
 
 
 def _step(steps, name, block, position, *args):
     return _STEPS[name](*args) if steps is None else steps.call(name, block, position, *args)
 
 
-def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_state=None):
+def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_state=None, context=NO_CONTEXT):
     """Walks `blocks` backwards with the pure steps; returns ``(x1, x2, dx1, dx2, param_grads)``
-    with `param_grads` aligned to `params` (None for a parameter no block used)."""
+    with `param_grads` aligned to `params` (None for a parameter no block used). `context`: the
+    keywords of every F and G; its tensors that require grad must be in `params` to get grads
+    (as in `revkernels.engine.sequential.reverse_blocks`)."""
     index = {id(p): i for i, p in enumerate(params)}
     param_grads = [None] * len(params)
 
@@ -241,12 +265,16 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
     autocast_state = autocast_state or AutocastState.capture(y1.device.type)
     autocast = contextlib.nullcontext if autocast_state.off_then_and_now() else autocast_state.enter
     y1, y2, dy1, dy2 = (t.detach() for t in (y1, y2, dy1, dy2))
+    # The steps take detached tensors; which context tensors they differentiate is the dict they are in.
+    leaves = {k: v for k, v in context.items() if isinstance(v, torch.Tensor) and v.requires_grad}
+    grad_context = {k: v.detach() for k, v in leaves.items()}
+    plain_context = _detached({k: v for k, v in context.items() if k not in leaves})
     for i in reversed(range(len(blocks))):
         block, state = blocks[i], None if states is None else states[i]
         layout = _layout(block)
         if layout.kind is None:
             with torch.enable_grad(), autocast():
-                rec = block.recompute(y1, y2, state)
+                rec = block.recompute(y1, y2, state, context) if context else block.recompute(y1, y2, state)
             grads = block.grads(rec, dy1, dy2)
             for p, grad in zip(grads.params, grads.param_grads):
                 if grad is not None:
@@ -255,53 +283,63 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
             del rec, grads
             continue
         block_steps = None if _hooked(block) else steps
-        f_names, f_params, f_index = _grad_slots(layout, layout.f_slots)
-        g_names, g_params, g_index = _grad_slots(layout, layout.g_slots)
+        f_names, f_index = _grad_slots(layout, layout.f_slots)
+        g_names, g_index = _grad_slots(layout, layout.g_slots)
         with autocast(), frozen_batchnorm_stats(block):
             if state is None:
-                y1, y2, dy1, dy2, f_grads, g_grads = _step(
-                    block_steps, "block_backward", block, i, block, layout.kind, f_names, f_params, g_names, g_params,
-                    y1, y2, dy1, dy2)
+                y1, y2, dy1, dy2, f_grads, g_grads, context_grads = _step(
+                    block_steps, "block_backward", block, i, block, layout.kind, f_names, g_names,
+                    y1, y2, dy1, dy2, plain_context, grad_context)
             elif layout.kind == "half":
                 with maybe_replay(state.rng_f):
-                    x1, dx2, f_grads = _step(block_steps, "branch_backward", block, i, block.f, f_names, f_params,
-                                             y1, y2, dy1, dy2)
+                    x1, dx2, f_grads, context_grads = _step(
+                        block_steps, "branch_backward", block, i, block.f, f_names, y1, y2, dy1, dy2,
+                        plain_context, grad_context)
                 y1, y2, dy1, dy2, g_grads = x1, y1, dy2, dx2, ()
             else:
                 with maybe_replay(state.rng_g):
-                    x2, dy1_total, g_grads = _step(block_steps, "branch_backward", block, i, block.g, g_names, g_params,
-                                                   y1, y2, dy1, dy2)
+                    x2, dy1_total, g_grads, g_context = _step(
+                        block_steps, "branch_backward", block, i, block.g, g_names, y1, y2, dy1, dy2,
+                        plain_context, grad_context)
                 with maybe_replay(state.rng_f):
-                    x1, dx2, f_grads = _step(block_steps, "branch_backward", block, i, block.f, f_names, f_params,
-                                             x2, y1, dy2, dy1_total)
+                    x1, dx2, f_grads, context_grads = _step(
+                        block_steps, "branch_backward", block, i, block.f, f_names, x2, y1, dy2, dy1_total,
+                        plain_context, grad_context)
+                for k, grad in g_context.items():
+                    accumulate(leaves[k], grad)
                 y1, y2, dy1, dy2 = x1, x2, dy1_total, dx2
         for i_param, grad in zip(f_index + g_index, tuple(f_grads) + tuple(g_grads)):
             accumulate(layout.params[i_param], grad)
+        for k, grad in context_grads.items():
+            accumulate(leaves[k], grad)
     return y1, y2, dy1, dy2, param_grads
 
 
 # ---- the engine ----
 
 class CompiledRun(torch.autograd.Function):
-    """One autograd node for a run stepped by compiled steps (saves only the run's outputs)."""
+    """One autograd node for a run stepped by compiled steps (saves only the run's outputs and
+    its context tensors, as `revkernels.engine.sequential.ReversibleRun` does)."""
 
     @staticmethod
-    def forward(ctx, seq, params, x1, x2, *param_tensors):
+    def forward(ctx, seq, params, context, x1, x2, *tensors):
+        # tensors: the parameters, then the context tensors that require grad
+        context = NO_CONTEXT if context is None else context
         steps = compiled_steps(seq)
-        y1, y2, ctx.states = forward_blocks(list(seq.blocks), x1, x2, steps, seq.preserve_rng_state)
+        y1, y2, ctx.states = forward_blocks(list(seq.blocks), x1, x2, steps, seq.preserve_rng_state, context)
         ctx.blocks, ctx.params, ctx.steps = list(seq.blocks), params, steps
         ctx.autocast_state = AutocastState.capture(x1.device.type)
-        ctx.save_for_backward(y1, y2)
+        save_with_context(ctx, context, y1, y2)
         return y1, y2
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy1, dy2):
-        y1, y2 = ctx.saved_tensors
-        _, _, dx1, dx2, param_grads = backward_blocks(ctx.blocks, ctx.states, y1, y2, dy1, dy2, ctx.params,
-                                                      ctx.steps, ctx.autocast_state)
+        (y1, y2), context, leaves = saved_with_context(ctx, 2)
+        _, _, dx1, dx2, grads = backward_blocks(ctx.blocks, ctx.states, y1, y2, dy1, dy2, ctx.params + leaves,
+                                                ctx.steps, ctx.autocast_state, context)
         ctx.states = None
-        return (None, None, dx1, dx2, *param_grads)
+        return (None, None, None, dx1, dx2, *grads)
 
 
 def compiled_steps(seq):
@@ -319,12 +357,13 @@ def compiled_steps(seq):
 _SHARED = {}
 
 
-def run_compiled(seq, x1, x2):
+def run_compiled(seq, x1, x2, context=NO_CONTEXT):
     units = block_units(seq)
     if units is not None:  # blocks sharded by FSDP2 one by one: one autograd node per block
-        return run_sharded_compiled(seq, x1, x2, units)
+        return run_sharded_compiled(seq, x1, x2, units, context)
     params = _reversible.unique_grad_params(seq.blocks)
-    if not torch.is_grad_enabled() or not (x1.requires_grad or x2.requires_grad or params):
-        y1, y2, _ = forward_blocks(list(seq.blocks), x1, x2, compiled_steps(seq), preserve_rng_state=False)
+    grad_context = [v for v in context.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+    if not torch.is_grad_enabled() or not (x1.requires_grad or x2.requires_grad or params or grad_context):
+        y1, y2, _ = forward_blocks(list(seq.blocks), x1, x2, compiled_steps(seq), False, context)
         return y1, y2
-    return CompiledRun.apply(seq, params, x1, x2, *params)
+    return CompiledRun.apply(seq, params, context or None, x1, x2, *params, *grad_context)

@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from revkernels.engine.state import NO_CONTEXT, AutocastState, grad_tensors, keep_context, kept_context
+from revkernels.engine.state import NO_CONTEXT, AutocastState, grad_tensors
 from revkernels.engine.structure import cached, invalidate, param_slots
 
 _MANAGED = "_is_fsdp_managed_module"  # fully_shard's mark on every module whose parameters it manages
@@ -128,26 +128,25 @@ class BlockStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, index, context, n_params, x1, x2, *tensors):
         # tensors: the block's parameters that require grad, then the context tensors that do
+        from revkernels.engine.sequential import save_with_context  # (sequential imports this module)
+
         block = run.blocks[index]
         if run.monitor is not None:
             run.samples[index] = run.monitor.sample(x1, x2)
-        y1, y2, ctx.state = run.forward_step(block, x1, x2, run.preserve_rng_state, context or NO_CONTEXT)
+        y1, y2, ctx.state = run.forward_step(block, x1, x2, run.preserve_rng_state, context)
         ctx.run, ctx.index, ctx.params = run, index, list(tensors[:n_params])
         ctx.last = index == len(run.blocks) - 1
-        kept = keep_context(ctx, context)
-        ctx.save_for_backward(*((y1, y2) if ctx.last else ()), *kept)
+        save_with_context(ctx, context, *((y1, y2) if ctx.last else ()))
         return y1, y2
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy1, dy2):
+        from revkernels.engine.sequential import saved_with_context
+
         run, index = ctx.run, ctx.index
-        saved = ctx.saved_tensors
-        if ctx.last:
-            y1, y2, *saved = saved
-        else:
-            y1, y2 = run.take(index)
-        context, leaves = kept_context(ctx, saved)
+        outputs, context, leaves = saved_with_context(ctx, 2 if ctx.last else 0)
+        y1, y2 = outputs if ctx.last else run.take(index)
         block = run.blocks[index]
         param_slots(block)  # the current (unsharded) parameters, for steps that read them from their cache
         x1, x2, dx1, dx2, grads = run.walker([block], [ctx.state], y1, y2, dy1, dy2, ctx.params + leaves,
@@ -168,10 +167,8 @@ def _plain_step(forward_step, block, x1, x2, context):
 
 def _step_node(run, index, x1, x2, context):
     # Inside the block's units' forward: the block's parameters are the unsharded ones now.
-    from revkernels.nn.reversible import unique_grad_params
-
-    params = unique_grad_params([run.blocks[index]])
-    return BlockStep.apply(run, index, context or None, len(params), x1, x2, *params, *grad_tensors(context))
+    params = [p for p in param_slots(run.blocks[index]).params if p.requires_grad]
+    return BlockStep.apply(run, index, context, len(params), x1, x2, *params, *grad_tensors(context))
 
 
 def run_sharded(seq, x1, x2, units, walker, forward_step, context=NO_CONTEXT):
@@ -192,20 +189,20 @@ def run_sharded(seq, x1, x2, units, walker, forward_step, context=NO_CONTEXT):
     return x1, x2
 
 
-def run_sharded_compiled(seq, x1, x2, units):
+def run_sharded_compiled(seq, x1, x2, units, context=NO_CONTEXT):
     """`run_sharded` with the compiled engine's steps."""
     from revkernels.engine import compiled
 
     steps = compiled.compiled_steps(seq)
 
-    def forward_step(block, a1, a2, preserve_rng_state, context):
-        y1, y2, states = compiled.forward_blocks([block], a1, a2, steps, preserve_rng_state)
+    def forward_step(block, a1, a2, preserve_rng_state, block_context):
+        y1, y2, states = compiled.forward_blocks([block], a1, a2, steps, preserve_rng_state, block_context)
         return y1, y2, states[0]
 
     def walker(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None, context=NO_CONTEXT):
-        return compiled.backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_state)
+        return compiled.backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_state, context)
 
-    return run_sharded(seq, x1, x2, units, walker, forward_step)
+    return run_sharded(seq, x1, x2, units, walker, forward_step, context)
 
 
 __all__ = ["block_units", "module_units", "enter", "run_sharded", "run_sharded_compiled", "BlockStep", "ShardedRun"]

@@ -13,14 +13,23 @@ and eager otherwise (pareprop and graphs run the sequential schedule there). The
 reaches the kernels through an integer handle; the autocast mode of the forward is an argument, so
 the kernels enter it explicitly. BatchNorm running statistics are updated by the forward kernel
 (once; the backward uses batch statistics).
+
+Context (``seq(x1, x2, **context)``): its tensors are inputs of both ops (saved once per run, as
+with the eager engines), and the backward op returns the grads of those that require grad,
+summed over the blocks. Its numbers (int, float, bool) are op arguments too (a float input of the
+compiled function may be symbolic). Its structure (names, which tensors require grad) and its
+other values reach the kernels through a second integer handle, `context_handle`, a constant of
+the traced graph; those other values (strings, None, tuples) must be hashable constants of the
+traced code.
 """
 import itertools
 import weakref
+from collections.abc import Sequence
 
 import torch
 
 from revkernels.engine import compiled
-from revkernels.engine.state import AutocastState, RngState, cuda_devices_of
+from revkernels.engine.state import NO_CONTEXT, AutocastState, RngState, cuda_devices_of
 
 _RUNS = weakref.WeakValueDictionary()
 _NEXT = itertools.count()
@@ -42,6 +51,44 @@ def _run(handle):
     if seq is None:
         raise RuntimeError(f"revkernels: the ReversibleSequential of compiled run {handle} no longer exists")
     return seq
+
+
+# (tensor names, whether each requires grad, number names, other (name, value) pairs) -> handle, and back
+_CONTEXT_HANDLES = {}
+_CONTEXT_SPECS = []
+
+
+@torch.compiler.assume_constant_result
+def context_handle(seq, names, requires_grad, number_names, values):
+    """The integer naming a context's structure to the kernels (a constant of the traced graph):
+    the `names` of its tensors (in the order the ops get them), whether each `requires_grad`, the
+    names of its numbers (likewise) and its other ``(name, value)`` pairs. Checks here, at trace
+    time, that every F and G of `seq` takes the keywords."""
+    from revkernels.nn.reversible import check_context
+
+    check_context(seq, seq.blocks, dict.fromkeys(names + number_names + tuple(k for k, _ in values)))
+    spec = (names, requires_grad, number_names, values)
+    try:
+        handle = _CONTEXT_HANDLES.get(spec)
+    except TypeError:
+        raise TypeError("revkernels: under torch.compile the context values that are not tensors or numbers must "
+                        f"be hashable, got {dict(values)}") from None
+    if handle is None:
+        handle = _CONTEXT_HANDLES[spec] = len(_CONTEXT_SPECS)
+        _CONTEXT_SPECS.append(spec)
+    return handle
+
+
+def _context(handle, tensors, numbers, leaves=False):
+    """The context dict of `handle` around `tensors` and `numbers`; with `leaves`, each tensor that
+    requires grad replaced by a detached leaf requiring grad. Returns ``(context, leaves)``."""
+    names, requires_grad, number_names, values = _CONTEXT_SPECS[handle]
+    context, grad_leaves = {**dict(values), **dict(zip(number_names, numbers))}, []
+    for name, t, grad in zip(names, tensors, requires_grad):
+        context[name] = t.detach().requires_grad_() if leaves and grad else t
+        if leaves and grad:
+            grad_leaves.append(context[name])
+    return context, grad_leaves
 
 
 def _grad_params(seq):
@@ -111,29 +158,32 @@ def _unaliased(outputs, inputs):
 
 @torch.library.custom_op("revkernels::reversible_run", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def reversible_run(handle: int, x1: torch.Tensor, x2: torch.Tensor, params: list[torch.Tensor],
+                   context: int, context_tensors: list[torch.Tensor], context_numbers: Sequence[int | float | bool],
                    autocast_dtype: torch.dtype | None, training: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The run's forward without autograd: ``(y1, y2, generator states)``. `training`: the run's
-    mode when traced (an argument so that the graph is traced again when it changes: the shape of
-    the generator states depends on which blocks draw random numbers)."""
+    """The run's forward without autograd: ``(y1, y2, generator states)``. `context`: a
+    `context_handle` (its tensors and numbers: `context_tensors`, `context_numbers`). `training`:
+    the run's mode when traced (an argument so that the graph is traced again when it changes: the
+    shape of the generator states depends on which blocks draw random numbers)."""
     seq = _run(handle)
     devices = cuda_devices_of(x1, x2)
     inputs = (x1, x2)
+    context, _ = _context(context, context_tensors, context_numbers)
     with _autocast(x1.device.type, autocast_dtype):
         steps = _steps(seq)
         if steps is None:
             states = []
             with torch.no_grad():
                 for block in seq.blocks:
-                    x1, x2, state = block.forward_with_state(x1, x2, seq.preserve_rng_state)
+                    x1, x2, state = block.forward_with_state(x1, x2, seq.preserve_rng_state, context)
                     states.append(state)
         else:
-            x1, x2, states = compiled.forward_blocks(list(seq.blocks), x1, x2, steps, seq.preserve_rng_state)
+            x1, x2, states = compiled.forward_blocks(list(seq.blocks), x1, x2, steps, seq.preserve_rng_state, context)
     y1, y2 = _unaliased((x1, x2), inputs)
     return y1, y2, _pack(states, devices)
 
 
 @reversible_run.register_fake
-def _(handle, x1, x2, params, autocast_dtype, training):
+def _(handle, x1, x2, params, context, context_tensors, context_numbers, autocast_dtype, training):
     rows = _random_rows(_run(handle))
     return torch.empty_like(x1), torch.empty_like(x2), \
         torch.empty(rows, _state_bytes(cuda_devices_of(x1, x2)), dtype=torch.uint8)
@@ -141,47 +191,67 @@ def _(handle, x1, x2, params, autocast_dtype, training):
 
 @torch.library.custom_op("revkernels::reversible_run_backward", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def reversible_run_backward(handle: int, y1: torch.Tensor, y2: torch.Tensor, dy1: torch.Tensor, dy2: torch.Tensor,
-                            rng: torch.Tensor, params: list[torch.Tensor],
-                            autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """``(dx1, dx2, param grads)`` of the run from its outputs and their grads (zeros for a
-    parameter no block used)."""
+                            rng: torch.Tensor, params: list[torch.Tensor], context: int,
+                            context_tensors: list[torch.Tensor], context_numbers: Sequence[int | float | bool],
+                            autocast_dtype: torch.dtype | None
+                            ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """``(dx1, dx2, param grads, context grads)`` of the run from its outputs and their grads
+    (zeros for a parameter or context tensor no block used); context grads for the context
+    tensors that require grad, in order."""
     seq = _run(handle)
     blocks = list(seq.blocks)
     states = _unpack(rng, blocks, _random_flags(seq), cuda_devices_of(y1, y2))
     autocast_state = AutocastState(y1.device.type, autocast_dtype is not None, autocast_dtype or torch.float32, True)
     run_params = _grad_params(seq)
-    _, _, dx1, dx2, grads = compiled.backward_blocks(blocks, states, y1, y2, dy1, dy2, run_params, _steps(seq),
-                                                     autocast_state)
-    dx1, dx2 = _unaliased((dx1, dx2), (y1, y2, dy1, dy2))
-    return dx1, dx2, [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+    context, leaves = _context(context, context_tensors, context_numbers, leaves=True)
+    _, _, dx1, dx2, grads = compiled.backward_blocks(blocks, states, y1, y2, dy1, dy2, run_params + leaves,
+                                                     _steps(seq), autocast_state, context)
+    inputs = (y1, y2, dy1, dy2, *context_tensors)
+    dx1, dx2, *context_grads = _unaliased((dx1, dx2, *(torch.zeros_like(t) if g is None else g
+                                                        for t, g in zip(leaves, grads[len(run_params):]))), inputs)
+    return dx1, dx2, [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)], context_grads
 
 
 @reversible_run_backward.register_fake
-def _(handle, y1, y2, dy1, dy2, rng, params, autocast_dtype):
-    return torch.empty_like(y1), torch.empty_like(y2), [torch.empty_like(p) for p in params]
+def _(handle, y1, y2, dy1, dy2, rng, params, context, context_tensors, context_numbers, autocast_dtype):
+    requires_grad = _CONTEXT_SPECS[context][1]
+    return torch.empty_like(y1), torch.empty_like(y2), [torch.empty_like(p) for p in params], \
+        [torch.empty_like(t) for t, grad in zip(context_tensors, requires_grad) if grad]
 
 
 def _setup_context(ctx, inputs, output):
-    handle, _, _, params, autocast_dtype, _ = inputs
+    handle, _, _, params, context, context_tensors, context_numbers, autocast_dtype, _ = inputs
     y1, y2, rng = output
-    ctx.handle, ctx.autocast_dtype = handle, autocast_dtype
-    ctx.save_for_backward(y1, y2, rng, *params)
+    ctx.handle, ctx.context, ctx.autocast_dtype, ctx.num_params = handle, context, autocast_dtype, len(params)
+    ctx.context_numbers = context_numbers
+    ctx.save_for_backward(y1, y2, rng, *params, *context_tensors)
 
 
 def _backward(ctx, dy1, dy2, _drng):
-    y1, y2, rng, *params = ctx.saved_tensors
+    y1, y2, rng, *saved = ctx.saved_tensors
+    params, context_tensors = saved[:ctx.num_params], saved[ctx.num_params:]
     dy1 = torch.zeros_like(y1) if dy1 is None else dy1
     dy2 = torch.zeros_like(y2) if dy2 is None else dy2
-    dx1, dx2, grads = reversible_run_backward(ctx.handle, y1, y2, dy1, dy2, rng, params, ctx.autocast_dtype)
-    return None, dx1, dx2, grads, None, None
+    dx1, dx2, grads, context_grads = reversible_run_backward(ctx.handle, y1, y2, dy1, dy2, rng, params, ctx.context,
+                                                             context_tensors, ctx.context_numbers, ctx.autocast_dtype)
+    context_grads = iter(context_grads)
+    requires_grad = _CONTEXT_SPECS[ctx.context][1]
+    return (None, dx1, dx2, grads, None, [next(context_grads) if grad else None for grad in requires_grad],
+            [] if not ctx.context_numbers else None, None, None)  # (an empty list counts as a tensor list)
 
 
 reversible_run.register_autograd(_backward, setup_context=_setup_context)
 
 
-def run_opaque(seq, x1, x2):
+def run_opaque(seq, x1, x2, context=NO_CONTEXT):
     """`seq`'s run as one opaque op (what `ReversibleSequential` calls under torch.compile)."""
     device_type = x1.device.type
     autocast_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-    y1, y2, _ = reversible_run(run_handle(seq), x1, x2, _grad_params(seq), autocast_dtype, seq.training)
+    names = tuple(k for k, v in context.items() if isinstance(v, torch.Tensor))
+    number_names = tuple(k for k, v in context.items() if isinstance(v, (int, float, bool)))
+    values = tuple((k, v) for k, v in context.items() if k not in names and k not in number_names)
+    tensors, numbers = [context[k] for k in names], [context[k] for k in number_names]
+    handle = context_handle(seq, names, tuple(t.requires_grad for t in tensors), number_names, values)
+    y1, y2, _ = reversible_run(run_handle(seq), x1, x2, _grad_params(seq), handle, tensors, numbers, autocast_dtype,
+                               seq.training)
     return y1, y2

@@ -20,7 +20,7 @@ import contextlib
 import torch
 
 from revkernels.engine.fsdp import block_units, run_sharded
-from revkernels.engine.state import NO_CONTEXT, AutocastState, grad_tensors, keep_context, kept_context
+from revkernels.engine.state import NO_CONTEXT, AutocastState, grad_tensors
 
 
 def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None, monitor=None, context=NO_CONTEXT):
@@ -67,6 +67,31 @@ def forward_step(block, x1, x2, preserve_rng_state, context=NO_CONTEXT):
     return block.forward_with_state(x1, x2, preserve_rng_state)
 
 
+def save_with_context(ctx, context, *tensors):
+    """``ctx.save_for_backward(*tensors)`` plus the context's tensors (each once); its plain
+    values stay on `ctx`. Undone by `saved_with_context`."""
+    names = [k for k, v in context.items() if isinstance(v, torch.Tensor)]
+    ctx.context_names = names
+    ctx.context_values = {k: v for k, v in context.items() if k not in names}
+    ctx.context_grad = [context[k].requires_grad for k in names]
+    ctx.save_for_backward(*tensors, *(context[k] for k in names))
+
+
+def saved_with_context(ctx, count):
+    """``(the first `count` saved tensors, context, leaves)`` in a backward: the context rebuilt
+    with a fresh detached leaf (requiring grad) for each context tensor that required grad, and
+    those leaves in context order (what the walker differentiates like parameters)."""
+    saved = ctx.saved_tensors
+    if not ctx.context_names:
+        return saved[:count], NO_CONTEXT, []
+    context, leaves = dict(ctx.context_values), []
+    for name, t, grad in zip(ctx.context_names, saved[count:], ctx.context_grad):
+        context[name] = t.detach().requires_grad_() if grad else t.detach()
+        if grad:
+            leaves.append(context[name])
+    return saved[:count], context, leaves
+
+
 class ReversibleRun(torch.autograd.Function):
     """One autograd node for a run of reversible blocks. `walker` is the backward schedule:
     a function with `reverse_blocks`' signature (sequential here, two streams in pareprop)."""
@@ -92,14 +117,13 @@ class ReversibleRun(torch.autograd.Function):
         ctx.params = params
         ctx.walker = walker
         ctx.autocast_state = AutocastState.capture(x1.device.type)
-        ctx.save_for_backward(x1, x2, *keep_context(ctx, context))
+        save_with_context(ctx, context, x1, x2)
         return x1, x2
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy1, dy2):
-        y1, y2, *saved = ctx.saved_tensors
-        context, leaves = kept_context(ctx, saved)
+        (y1, y2), context, leaves = saved_with_context(ctx, 2)
         _, _, dx1, dx2, grads = ctx.walker(
             ctx.blocks, ctx.states, y1, y2, dy1, dy2, ctx.params + leaves, ctx.autocast_state, monitor=ctx.monitor,
             context=context

@@ -4,8 +4,6 @@
   a recompute so dropout draws the same masks; the caller's RNG stream is restored afterwards.
 - `AutocastState` records the autocast mode of the forward so the recompute runs in the same
   dtypes.
-- `keep_context` / `kept_context` save a run's context keywords on an autograd node and give them
-  back to its backward.
 (BatchNorm in a recompute: `revkernels.engine.structure.frozen_batchnorm_stats`.)
 """
 import contextlib
@@ -46,33 +44,6 @@ class RngState:
 def grad_tensors(context):
     """The context tensors that require grad (inputs of the engines' autograd nodes)."""
     return [v for v in context.values() if isinstance(v, torch.Tensor) and v.requires_grad] if context else []
-
-
-def keep_context(ctx, context):
-    """Records `context` (a dict, or None) on the autograd `ctx` for `kept_context`; returns its
-    tensors, which the caller saves for backward (after its own tensors)."""
-    if not context:
-        ctx.context_names = ()
-        return []
-    names = [k for k, v in context.items() if isinstance(v, torch.Tensor)]
-    ctx.context_names = names
-    ctx.context_values = {k: v for k, v in context.items() if k not in names}
-    ctx.context_grad = [context[k].requires_grad for k in names]
-    return [context[k] for k in names]
-
-
-def kept_context(ctx, saved):
-    """The context recorded by `keep_context`, from its `saved` tensors: ``(context, leaves)``,
-    each tensor that required grad replaced by a detached leaf (listed in `leaves`, in order) that
-    the backward differentiates like a parameter."""
-    if not ctx.context_names:
-        return NO_CONTEXT, []
-    context, leaves = dict(ctx.context_values), []
-    for name, t, grad in zip(ctx.context_names, saved, ctx.context_grad):
-        context[name] = t.detach().requires_grad_() if grad else t.detach()
-        if grad:
-            leaves.append(context[name])
-    return context, leaves
 
 
 def cuda_devices_of(*tensors):

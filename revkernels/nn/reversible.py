@@ -307,7 +307,9 @@ class ReversibleSequential(nn.Module):
     ``seq(x1, x2, **context)``: keywords passed to every F and G (``f(x2, **context)``,
     ``g(y1, **context)``): tensors (an attention mask, a conditioning vector, rotary tables)
     or plain values. A context tensor that requires grad gets the sum of its grads over all
-    blocks through autograd; the memory-saving engines save each context tensor once per run.
+    blocks through autograd; the memory-saving engines save each context tensor once per run,
+    under torch.compile too (the opaque op carries the context; its plain values other than
+    numbers must be hashable constants of the traced code).
     """
 
     def __init__(self, *blocks, engine="sequential", preserve_rng_state=True):
@@ -345,25 +347,17 @@ class ReversibleSequential(nn.Module):
 
     def forward(self, x1, x2, **context):
         check_streams(x1, x2)
+        if torch.compiler.is_compiling() and self._engine_name != "autograd":
+            # Under torch.compile a memory-saving run is one opaque op (its backward rebuilds the
+            # inputs), so the compiled graph saves only the run's outputs and context
+            # (revkernels.engine.opaque, which also checks the context keywords, at trace time).
+            from revkernels.engine.opaque import run_opaque
+
+            return run_opaque(self, x1, x2, context)
         if context:
-            return self._forward_with_context(x1, x2, context)
-        if torch.compiler.is_compiling() and self._engine_name != "autograd":
-            return self._compiled_forward(x1, x2)
+            check_context(self, self.blocks, context)
+            return self._engine_fn(self, x1, x2, context)
         return self._engine_fn(self, x1, x2)
-
-    def _forward_with_context(self, x1, x2, context):
-        if torch.compiler.is_compiling() and self._engine_name != "autograd":
-            raise NotImplementedError(f"revkernels: context keywords {sorted(context)} under torch.compile are not "
-                                      f"supported by engine={self._engine_name!r} yet; use engine='autograd'")
-        check_context(self, self.blocks, context)
-        return self._engine_fn(self, x1, x2, context)
-
-    def _compiled_forward(self, x1, x2):
-        # Under torch.compile a memory-saving run is one opaque op (its backward rebuilds the
-        # inputs), so the compiled graph saves only the run's outputs (revkernels.engine.opaque).
-        from revkernels.engine.opaque import run_opaque
-
-        return run_opaque(self, x1, x2)
 
     def inverse(self, y1, y2, **context):
         """Rebuilds the run's input from its output without autograd (no RNG replay); `context`:
@@ -428,11 +422,20 @@ class ReverseResult(tuple):
 
 
 def unique_grad_params(blocks):
-    """The parameters of `blocks` that require grad, each once, in module order."""
-    seen, params = set(), []
+    """The parameters of `blocks` (a ModuleList) that require grad, each once, in module order."""
+    managed, params = cached(blocks, "unique_params", _unique_params)
+    if managed:  # FSDP swaps the parameters without a registration: the current ones
+        params = _unique_params(blocks)[1]
+    return [p for p in params if p.requires_grad]
+
+
+def _unique_params(blocks):
+    seen, params, managed = set(), [], False
     for block in blocks:
-        for p in param_slots(block).params:
-            if p.requires_grad and id(p) not in seen:
+        slots = param_slots(block)
+        managed = managed or slots.managed
+        for p in slots.params:
+            if id(p) not in seen:
                 seen.add(id(p))
                 params.append(p)
-    return params
+    return managed, params

@@ -224,13 +224,19 @@ class RevTransformerBlock(ReversibleBlock):
         # swap): a step reads parameters from it instead of walking submodules' __getattr__.
         return param_slots(self).by_name()
 
+    def _parts(self):
+        # The submodules the steps use, once per module structure (each Module.__getattr__ lookup
+        # costs about what a small kernel does).
+        return cached(self, "parts", _BlockParts)
+
     def _hooked(self):
         """Whether a forward hook could observe F's or G's submodules (then the forward runs them
         as modules)."""
         if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
             return True
-        return any(m._forward_hooks or m._forward_pre_hooks
-                   for m in cached(self, "submodules", lambda m: list(m.modules())[1:]))
+        # Each module keeps its hook dicts for life (hooks are added to and removed from them).
+        return any(cached(self, "forward_hook_dicts", lambda block: [
+            hooks for m in list(block.modules())[1:] for hooks in (m._forward_hooks, m._forward_pre_hooks)]))
 
     def forward_with_state(self, x1, x2, preserve_rng_state=True, context=NO_CONTEXT):
         if self._hooked():
@@ -240,54 +246,55 @@ class RevTransformerBlock(ReversibleBlock):
         if x2.dim() != 3:
             raise ValueError(f"revkernels: RevTransformerBlock input must be (batch, tokens, dim), "
                              f"got shape {tuple(x2.shape)}")
-        f, g, P = self.f, self.g, self._params()
+        m, P = self._parts(), self._params()
         keep = preserve_rng_state and self.draws_random()
         devices = cuda_devices_of(x1, x2) if keep else ()
         rng_f = RngState(devices) if keep else None
         dim = x2.shape[-1]
-        h = F.layer_norm(x2, (dim,), P["f.norm.weight"], P["f.norm.bias"], f.norm.eps)
-        o = f.attend(h, P["f.qkv.weight"], P.get("f.qkv.bias"), context.get("attn_mask"))
+        h = F.layer_norm(x2, (dim,), P["f.norm.weight"], P["f.norm.bias"], m.f_norm.eps)
+        o = m.f.attend(h, P["f.qkv.weight"], P.get("f.qkv.bias"), context.get("attn_mask"))
         f_out = F.linear(o, P["f.proj.weight"], P["f.proj.bias"])
-        y1 = x1 + f.drop_path(f.dropout.sample(f_out)[0])
+        y1 = x1 + m.f_drop_path(m.f_dropout.sample(f_out)[0])
         rng_g = RngState(devices) if keep else None
-        h = F.layer_norm(y1, (dim,), P["g.norm.weight"], P["g.norm.bias"], g.norm.eps)
-        h = F.gelu(F.linear(h, P["g.fc1.weight"], P["g.fc1.bias"]), approximate=g.approximate)
-        y2 = x2 + g.drop_path(g.dropout.sample(F.linear(h, P["g.fc2.weight"], P["g.fc2.bias"]))[0])
+        h = F.layer_norm(y1, (dim,), P["g.norm.weight"], P["g.norm.bias"], m.g_norm.eps)
+        h = F.gelu(F.linear(h, P["g.fc1.weight"], P["g.fc1.bias"]), approximate=m.g.approximate)
+        y2 = x2 + m.g_drop_path(m.g_dropout.sample(F.linear(h, P["g.fc2.weight"], P["g.fc2.bias"]))[0])
         return y1, y2, BlockState(rng_f, rng_g) if keep else None
 
     def recompute(self, y1, y2, state=None, context=NO_CONTEXT):
-        f, g, P = self.f, self.g, self._params()
-        y1, y2 = y1.detach(), y2.detach()
-        batch, tokens, dim = y1.shape
+        m, P = self._parts(), self._params()
+        shape = y1.shape
+        batch, tokens, dim = shape
+        # The steps work on (batch * tokens, dim) rows: F.linear runs the same addmm/mm on them as on
+        # the forward's contiguous 3-D inputs, and the gradient step's GEMMs need no reshapes.
+        y1, y2 = y1.detach().reshape(-1, dim), y2.detach().reshape(-1, dim)
         with torch.no_grad():
-            ln2, mean2, rstd2 = torch.native_layer_norm(y1, [dim], P["g.norm.weight"], P["g.norm.bias"], g.norm.eps)
+            ln2, mean2, rstd2 = torch.native_layer_norm(y1, [dim], P["g.norm.weight"], P["g.norm.bias"], m.g_norm.eps)
             with maybe_replay(None if state is None else state.rng_g):
                 # The ops (and so the kernels and dtypes) of MlpBranch.forward: g_out is bitwise the G
                 # the forward added, under autocast too. No local graph: `grads` differentiates by hand.
                 pre = F.linear(ln2, P["g.fc1.weight"], P["g.fc1.bias"])
-                hidden = F.gelu(pre, approximate=g.approximate)
-                g_out, g_keep = g.dropout.sample(F.linear(hidden, P["g.fc2.weight"], P["g.fc2.bias"]))
-                g_scale = g.drop_path.sample_scale(g_out)
-            if g_scale is not None:
-                g_out = g_out * g_scale
-            x2, ln1, mean1, rstd1 = sub_layer_norm(y2, g_out, P["f.norm.weight"], P["f.norm.bias"], f.norm.eps)
+                hidden = F.gelu(pre, approximate=m.g.approximate)
+                g_out, g_keep, g_scale = _residual_noise(
+                    m.g_dropout, m.g_drop_path, F.linear(hidden, P["g.fc2.weight"], P["g.fc2.bias"]), shape)
+            x2, ln1, mean1, rstd1 = sub_layer_norm(y2, g_out, P["f.norm.weight"], P["f.norm.bias"], m.f_norm.eps)
             with maybe_replay(None if state is None else state.rng_f):
                 # AttentionBranch.forward's ops, attention with what its backward needs kept.
-                q, k, v = f.heads(F.linear(ln1, P["f.qkv.weight"], P.get("f.qkv.bias")))
-                out, attention = _attention_with_saved(q, k, v, *attention_mask(context.get("attn_mask"), q, f.causal))
-                o = out.transpose(1, 2).reshape(batch, tokens, dim)
-                f_out, f_keep = f.dropout.sample(F.linear(o, P["f.proj.weight"], P["f.proj.bias"]))
-                f_scale = f.drop_path.sample_scale(f_out)
-            if f_scale is not None:
-                f_out = f_out * f_scale
+                q, k, v = m.f.heads(F.linear(ln1, P["f.qkv.weight"], P.get("f.qkv.bias")).view(batch, tokens, -1))
+                out, attention = _attention_with_saved(q, k, v, *attention_mask(context.get("attn_mask"), q, m.f.causal))
+                o = out.transpose(1, 2).reshape(-1, dim)
+                f_out, f_keep, f_scale = _residual_noise(
+                    m.f_dropout, m.f_drop_path, F.linear(o, P["f.proj.weight"], P["f.proj.bias"]), shape)
             x1 = coupling_sub(y1, f_out)
-        return _RevViTRecompute(x1=x1, x2=x2, y1=y1, ln1=ln1, ln2=ln2, mean1=mean1, rstd1=rstd1,
-                                mean2=mean2.reshape(mean2.shape[:-1]), rstd2=rstd2.reshape(rstd2.shape[:-1]),
-                                o=o, attention=attention, pre=pre, hidden=hidden, g_scale=g_scale, f_scale=f_scale,
+        return _RevViTRecompute(x1=x1.view(shape), x2=x2.view(shape), y1=y1, x2_rows=x2, ln1=ln1, ln2=ln2,
+                                mean1=mean1, rstd1=rstd1, mean2=mean2.view(-1), rstd2=rstd2.view(-1), o=o,
+                                attention=attention, pre=pre, hidden=hidden, g_scale=g_scale, f_scale=f_scale,
                                 g_keep=g_keep, f_keep=f_keep)
 
     def grads(self, rec, dy1, dy2):
         P = self._params()
+        shape = dy1.shape
+        dy1, dy2 = dy1.reshape(-1, shape[-1]), dy2.reshape(-1, shape[-1])
         named = {}
         with torch.no_grad():
             dy1_total = self._mlp_grads(rec, dy1, dy2, P, named)
@@ -298,30 +305,31 @@ class RevTransformerBlock(ReversibleBlock):
                 grad = named[name]
                 params.append(p)
                 param_grads.append(grad() if callable(grad) else grad)
-        return BlockGrads(dx1=dy1_total, dx2=dx2, params=params, param_grads=param_grads)
+        return BlockGrads(dx1=dy1_total.view(shape), dx2=dx2.view(shape), params=params, param_grads=param_grads)
 
-    # Both VJPs work in the forward's dtypes (under autocast the GEMM inputs were cast to the
-    # autocast dtype) and cast parameter and input grads back, as the casts' own backward would.
+    # Both VJPs work on (batch * tokens, features) rows in the forward's dtypes (under autocast the
+    # GEMM inputs were cast to the autocast dtype) and cast parameter and input grads back, as the
+    # casts' own backward would (`_to`: no call at all where the dtypes already agree).
     # Weight grads are thunks: a parameter that does not require grad never pays for its GEMM.
 
     def _mlp_grads(self, rec, dy1, dy2, P, named):
         """dy1' = dy1 + dG/dy1^T dy2 (fc2, GELU, fc1, then LayerNorm2's backward fused with the
         residual add); G's parameter grads into `named`."""
-        hidden = rec.hidden.reshape(-1, rec.hidden.shape[-1])
-        dg = dy2.reshape(-1, dy2.shape[-1]).to(hidden.dtype)
+        hidden = rec.hidden
+        dg = _to(dy2, hidden.dtype)
         if rec.g_scale is not None:
-            dg = dg * rec.g_scale.expand(rec.hidden.shape[:-1] + (1,)).reshape(-1, 1)
+            dg = dg * rec.g_scale
         if rec.g_keep is not None:
-            dg = torch.ops.aten.native_dropout_backward(dg, rec.g_keep.reshape(dg.shape), self.g.dropout.scale())
+            dg = torch.ops.aten.native_dropout_backward(dg, rec.g_keep.view(dg.shape), self._parts().g_dropout.scale())
         fc1_w, fc2_w = P["g.fc1.weight"], P["g.fc2.weight"]
-        named["g.fc2.weight"] = lambda: (dg.t() @ hidden).to(fc2_w.dtype)
-        named["g.fc2.bias"] = lambda: dg.sum(0).to(P["g.fc2.bias"].dtype)
-        d_pre = torch.ops.aten.gelu_backward(dg @ fc2_w.to(hidden.dtype), rec.pre.reshape(hidden.shape),
-                                             approximate=self.g.approximate)
-        ln2 = rec.ln2.reshape(-1, rec.ln2.shape[-1])
-        named["g.fc1.weight"] = lambda: (d_pre.t() @ ln2.to(d_pre.dtype)).to(fc1_w.dtype)
-        named["g.fc1.bias"] = lambda: d_pre.sum(0).to(P["g.fc1.bias"].dtype)
-        dln2 = (d_pre @ fc1_w.to(d_pre.dtype)).reshape(rec.ln2.shape).to(rec.ln2.dtype)
+        named["g.fc2.weight"] = lambda: _to(torch.mm(dg.t(), hidden), fc2_w.dtype)
+        named["g.fc2.bias"] = lambda: _to(dg.sum(0), P["g.fc2.bias"].dtype)
+        d_pre = torch.ops.aten.gelu_backward(torch.mm(dg, _to(fc2_w, hidden.dtype)), rec.pre,
+                                             approximate=self._parts().g.approximate)
+        ln2 = rec.ln2
+        named["g.fc1.weight"] = lambda: _to(torch.mm(d_pre.t(), _to(ln2, d_pre.dtype)), fc1_w.dtype)
+        named["g.fc1.bias"] = lambda: _to(d_pre.sum(0), P["g.fc1.bias"].dtype)
+        dln2 = _to(torch.mm(d_pre, _to(fc1_w, d_pre.dtype)), ln2.dtype)
         dy1_total, named["g.norm.weight"], named["g.norm.bias"] = layer_norm_bwd_add(
             dln2, rec.y1, P["g.norm.weight"], rec.mean2, rec.rstd2, dy1)
         return dy1_total
@@ -330,27 +338,47 @@ class RevTransformerBlock(ReversibleBlock):
         """dx2 = dy2 + dF/dx2^T dy1' (drop-path, proj, attention, qkv, then LayerNorm1's backward
         fused with the residual add); F's parameter grads into `named`."""
         o = rec.o
-        batch, tokens, dim = o.shape
+        q = rec.attention[0]
+        batch, heads, tokens, head_dim = q.shape
         dproj = dy1_total if rec.f_scale is None else dy1_total * rec.f_scale
-        dproj = dproj.reshape(-1, dim).to(o.dtype)
+        dproj = _to(dproj, o.dtype)
         if rec.f_keep is not None:
-            dproj = torch.ops.aten.native_dropout_backward(dproj, rec.f_keep.reshape(dproj.shape),
-                                                           self.f.dropout.scale())
+            dproj = torch.ops.aten.native_dropout_backward(dproj, rec.f_keep.view(dproj.shape),
+                                                           self._parts().f_dropout.scale())
         proj_w, qkv_w = P["f.proj.weight"], P["f.qkv.weight"]
-        named["f.proj.weight"] = lambda: (dproj.t() @ o.reshape(-1, dim)).to(proj_w.dtype)
-        named["f.proj.bias"] = lambda: dproj.float().sum(0).to(P["f.proj.bias"].dtype)
-        d_out = (dproj @ proj_w.to(o.dtype)).reshape(batch, tokens, self.f.num_heads, -1).transpose(1, 2)
+        named["f.proj.weight"] = lambda: _to(torch.mm(dproj.t(), o), proj_w.dtype)
+        named["f.proj.bias"] = lambda: _to(_to(dproj, torch.float32).sum(0), P["f.proj.bias"].dtype)
+        d_out = torch.mm(dproj, _to(proj_w, o.dtype)).view(batch, tokens, heads, head_dim).transpose(1, 2)
         dq, dk, dv = _attention_vjp(rec.attention, d_out)
-        # (3, batch, heads, tokens, head_dim) back to the qkv projection's (batch * tokens, 3 dim)
-        dqkv = torch.stack((dq, dk, dv)).permute(1, 3, 0, 2, 4).reshape(batch * tokens, 3 * dim)
-        ln1 = rec.ln1.reshape(-1, dim)
-        named["f.qkv.weight"] = lambda: (dqkv.t() @ ln1.to(dqkv.dtype)).to(qkv_w.dtype)
+        # back to the qkv projection's layout (batch, tokens, 3, heads, head_dim) in one copy
+        dqkv = torch.stack((dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)), dim=2).view(batch * tokens, -1)
+        ln1 = rec.ln1
+        named["f.qkv.weight"] = lambda: _to(torch.mm(dqkv.t(), _to(ln1, dqkv.dtype)), qkv_w.dtype)
         if "f.qkv.bias" in P:
-            named["f.qkv.bias"] = lambda: dqkv.sum(0).to(P["f.qkv.bias"].dtype)
-        dln1 = (dqkv @ qkv_w.to(dqkv.dtype)).reshape(rec.ln1.shape).to(rec.ln1.dtype)
+            named["f.qkv.bias"] = lambda: _to(dqkv.sum(0), P["f.qkv.bias"].dtype)
+        dln1 = _to(torch.mm(dqkv, _to(qkv_w, dqkv.dtype)), ln1.dtype)
         dx2, named["f.norm.weight"], named["f.norm.bias"] = layer_norm_bwd_add(
-            dln1, rec.x2, P["f.norm.weight"], rec.mean1, rec.rstd1, dy2)
+            dln1, rec.x2_rows, P["f.norm.weight"], rec.mean1, rec.rstd1, dy2)
         return dx2
+
+
+def _to(t, dtype):
+    """`t` in `dtype`: `t` itself when it already is."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _residual_noise(dropout, drop_path, out, shape):
+    """A branch output's residual dropout and drop-path, as the branch's forward draws them.
+
+    `out`: the branch output as (batch * tokens, dim) rows of a stream of `shape`. Returns (out after
+    both, the dropout keep mask or None, the drop-path scale per row (batch * tokens, 1) or None)."""
+    if not (dropout.draws_random() or drop_path.draws_random()):
+        return out, None, None
+    out, keep = dropout.sample(out.view(shape))
+    scale = drop_path.sample_scale(out)
+    if scale is None:
+        return out.view(-1, shape[-1]), keep, None
+    return (out * scale).view(-1, shape[-1]), keep, scale.expand(-1, shape[1], -1).reshape(-1, 1)
 
 
 class RevViTBlock(RevTransformerBlock):
@@ -364,6 +392,17 @@ class RevViTBlock(RevTransformerBlock):
     def __init__(self, dim, num_heads, mlp_ratio=4.0, drop_path=0.0, qkv_bias=True, eps=1e-6, approximate="none"):
         super().__init__(dim, num_heads, mlp_ratio, causal=False, drop_path=drop_path, qkv_bias=qkv_bias, eps=eps,
                          approximate=approximate)
+
+
+class _BlockParts:
+    """A `RevTransformerBlock`'s branches and the submodules its steps call."""
+
+    __slots__ = ("f", "g", "f_norm", "g_norm", "f_dropout", "g_dropout", "f_drop_path", "g_drop_path")
+
+    def __init__(self, block):
+        self.f, self.g = block.f, block.g
+        self.f_norm, self.f_dropout, self.f_drop_path = self.f.norm, self.f.dropout, self.f.drop_path
+        self.g_norm, self.g_dropout, self.g_drop_path = self.g.norm, self.g.dropout, self.g.drop_path
 
 
 class _RevViTRecompute:

@@ -7,6 +7,11 @@ alpha = -1), so the output projection and the subtraction are one kernel::
 
     x = addmm(y - b, a, W^T, beta=1, alpha=-1)        (y - b: the bias folded into the accumulator)
 
+except for a 16-bit accumulator with a bias: there ``y - b`` would be rounded to 16 bits before the
+GEMM adds to it, so the op computes ``y - addmm(b, a, W^T)`` instead, F.linear's single rounding of
+``a @ W^T + b`` followed by the subtraction's (a folded bias could lose more than twice the
+composition's error where y and b nearly cancel).
+
 Shapes: y (..., N), a (..., K), W (N, K), b (N,) or None; x has y's shape and dtype. Under autocast
 the GEMM runs in the autocast dtype like ``F.linear`` would while an fp32 stream stays the fp32
 accumulator (on CUDA, ``addmm(..., out_dtype=float32)``; CPU BLAS has no mixed-dtype GEMM, so
@@ -74,9 +79,13 @@ def _linear_sub_impl(y, a, weight, bias=None):
     n, k = weight.shape
     a2d, w = a.reshape(-1, k).to(gemm_dtype), weight.to(gemm_dtype)
     acc = y.reshape(-1, n)  # addmm reads its accumulator and writes a new tensor: y is not modified
-    if bias is not None:
-        acc = (acc - bias).to(torch.promote_types(y.dtype, gemm_dtype))
+    acc_dtype = torch.promote_types(y.dtype, gemm_dtype)
     with torch.autocast(a.device.type, enabled=False):
+        if bias is not None and acc_dtype in (torch.bfloat16, torch.float16):  # see the module docstring
+            out = acc.to(acc_dtype) - torch.addmm(bias.to(gemm_dtype), a2d, w.t())
+            return out.reshape(y.shape).to(y.dtype)
+        if bias is not None:
+            acc = (acc - bias).to(acc_dtype)
         if acc.dtype == gemm_dtype:
             out = torch.addmm(acc, a2d, w.t(), beta=1, alpha=-1)
         elif acc.is_cuda and acc.dtype == torch.float32:

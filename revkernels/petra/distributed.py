@@ -8,7 +8,9 @@ From Python: `launch(fn, R, args)` starts R processes on a free local port (RANK
 MASTER_PORT in their environment) and runs ``fn(*args)`` in each; inside, `init()` joins the group and
 `PipelineRank(model, ...)` runs this rank's worker with the same `train_step` / `advance` / `flush` calls
 as `simulate.Trainer` (every rank makes the same calls with the same, deterministic batch sequence:
-rank 0 uses the images, the last rank the labels; no labels cross the wire).
+rank 0 uses the images, the last rank the labels, every rank the batch's context keywords
+(``train_step(images, labels, **context)``, kept until the rank has run the batch's backward); no
+labels or contexts cross the wire).
 
 Backend: NCCL when CUDA is available with at least one device per rank (rank r on ``cuda:r``; the
 control messages still use a gloo group), else gloo on CPU.
@@ -21,6 +23,7 @@ Checkpoints. `PipelineRank.state_dict()` (every rank, after the same tick) is th
 run: its stages' module states, their optimizers (momentum, step and backward counters, partially
 accumulated grads), their FIFOs (with parameter copies under delayed), the messages the neighbours sent
 it during the tick just run (waited for: what it consumes next tick), the head's labels not used yet,
+the contexts of the batches whose backward it has not run yet,
 the tick and batch counters and which batch the last 2R ticks fed; its own sends are waited for
 first. `load_state_dict` into a fresh `PipelineRank` (same model, grouping, world size and arguments)
 continues bit for bit. The trainer CLI adds the data order and RNG state and writes
@@ -84,7 +87,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from revkernels.petra.simulate import PIPELINED, Trainer
+from revkernels.engine.state import NO_CONTEXT
+from revkernels.petra.simulate import PIPELINED, Trainer, check_batch
 
 FAULT_ENV = "REVKERNELS_PETRA_FAULT_AFTER"
 ATTEMPT_ENV = "REVKERNELS_PETRA_ATTEMPT"
@@ -141,16 +145,17 @@ def init(timeout=30.0, backend=None):
     return torch.device("cpu")
 
 
-def boundary_specs(stages, groups, image_shape, dtype=torch.float32):
+def boundary_specs(stages, groups, image_shape, dtype=torch.float32, context=NO_CONTEXT):
     """``specs[w]``: [(shape, dtype)] of worker w's output (the tuple it sends to w + 1), from a forward of
-    deep copies of the stages on the meta device."""
+    deep copies of the stages on the meta device (with a batch's `context`, its tensors on meta too)."""
     x = (torch.empty(image_shape, dtype=dtype, device="meta"),)
+    context = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in context.items()}
     specs = []
     with torch.no_grad():
         for group in groups[:-1]:
             for i in group:
                 module = copy.deepcopy(stages[i].module).to("meta")
-                out = module(*x)
+                out = module(*x, **context)
                 x = out if isinstance(out, tuple) else (out,)
             specs.append([(tuple(t.shape), t.dtype) for t in x])
     return specs
@@ -171,7 +176,7 @@ class PipelineRank:
         trainer_kwargs: `simulate.Trainer`'s (accum_k, base_lr, warmup_steps, milestones, ...); not
             ``analyze_every`` (the analysis needs the whole model in one process: simulate only).
 
-    `train_step(images, labels)`, `advance()`, `flush()`, `pending()` as `simulate.Trainer`'s (a
+    `train_step(images, labels, **context)`, `advance()`, `flush()`, `pending()` as `simulate.Trainer`'s (a
     collective sequence: every rank makes the same calls); the loss is reported by the last rank.
     `buffer_stats()` (collective): every stage's FIFO statistics. `collect(dst)` (collective): the
     other ranks' stage states loaded into rank `dst`'s model, and every stage's optimizer step count.
@@ -210,6 +215,7 @@ class PipelineRank:
         self._image_spec = None
         self._last_fed = None  # the last tick that fed a batch
         self._labels = {}
+        self._contexts = {}  # batch id -> its context (if any), until this rank ran the batch's backward
         self._specs = None
         self._recvs = {}  # kind -> (batch, peer, [[tensor, work]])
         self._sends = []  # (tensor, peer, work) of the last tick's sends
@@ -246,10 +252,11 @@ class PipelineRank:
         """True while the first rank has not run the backward of every batch fed so far."""
         return self._last_fed is not None and self.tick <= self._last_fed + 2 * (self.num_workers - 1)
 
-    def train_step(self, images, labels):
+    def train_step(self, images, labels, **context):
+        check_batch(images, labels, context)
         if self._specs is None:
             self._image_spec = (tuple(images.shape), images.dtype)
-            self._specs = boundary_specs(self.stages, self.trainer.groups, tuple(images.shape), images.dtype)
+            self._specs = boundary_specs(self.stages, self.trainer.groups, tuple(images.shape), images.dtype, context)
         elif (tuple(images.shape), images.dtype) != self._image_spec:
             raise ValueError(f"revkernels: the distributed runtime needs every batch of one shape and dtype "
                              f"{self._image_spec}, got {(tuple(images.shape), images.dtype)} (drop the last batch)")
@@ -260,6 +267,8 @@ class PipelineRank:
         self.batches_in += 1
         if self.is_last:
             self._labels[batch] = labels.to(self.device)
+        if context:
+            self._contexts[batch] = _to(context, self.device)
         new = (batch, images.to(self.device)) if self.rank == 0 else None
         return self._tick(batch, new)
 
@@ -341,7 +350,9 @@ class PipelineRank:
         if new is not None:
             incoming = new
         self._post_recvs(t + 1)
-        out = self.worker.step(incoming, pending, self._labels.pop)
+        out = self.worker.step(incoming, pending, self._labels.pop, lambda b: self._contexts.get(b, NO_CONTEXT))
+        for b in self.worker.finished(out["events"]):
+            self._contexts.pop(b, None)
         for stage, what, b in out["events"]:
             self.trainer.events.append((t, stage, what, b))
             self.trainer.schedule.setdefault((b, stage), {})[what] = t
@@ -392,7 +403,8 @@ class PipelineRank:
                  "modules": {i: self.stages[i].module.state_dict() for i in own},
                  "optimizers": {i: tr.optimizers[i].state_dict() for i in own},
                  "fifos": {i: (self.stages[i].fifo_state(), self.stages[i].peak_buffer_bytes) for i in own},
-                 "fwd_in": fwd_in, "bwd_in": bwd_in, "labels": dict(self._labels)}
+                 "fwd_in": fwd_in, "bwd_in": bwd_in, "labels": dict(self._labels),
+                 "contexts": dict(self._contexts)}
         return _to_cpu(copy.deepcopy(state))
 
     def load_state_dict(self, state):
@@ -423,9 +435,14 @@ class PipelineRank:
         self.batches_in, tr.batch_size = state["batches_in"], state["batch_size"]
         self._fed, self._last_fed = dict(state["fed"]), state["last_fed"]
         self._labels = _to(state["labels"], dev)
+        self._contexts = _to(state.get("contexts", {}), dev)
         self._image_spec = None if state["image_spec"] is None else tuple(state["image_spec"])
-        if self._image_spec is not None:
-            self._specs = boundary_specs(self.stages, tr.groups, self._image_spec[0], self._image_spec[1])
+        # The boundary shapes may need a batch's context: a pending one's (every batch has one shape),
+        # else the next train_step's (nothing is received before it).
+        self._specs = None
+        if self._image_spec is not None and self.pending():
+            context = next(iter(self._contexts.values()), NO_CONTEXT)
+            self._specs = boundary_specs(self.stages, tr.groups, self._image_spec[0], self._image_spec[1], context)
         self._recvs = {}
         if state["fwd_in"] is not None:
             b, xs = _to(state["fwd_in"], dev)
@@ -527,7 +544,7 @@ def merge_rank_states(states):
         if any(s[key] != first[key] for s in states):
             raise ValueError(f"revkernels: the rank states differ in {key}: {[s[key] for s in states]}")
     modules, optimizers, fifos = {}, {}, {}
-    fwd, bwd, labels = {}, {}, {}
+    fwd, bwd, labels, contexts = {}, {}, {}, {}
     for s in states:
         modules.update(s["modules"])
         optimizers.update(s["optimizers"])
@@ -537,13 +554,15 @@ def merge_rank_states(states):
         if s["bwd_in"] is not None:
             bwd[s["rank"] + 1] = s["bwd_in"]
         labels.update(s["labels"])
+        contexts.update(s.get("contexts", {}))
     n = first["num_stages"]
     fed = {t: b for t, b in first["fed"].items() if t >= first["tick"] - 2 * R}
     return copy.deepcopy({"version": 1, "method": first["method"], "num_stages": n, "groups": first["groups"],
                           "accum_k": first["accum_k"], "tick": first["tick"], "batches_in": first["batches_in"],
                           "batch_size": first["batch_size"], "modules": [modules[i] for i in range(n)],
                           "optimizers": [optimizers[i] for i in range(n)], "fifos": [fifos[i] for i in range(n)],
-                          "fwd_msgs": fwd, "bwd_msgs": bwd, "labels": labels, "inputs": {}, "analysis": [],
+                          "fwd_msgs": fwd, "bwd_msgs": bwd, "labels": labels, "contexts": contexts,
+                          "inputs": {}, "analysis": [],
                           "fed": fed})
 
 
@@ -564,6 +583,9 @@ def split_trainer_state(state, rank, image_spec=None):
     if state["batches_in"] and image_spec is None:
         raise ValueError("revkernels: split_trainer_state needs image_spec=(shape, dtype) of the images")
     labels = state["labels"] if rank == R - 1 else {}
+    # the contexts of the batches whose backward this rank runs at this tick or later
+    pending = {b for t, b in fed.items() if b is not None and t + 2 * (R - 1) - rank >= state["tick"]}
+    contexts = {b: c for b, c in state.get("contexts", {}).items() if b in pending}
     out = {"version": 1, "kind": RANK_STATE_KIND, "rank": rank, "world_size": R, "method": state["method"],
            "num_stages": state["num_stages"], "groups": groups, "accum_k": state["accum_k"], "tick": state["tick"],
            "batches_in": state["batches_in"], "batch_size": state["batch_size"],
@@ -572,7 +594,7 @@ def split_trainer_state(state, rank, image_spec=None):
            "modules": {i: state["modules"][i] for i in own}, "optimizers": {i: state["optimizers"][i] for i in own},
            "fifos": {i: state["fifos"][i] for i in own},
            "fwd_in": state["fwd_msgs"].get(rank - 1) if rank > 0 else None,
-           "bwd_in": state["bwd_msgs"].get(rank + 1), "labels": labels}
+           "bwd_in": state["bwd_msgs"].get(rank + 1), "labels": labels, "contexts": contexts}
     return _to_cpu(copy.deepcopy(out))
 
 

@@ -25,6 +25,12 @@ The first stage receives the image (its input grad is not computed); every other
 the previous stage's outputs (a tuple of tensors). Outputs are always tuples of tensors except the
 last stage's logits.
 
+Context (an attention mask, a conditioning vector: keywords of one batch): ``forward(x, batch,
+**context)``, ``backward(y, dy, batch, **context)`` and ``forward_backward(x, labels, **context)``
+call the stage's module with the keywords (a reversible stage: every F and G); a batch's backward
+must get its forward's context. Context tensors are constants of the pipeline (`check_constant_context`):
+a stage returns no grads for them.
+
 Groups. ``partition(model, groups=R)`` returns the stages split into R contiguous groups (one per
 pipeline worker): ``balance="count"`` by stage count (sizes differing by at most one, the larger
 first), ``balance="time"`` minimising the largest group's per-tick cost, the sum of its stages'
@@ -45,6 +51,15 @@ from revkernels.engine.structure import frozen_batchnorm_stats
 from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential
 
 KINDS = ("stem", "reversible", "down", "head")
+
+
+def check_constant_context(context):
+    """Raises ValueError naming a context tensor that requires grad (PETRA's stages return no
+    context grads, so its grad would be lost)."""
+    for name, value in context.items():
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            raise ValueError(f"revkernels: context {name} requires grad, but PETRA's stages do not return context "
+                             "grads; pass it detached")
 
 
 def _as_tuple(x, name="x"):
@@ -175,10 +190,7 @@ class Stage:
         y, dy = _as_tuple(y, "y"), _as_tuple(dy, "dy")
         if len(y) != len(dy):
             raise ValueError(f"revkernels: y and dy must have as many tensors, got {len(y)} and {len(dy)}")
-        for name, value in context.items():
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                raise ValueError(f"revkernels: context {name} requires grad, but a stage's backward does not return "
-                                 "context grads; pass it detached")
+        check_constant_context(context)
         if self.reversible and not self.delayed:
             if len(y) != 2:
                 raise ValueError(f"revkernels: a reversible stage's output has two streams, got {len(y)} tensors")
@@ -222,18 +234,20 @@ class Stage:
         return tuple(None if not t.requires_grad else (t.grad if t.grad is not None else torch.zeros_like(t))
                      for t in leaves)
 
-    def forward_backward(self, x, labels):
+    def forward_backward(self, x, labels, **context):
         """The last stage: logits, mean cross-entropy with `labels`, backward, in one call.
 
         Adds the parameter grads into ``.grad``. Returns ``(loss, logits, x, dx)`` with x the
         received input (sent upstream unchanged) and dx its grad (None for a single-stage model).
+        `context`: keywords of the stage's module (constants).
         """
+        check_constant_context(context)
         if not self.is_last:
             raise RuntimeError(f"revkernels: stage {self.index} is not the last stage")
         x = tuple(t.detach() for t in _as_tuple(x))
         leaves = self._leaves(x)
         with torch.enable_grad():
-            logits = self.module(*leaves)
+            logits = self.module(*leaves, **context)
             if not isinstance(logits, torch.Tensor):
                 raise TypeError(f"revkernels: the last stage must return logits (a tensor), got {type(logits).__name__}")
             loss = F.cross_entropy(logits, labels)

@@ -61,6 +61,13 @@ the last 2R ticks fed (``fed``; what the distributed runtime needs to know which
 restart empty.) `revkernels.petra.distributed.merge_rank_states` / `split_trainer_state` convert
 between this format (pipelined methods) and the distributed runtime's per-rank checkpoints.
 
+Context. ``train_step(images, labels, **context)``: keywords of that batch (an attention mask, a
+conditioning tensor, plain values) that every stage's module gets in the batch's forward, backward
+(rebuild or recompute) and, for the head, forward-and-backward, with every method. A stage runs
+different batches at one tick, so the trainer keeps each batch's context until the first worker
+has run its backward (checkpoints hold them). Context tensors must not require grad (PETRA's
+stages return no context grads); every stage module must accept the keywords (``**kwargs``).
+
 Workers and groups. A tick is run by `Worker`s: by default one per stage; ``groups=R`` (or a list of
 group sizes) puts R contiguous groups of stages on R workers, each running its group as one stage
 (the forwards of its stages in order, then their backwards in reverse; a group holding the head
@@ -76,9 +83,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from revkernels.engine.state import NO_CONTEXT
 from revkernels.engine.structure import frozen_batchnorm_stats
 from revkernels.nn.reversible import ReversibleSequential
-from revkernels.petra.partition import count_sizes, partition
+from revkernels.petra.partition import check_constant_context, count_sizes, partition
 
 METHODS = ("petra", "delayed", "backprop", "revbackprop")
 PIPELINED = ("petra", "delayed")  # the methods that run the tick-by-tick pipeline (workers, groups)
@@ -198,6 +206,17 @@ def split_groups(num_stages, groups=None):
     return out
 
 
+def check_batch(images, labels, context):
+    """Raises TypeError/ValueError naming the argument unless `images` is a tensor, `labels` one label
+    per image and `context` holds no tensor that requires grad."""
+    if not isinstance(images, torch.Tensor):
+        raise TypeError(f"revkernels: images must be a torch.Tensor, got {type(images).__name__}")
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 1 or labels.shape[0] != images.shape[0]:
+        raise ValueError("revkernels: labels must be a 1-D tensor with one label per image, got "
+                         f"{getattr(labels, 'shape', type(labels).__name__)} for {images.shape[0]} images")
+    check_constant_context(context)
+
+
 def _contiguous(xs):
     return None if xs is None else tuple(None if t is None else t.contiguous() for t in xs)
 
@@ -223,20 +242,23 @@ class Worker:
     def __repr__(self):
         return f"Worker({self.index}, stages={self.stage_indices})"
 
-    def step(self, incoming, pending, labels):
+    def step(self, incoming, pending, labels, contexts=None):
         """One tick. `incoming`: ``(batch, x)`` to run forward (the image for the first worker) or None;
         `pending`: ``(batch, y, dy)`` from the next worker to run backward, or None; `labels`: a callable
-        batch -> labels (used by the last worker). Returns ``{"fwd": (batch, out) | None, "bwd":
+        batch -> labels (used by the last worker); `contexts`: None or a callable batch -> its context
+        (a dict of keywords for every stage module). Returns ``{"fwd": (batch, out) | None, "bwd":
         (batch, x, dx) | None (never for the first worker), "loss": float | None, "batch", "stepped":
         stage indices that took an optimizer step, "events": [(stage index, "forward" | "backward", batch)]}``.
         """
         res = {"fwd": None, "bwd": None, "loss": None, "batch": None, "stepped": [], "events": []}
         events = res["events"]
+        context_of = contexts or (lambda _: NO_CONTEXT)
 
         def backward_through(stages, batch, y, dy):
+            context = context_of(batch)
             for s, opt in reversed(stages):
                 events.append((s.index, "backward", batch))
-                y, dy = s.backward(y, dy, batch)
+                y, dy = s.backward(y, dy, batch, **context)
                 if opt.after_backward(batch):
                     res["stepped"].append(s.index)
             return y, dy
@@ -246,12 +268,13 @@ class Worker:
             if incoming is None:
                 return res
             batch, x = incoming
+            context = context_of(batch)
             for s in self.stages[:-1]:
                 events.append((s.index, "forward", batch))
-                x = s.forward(x, batch)
+                x = s.forward(x, batch, **context)
             head, head_opt = pairs[-1]
             events.append((head.index, "forward", batch))
-            loss, _, x, dx = head.forward_backward(x, labels(batch))
+            loss, _, x, dx = head.forward_backward(x, labels(batch), **context)
             events.append((head.index, "backward", batch))
             if head_opt.after_backward(batch):
                 res["stepped"].append(head.index)
@@ -264,9 +287,10 @@ class Worker:
             return res
         if incoming is not None:  # forward of the newest batch, latest parameters
             batch, x = incoming
+            context = context_of(batch)
             for s in self.stages:
                 events.append((s.index, "forward", batch))
-                x = s.forward(x, batch)
+                x = s.forward(x, batch, **context)
             res["fwd"] = (batch, _contiguous(x))
         if pending is not None:  # backward of the pending batch: (y, dy) from the next worker
             batch, y, dy = pending
@@ -275,6 +299,12 @@ class Worker:
                 res["bwd"] = (batch, _contiguous(x), _contiguous(dx))
         res["stepped"].sort()
         return res
+
+    def finished(self, events):
+        """The batches whose backward `events` (a step's) ran through this worker's first stage:
+        the worker is done with them (their contexts may go)."""
+        first = self.stages[0].index
+        return [batch for stage, what, batch in events if stage == first and what == "backward"]
 
 
 class Trainer:
@@ -296,12 +326,13 @@ class Trainer:
         analyze_every: None, or N: the gradient analysis at every N-th optimizer step (module
             docstring); records in ``analysis``.
 
-    `train_step(images, labels)` runs one tick (petra) or one forward/backward (baselines) and
+    `train_step(images, labels, **context)` runs one tick (petra) or one forward/backward (baselines) and
     returns a dict: ``loss`` (float, or None while the pipeline fills: petra's loss is the one its
     head computed this tick, for batch ``batch``), ``batch``, ``tick``, ``stepped`` (stage indices
     that took an optimizer step). `flush()` runs ticks without new input until every pending
     backward is done and returns their dicts. Partially accumulated grads (fewer than k backward
-    steps) are left in ``.grad``, unapplied, by every method alike.
+    steps) are left in ``.grad``, unapplied, by every method alike. `context`: keywords of this
+    batch for every stage module (module docstring, "Context").
 
     ``schedule[(batch, stage_index)]`` is ``{"forward": tick, "backward": tick}``; ``events`` lists
     ``(tick, stage_index, "forward" | "backward", batch)`` in execution order.
@@ -359,6 +390,7 @@ class Trainer:
         self.schedule = {}
         self.events = []
         self._labels = {}  # batch id -> labels, until the head has used them
+        self._contexts = {}  # batch id -> its context (if any), until the first worker ran its backward
         self._fwd_msgs = {}  # worker index -> (batch, output) sent to worker index + 1 last tick
         self._bwd_msgs = {}  # worker index -> (batch, x, dx) sent to worker index - 1 last tick
         self._fed = {}  # tick -> batch id fed at that tick or None, for the last 2 * workers ticks (checkpoints)
@@ -396,24 +428,23 @@ class Trainer:
 
     # --- training ---------------------------------------------------------------------------------
 
-    def train_step(self, images, labels):
-        """Feeds one batch: one tick of the pipeline (petra) or one forward/backward (baselines)."""
-        if not isinstance(images, torch.Tensor):
-            raise TypeError(f"revkernels: images must be a torch.Tensor, got {type(images).__name__}")
-        if not isinstance(labels, torch.Tensor) or labels.dim() != 1 or labels.shape[0] != images.shape[0]:
-            raise ValueError("revkernels: labels must be a 1-D tensor with one label per image, got "
-                             f"{getattr(labels, 'shape', type(labels).__name__)} for {images.shape[0]} images")
+    def train_step(self, images, labels, **context):
+        """Feeds one batch (with its `context` keywords): one tick of the pipeline (petra) or one
+        forward/backward (baselines)."""
+        check_batch(images, labels, context)
         if self.batch_size is None:
             self.batch_size = int(images.shape[0])
         batch = self.batches_in
         self.batches_in += 1
         if self.analyze_every:
-            self._inputs[batch] = (images, labels)
+            self._inputs[batch] = (images, labels, context)
         if self.method in PIPELINED:
             self._labels[batch] = labels
+            if context:
+                self._contexts[batch] = context
             out = self._tick((batch, images))
         else:
-            out = self._baseline_step(batch, images, labels)
+            out = self._baseline_step(batch, images, labels, context)
         self._prune_inputs()
         return out
 
@@ -456,10 +487,10 @@ class Trainer:
         try:
             with torch.random.fork_rng(devices=[]), torch.enable_grad(), frozen_batchnorm_stats(*modules):
                 for b in batch_ids:
-                    images, labels = self._inputs[b]
-                    out = modules[0](images)
+                    images, labels, context = self._inputs[b]
+                    out = modules[0](images, **context)
                     for m in modules[1:]:
-                        out = m(*(out if isinstance(out, tuple) else (out,)))
+                        out = m(*(out if isinstance(out, tuple) else (out,)), **context)
                     F.cross_entropy(out, labels).backward()
             n = len(batch_ids)
             return [[(p.grad if p.grad is not None else torch.zeros_like(p)) / n for p in ps] for ps in params]
@@ -503,7 +534,7 @@ class Trainer:
                  "optimizers": [opt.state_dict() for opt in self.optimizers],
                  "fifos": [(s.fifo_state(), s.peak_buffer_bytes) for s in self.stages],
                  "fwd_msgs": self._fwd_msgs, "bwd_msgs": self._bwd_msgs, "labels": self._labels,
-                 "inputs": self._inputs, "analysis": self.analysis, "fed": self._fed}
+                 "contexts": self._contexts, "inputs": self._inputs, "analysis": self.analysis, "fed": self._fed}
         return copy.deepcopy(state)
 
     def load_state_dict(self, state):
@@ -522,6 +553,9 @@ class Trainer:
         self.tick, self.batches_in, self.batch_size = state["tick"], state["batches_in"], state["batch_size"]
         self._fwd_msgs, self._bwd_msgs = state["fwd_msgs"], state["bwd_msgs"]
         self._labels, self._inputs, self.analysis = state["labels"], state["inputs"], state["analysis"]
+        # (checkpoints from before contexts: none, and analysis inputs without one)
+        self._contexts = state.get("contexts", {})
+        self._inputs = {b: (x, y, *rest) if rest else (x, y, {}) for b, (x, y, *rest) in self._inputs.items()}
         self._fed = state.get("fed", {})
 
     def flush(self):
@@ -536,7 +570,10 @@ class Trainer:
         result = {"loss": None, "batch": None, "tick": self.tick, "stepped": []}
         for w, worker in enumerate(self.workers):
             incoming = new_input if w == 0 else self._fwd_msgs.get(w - 1)
-            out = worker.step(incoming, self._bwd_msgs.get(w + 1), self._labels.pop)
+            out = worker.step(incoming, self._bwd_msgs.get(w + 1), self._labels.pop, self._context_of)
+            if w == 0:  # the last worker to use a batch
+                for batch in worker.finished(out["events"]):
+                    self._contexts.pop(batch, None)
             for stage, what, batch in out["events"]:
                 self._record(stage, what, batch)
             if out["fwd"] is not None:
@@ -553,6 +590,9 @@ class Trainer:
         self.tick += 1
         return result
 
+    def _context_of(self, batch):
+        return self._contexts.get(batch, NO_CONTEXT)
+
     def _revbackprop_segments(self):
         segments, run = [], []
         for stage in self.stages:
@@ -565,13 +605,13 @@ class Trainer:
             segments.append(stage.module)
         return segments
 
-    def _baseline_step(self, batch, images, labels):
+    def _baseline_step(self, batch, images, labels, context):
         modules = self._segments if self.method == "revbackprop" else [s.module for s in self.stages]
         for i in range(self.num_stages):
             self._record(i, "forward", batch)
-        out = modules[0](images)
+        out = modules[0](images, **context)
         for module in modules[1:]:
-            out = module(*(out if isinstance(out, tuple) else (out,)))
+            out = module(*(out if isinstance(out, tuple) else (out,)), **context)
         loss = F.cross_entropy(out, labels)
         loss.backward()
         for i in reversed(range(self.num_stages)):

@@ -83,6 +83,14 @@ def test_variants_follow_the_engine_registry(monkeypatch):
         assert f"revkernels_{engine}" in names and f"revkernels_generic_{engine}" in names
     assert overhead.compiles("revkernels_compiled") and overhead.compiles("revkernels_generic_compiled")
     assert not overhead.compiles("revkernels_graphs") and not overhead.compiles("standard")
+    assert overhead.compiles("standard_compile")
+
+
+def test_standard_compile_is_left_to_full_runs_unless_named():
+    select = lambda *argv: overhead.selected_variants(overhead.parse_args(list(argv)))  # noqa: E731
+    assert select() == overhead.variants() and "standard_compile" in select()
+    assert select("--quick") == [v for v in overhead.variants() if v != "standard_compile"]
+    assert select("--quick", "--variants", "standard_compile", "standard") == ["standard", "standard_compile"]
 
 
 def test_measure_config_reports_compile_time_and_failures(monkeypatch):
@@ -129,15 +137,15 @@ def test_op_table_compares_like_with_like(op):
 
 
 def test_run_writes_both_csvs_and_the_plot(tmp_path, monkeypatch):
-    args = overhead.parse_args(["--device", "cpu", "--configs", "host_bound", "--warmup", "1", "--rounds", "1",
+    args = overhead.parse_args(["--device", "cpu", "--configs", "host_bound", "--quick", "--warmup", "1", "--rounds", "1",
                                 "--op-reps", "1", "--ops", "coupling_sub", "batch_norm_act_bwd", "--out", str(tmp_path)])
     rows = overhead.run(args)
     steps = list(csv.DictReader(open(tmp_path / "overhead_cpu.csv")))
     assert list(steps[0])[:21] == [
         "config", "depth", "dim", "heads", "tokens", "batch", "threads", "dtype", "variant", "engine", "step_ms",
         "first_step_ms", "compile_s", "steps", "warmup", "vs_standard", "vs_reversible_plain", "vs_checkpoint",
-        "commit", "device", "torch"]
-    assert [r["variant"] for r in steps] == overhead.variants()
+        "vs_standard_compile", "commit", "device"]
+    assert [r["variant"] for r in steps] == [v for v in overhead.variants() if v != "standard_compile"]  # --quick
     for engine in rk.engine.ENGINES:
         assert {f"revkernels_{engine}", f"revkernels_generic_{engine}"} <= {r["variant"] for r in steps}
     assert all(math.isfinite(float(r["step_ms"])) for r in steps), "a variant failed"

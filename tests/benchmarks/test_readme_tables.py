@@ -104,6 +104,16 @@ def test_overhead_tables_from_the_csvs(tmp_path, readme_tables):
     assert "| `layer_norm_bwd_add` | 8 / 16 us (2.00x) | n/a | 7 / 14 ms (2.00x) | 11 us |" in text
 
 
+def test_overhead_table_has_a_standard_compiled_column_when_measured(tmp_path, readme_tables):
+    rows = _overhead_rows("host_bound", 1)
+    rows.insert(1, dict(rows[0], variant="standard_compile", step_ms=4.0, compile_s=30.0))
+    _write(tmp_path / "overhead_cpu.csv", rows)
+    text = readme_tables.overhead_section(str(tmp_path))
+    assert "| variant | host_bound ms | vs standard | vs reversible_plain | vs checkpoint | vs standard compiled |" in text
+    assert "| `revkernels_compiled` | 5.00 (compile 12.5 s) | 1.20x | 2.00x | 3.20x | 0.80x |" in text
+    assert "| `standard_compile` | 4.00 (compile 30.0 s) | 1.50x | 2.50x | 4.00x | 1.00x |" in text
+
+
 def test_main_rewrites_both_marked_sections(tmp_path, readme_tables):
     readme = tmp_path / "README.md"
     o_begin, o_end = readme_tables.OVERHEAD_BEGIN, readme_tables.OVERHEAD_END

@@ -22,7 +22,8 @@ import revkernels as rk
 from revkernels.engine.compiled import backward_blocks, forward_blocks
 from revkernels.nn.reversible import ReversibleSequential, unique_grad_params
 from revkernels.nn.revvit import RevViTBlock
-from tests.helpers import assert_close_rel, loss_of, make_seq, plain_forward, rel_err, run_grads
+from tests.helpers import (CountingBackend, assert_close_rel, compiled_saved_bytes, loss_of, make_seq, plain_forward,
+                           rel_err, run_grads)
 
 AOT = {"backend": "aot_eager"}
 
@@ -166,19 +167,8 @@ def _mlp(dropout=0.0):
     return nn.Sequential(*layers, nn.Dropout(dropout)) if dropout else nn.Sequential(*layers)
 
 
-class _CountingBackend:
-    """A Dynamo backend that counts the graphs it is given and runs them as traced."""
-
-    def __init__(self):
-        self.graphs = 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        return gm.forward
-
-
 def test_twelve_vit_blocks_compile_one_forward_and_one_backward_step():
-    backend = _CountingBackend()
+    backend = CountingBackend()
     seq = _perturbed(ReversibleSequential(*[RevViTBlock(16, 2) for _ in range(12)], engine="compiled"))
     seq.compile_options = {"backend": backend}
     ref = copy.deepcopy(seq)
@@ -237,28 +227,12 @@ def test_bad_compile_options_raise_naming_the_argument():
         seq(torch.randn(2, 8, requires_grad=True), torch.randn(2, 8))
 
 
-def _saved_bytes(seq, x):
-    params = {id(p) for p in seq.parameters()}
-    total = [0]
-
-    def pack(t):
-        if id(t) not in params:
-            total[0] += t.numel() * t.element_size()
-        return t
-
-    fn = torch.compile(lambda a, b: seq(a, b), fullgraph=True, backend="aot_eager")
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y1, y2 = fn(x, x)
-    loss_of(y1, y2, 1.0, 1.0).backward()
-    return total[0]
-
-
 def test_fullgraph_compile_saves_the_same_bytes_at_depth_4_and_16():
     # The opaque op is the same for every memory-saving engine (sequential: no inner compiles).
     x = torch.randn(4, 8, requires_grad=True)
     saved = []
     for depth in (4, 16):
-        saved.append(_saved_bytes(make_seq(depth, 8, engine="sequential"), x))
+        saved.append(compiled_saved_bytes(make_seq(depth, 8, engine="sequential"), x))
     outputs = 2 * x.numel() * x.element_size()
     assert saved == [outputs, outputs], saved
 

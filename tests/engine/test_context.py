@@ -1,14 +1,28 @@
-"""Context keywords (``seq(x1, x2, **context)``) on every engine, against plain autograd through
-the same modules called with the same keywords."""
+"""Context keywords (``seq(x1, x2, **context)``) on every engine, under ``torch.compile`` and in a
+PETRA stage, against plain autograd through the same modules called with the same keywords.
+
+The compiled engine's steps and the compiled graphs use the ``aot_eager`` backend (what inductor
+gets, without its code generation; see tests/engine/test_compiled.py); every test here shares
+its compiled steps (one set of options), so the steps compile once per signature for the file.
+"""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import revkernels as rk
-from tests.helpers import assert_close_rel, grads_of, loss_of, rel_err
+from tests.helpers import CountingBackend, assert_close_rel, compiled_saved_bytes, grads_of, loss_of, rel_err
 
 WIDTH, BATCH, TOKENS, HEADS = 8, 3, 5, 2
+AOT = {"backend": "aot_eager"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dynamo_for_this_file():
+    # The file's tests share their compiled graphs; other files start from a fresh Dynamo.
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 def _perturbed_norm(width):
@@ -45,9 +59,11 @@ class CondMlp(nn.Module):
         return self.mlp(self.norm(x) + cond[:, None, :])
 
 
-def _seq(depth, engine="sequential"):
-    return rk.nn.ReversibleSequential(*[rk.nn.ReversibleBlock(MaskedAttention(), CondMlp()) for _ in range(depth)],
-                                      engine=engine)
+def _seq(depth, engine="sequential", compile_options=AOT):
+    seq = rk.nn.ReversibleSequential(*[rk.nn.ReversibleBlock(MaskedAttention(), CondMlp()) for _ in range(depth)],
+                                     engine=engine)
+    seq.compile_options = compile_options  # (read by engine="compiled" only)
+    return seq
 
 
 def _context(cond_grad=True):
@@ -74,17 +90,97 @@ def _grads(fn, seq, x1, x2, context, w1, w2, seed):
     return [y1.detach(), y2.detach(), a1.grad, a2.grad, cond.grad] + grads_of(seq.parameters())
 
 
-@pytest.mark.parametrize("engine", ["autograd", "sequential", "pareprop", "graphs"])
+def _assert_grads_equal_plain(seq, fn, tol=1e-5, context=None, seed=11):
+    x1, x2 = torch.randn(BATCH, TOKENS, WIDTH), torch.randn(BATCH, TOKENS, WIDTH)
+    w1, w2, context = torch.randn_like(x1), torch.randn_like(x2), context or _context()
+    expected = _grads(lambda a, b, c: _plain(seq, a, b, c), seq, x1, x2, context, w1, w2, seed=seed)
+    actual = _grads(fn, seq, x1, x2, context, w1, w2, seed=seed)
+    assert expected[4].abs().sum() > 0
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert_close_rel(a, e, tol, f"output/grad {i}")
+
+
+@pytest.mark.parametrize("engine", ["autograd", "sequential", "pareprop", "graphs", "compiled"])
 @pytest.mark.parametrize("depth", [1, 2, 5])
 def test_context_grads_equal_plain_autograd(engine, depth):
     seq = _seq(depth, engine)
+    _assert_grads_equal_plain(seq, lambda a, b, c: seq(a, b, **c))
+
+
+@pytest.mark.slow  # inductor code generation of four step graphs: ~45 s on 2 cores
+def test_compiled_engine_with_inductor_and_context():
+    # Compiled steps are within 1e-4 of eager (the mask and the float are inputs and guards, not
+    # constants of a graph: the second call, with other values, reuses or recompiles correctly).
+    seq = _seq(2, "compiled", compile_options={})
+    _assert_grads_equal_plain(seq, lambda a, b, c: seq(a, b, **c), tol=1e-4)
+    _assert_grads_equal_plain(seq, lambda a, b, c: seq(a, b, **c), tol=1e-4, seed=5)
+
+
+def test_compiled_engine_compiles_once_per_signature_with_context():
+    # The context's tensors are step inputs and its plain values part of the step's signature:
+    # five blocks with dropout compile F's and G's forward and backward branch steps once; a new
+    # value of `scale` compiles new steps and is used.
+    backend = CountingBackend()
+    seq = _seq(5, "compiled", compile_options={"backend": backend})
+    for _ in range(2):
+        _assert_grads_equal_plain(seq, lambda a, b, c: seq(a, b, **c))
+        assert backend.graphs == 4
+    _assert_grads_equal_plain(seq, lambda a, b, c: seq(a, b, **c), context={**_context(), "scale": 0.3})
+    assert backend.graphs > 4
+    seq.eval()  # no randomness to replay: one forward and one backward step for the whole block
+    _assert_grads_equal_plain(seq, lambda a, b, c: seq(a, b, **c))
+
+
+def _plain_half(seq, x1, x2, context):
+    for block in seq.blocks:
+        x1, x2 = x2, x1 + block.f(x2, **context)
+    return x1, x2
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_compiled_engine_half_coupling_blocks_with_context(training):
+    seq = rk.nn.ReversibleSequential(*[rk.nn.HalfCouplingBlock(MaskedAttention()) for _ in range(3)],
+                                     engine="compiled").train(training)
+    seq.compile_options = AOT
     x1, x2 = torch.randn(BATCH, TOKENS, WIDTH), torch.randn(BATCH, TOKENS, WIDTH)
     w1, w2, context = torch.randn_like(x1), torch.randn_like(x2), _context()
-    expected = _grads(lambda a, b, c: _plain(seq, a, b, c), seq, x1, x2, context, w1, w2, seed=11)
-    actual = _grads(lambda a, b, c: seq(a, b, **c), seq, x1, x2, context, w1, w2, seed=11)
-    assert expected[4].abs().sum() > 0
+    expected = _grads(lambda a, b, c: _plain_half(seq, a, b, c), seq, x1, x2, context, w1, w2, seed=3)
+    actual = _grads(lambda a, b, c: seq(a, b, **c), seq, x1, x2, context, w1, w2, seed=3)
     for i, (a, e) in enumerate(zip(actual, expected)):
         assert_close_rel(a, e, 1e-5, f"output/grad {i}")
+
+
+@pytest.mark.parametrize("engine,depth", [("sequential", 1), ("sequential", 5), ("compiled", 2)])
+def test_fullgraph_compile_with_context_equals_plain_autograd(engine, depth):
+    # The opaque op carries the context: tensors (cond's grad summed over blocks) and numbers,
+    # here a float input of the compiled function (symbolic in the graph, so a new value is used).
+    seq = _seq(depth, engine)
+    fn = torch.compile(lambda a, b, c: seq(a, b, **c), fullgraph=True, backend="aot_eager")
+    _assert_grads_equal_plain(seq, fn)
+    _assert_grads_equal_plain(seq, fn, context={**_context(), "scale": 1.3}, seed=5)
+
+
+def test_fullgraph_compile_saves_context_once_flat_in_depth():
+    def saved_bytes(depth):
+        seq = _seq(depth).eval()  # no dropout: no generator states saved
+        return compiled_saved_bytes(seq, torch.randn(BATCH, TOKENS, WIDTH, requires_grad=True), **_context())
+
+    outputs = 2 * BATCH * TOKENS * WIDTH * 4
+    assert saved_bytes(2) == saved_bytes(8) == outputs + BATCH * TOKENS + BATCH * WIDTH * 4  # y1, y2, mask, cond
+
+
+def test_fullgraph_compile_context_errors_name_the_problem():
+    class Shifted(nn.Module):
+        def forward(self, x, shift=(), **context):
+            return x * len(shift)
+
+    seq = rk.nn.ReversibleSequential(rk.nn.ReversibleBlock(Shifted(), Shifted()))
+    x = torch.randn(BATCH, TOKENS, WIDTH)
+    with pytest.raises(Exception, match=r"context values that are not tensors or numbers must be hashable, "
+                                        r"got \{'shift': \[1, 2\]\}"):
+        torch.compile(lambda a, b: seq(a, b, shift=[1, 2]), fullgraph=True, backend="aot_eager")(x, x)
+    y1, _ = torch.compile(lambda a, b: seq(a, b, shift=(1, 2)), fullgraph=True, backend="aot_eager")(x, x)
+    assert_close_rel(y1, 3 * x, 1e-6)
 
 
 def test_context_tensors_are_saved_once_per_run():
@@ -152,9 +248,13 @@ def test_block_without_kwargs_is_named():
     seq = rk.nn.ReversibleSequential(rk.nn.ReversibleBlock(MaskedAttention(), CondMlp()),
                                      rk.nn.ReversibleBlock(MaskedAttention(), plain))
     x = torch.randn(BATCH, TOKENS, WIDTH)
-    for call in (lambda: seq(x, x, **_context()), lambda: seq.inverse(x, x, **_context()),
-                 lambda: seq.reverse(x, x, x, x, **_context()), lambda: rk.check_reversibility(seq, x, x, **_context())):
-        with pytest.raises(TypeError, match=r"blocks\[1\]\.g \(Sequential\) does not accept the context keyword"):
+    context = _context()
+    compiled = torch.compile(lambda a, b: seq(a, b, **context), fullgraph=True, backend="aot_eager")
+    for call in (lambda: seq(x, x, **context), lambda: seq.inverse(x, x, **context),
+                 lambda: seq.reverse(x, x, x, x, **context), lambda: rk.check_reversibility(seq, x, x, **context),
+                 lambda: compiled(x, x)):
+        # (under torch.compile the TypeError reaches the caller wrapped by Dynamo)
+        with pytest.raises(Exception, match=r"blocks\[1\]\.g \(Sequential\) does not accept the context keyword"):
             call()
     with pytest.raises(TypeError, match=r"ReversibleBlock\.g \(Sequential\) does not accept"):
         seq.blocks[1](x, x, cond=torch.zeros(BATCH, WIDTH))

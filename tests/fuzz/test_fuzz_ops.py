@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from revkernels.ops import (batch_norm_act, batch_norm_act_bwd, bias_gelu, bias_gelu_bwd, coupling_add, coupling_add_reference, coupling_sub,
@@ -438,6 +438,10 @@ def test_bias_gelu(entry, shape, dx_, db, mixed, approximate, lx, ld, seed):
 # --- linear_sub --------------------------------------------------------------------------------
 
 @fuzz(200)
+# bf16 with a bias, found by this test: folding the bias into a bf16 accumulator (y - b rounded
+# before the GEMM) made the error 2.15x the composition's; the op now rounds as F.linear does.
+@example(lead=[3, 5], k=45, n=26, dtype=torch.bfloat16, mixed=False, has_bias=True, entry="python", ly="sliced",
+         la="strided", lw="contiguous", seed=2147483646)
 @given(lead=st.lists(st.integers(0, 6), max_size=2), k=st.integers(1, 48), n=st.integers(1, 48),
        dtype=dtypes, mixed=st.booleans(), has_bias=st.booleans(), entry=entries, ly=layouts, la=layouts,
        lw=layouts, seed=seeds)

@@ -9,9 +9,10 @@ constants for representative widths (1, 33, 1000, 4096, 4097, 8192 and the chunk
 MAX_FUSED_N_BWD / MAX_FUSED_N). Register use and spills (cuobjdump resource usage: LOCAL/STACK > 0) are printed as
 non-fatal notes.
 
-One child process compiles everything (a fresh Triton cache, so nothing is a cache hit). Run it
-against another Triton by pointing REVKERNELS_TRITON_PYTHON at that environment's python.
-The file also runs standalone as the child: `python tests/triton/test_compile_sm90.py`.
+One child process per CPU core (at most 4) compiles its share of the cases (a fresh Triton cache, so
+nothing is a cache hit). Run it against another Triton by pointing REVKERNELS_TRITON_PYTHON at that
+environment's python. The file also runs standalone as the child: `python
+tests/triton/test_compile_sm90.py [SHARD COUNT]` compiles cases SHARD, SHARD + COUNT, ...
 """
 import importlib.util
 import json
@@ -191,7 +192,7 @@ def _resource_usage(cuobjdump, cubin, workdir):
     return usage
 
 
-def _child():
+def _child(shard=0, count=1):
     import tempfile
 
     assert not os.environ.get("TRITON_INTERPRET"), "the compile check must not run under the interpreter"
@@ -201,7 +202,7 @@ def _child():
     from triton.compiler import ASTSource
 
     kernels = _jit_kernels()
-    cases = _cases()
+    cases = _cases()[shard::count]
     target = GPUTarget("cuda", ARCH, 32)
     cuobjdump = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
     results = []
@@ -243,21 +244,29 @@ def _python():
     return os.environ.get("REVKERNELS_TRITON_PYTHON", sys.executable)
 
 
-def _run_child(tmp_dir):
+def _run_children(tmp_dir):
+    """The children's reports merged: one child per core (at most 4), each with its own fresh cache."""
+    count = max(1, min(4, len(os.sched_getaffinity(0))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_dir)  # fresh: every case really compiles
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default; silences Triton 3.9's notice
-    proc = subprocess.run([_python(), os.path.abspath(__file__)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=900)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (
-        f"compile child failed (rc {proc.returncode})\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-8000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    procs = []
+    for shard in range(count):
+        cache = os.path.join(str(tmp_dir), f"shard{shard}")  # fresh: every case really compiles
+        procs.append(subprocess.Popen([_python(), os.path.abspath(__file__), str(shard), str(count)], cwd=REPO,
+                                      env=dict(env, TRITON_CACHE_DIR=cache), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    reports = []
+    for proc, (stdout, stderr) in [(proc, proc.communicate(timeout=900)) for proc in procs]:
+        lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, (
+            f"compile child failed (rc {proc.returncode})\nstdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-8000:]}")
+        reports.append(json.loads(lines[-1][len("RESULT "):]))
+    return dict(reports[0], cases=[case for report in reports for case in report["cases"]])
 
 
 if __name__ == "__main__":
-    _child()
+    _child(*(int(arg) for arg in sys.argv[1:3]))
 else:
     import pytest
 
@@ -286,7 +295,7 @@ else:
     @pytest.fixture(scope="module")
     def report(tmp_path_factory):
         start = time.perf_counter()
-        result = _run_child(tmp_path_factory.mktemp("triton_cache"))
+        result = _run_children(tmp_path_factory.mktemp("triton_cache"))
         cases = result["cases"]
         print(f"\ntriton {result['triton']}: {len(cases)} sm_{ARCH} compiles in {time.perf_counter() - start:.1f} s")
         for name in sorted({c["kernel"] for c in cases}):
