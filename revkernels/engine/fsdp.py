@@ -55,31 +55,40 @@ def _units(module):
     return units
 
 
-def _cached_units(module, key, probe, build):
-    # fully_shard registers nothing the structure cache sees: a module sharded after its
-    # structure was cached shows as FSDP's mark appearing on `probe`.
-    managed = probe.__dict__.get(_MANAGED, False)
-    entry = cached(module, key, lambda m: (managed, build(m)))
-    if entry[0] != managed:
+def _checked(module, key, build):
+    """``cached(module, key, build)`` for ``build(module) -> (probe, FSDP's mark on it, value)``
+    (probe None: `module` itself; a cached value must not hold its own key, or neither is ever
+    freed). fully_shard registers nothing the structure cache sees: a module sharded after its
+    structure was cached shows as the mark appearing on the probe, and the cache is dropped."""
+    probe, managed, value = cached(module, key, build)
+    if (module if probe is None else probe).__dict__.get(_MANAGED, False) != managed:
         invalidate()
-        entry = cached(module, key, lambda m: (managed, build(m)))
-    return entry[1]
+        probe, managed, value = cached(module, key, build)
+    return value
 
 
-def _units_per_block(seq):
+def _block_units_entry(seq):
+    probe = seq.blocks[0]
     units = [_units(block) for block in seq.blocks]
-    return units if any(units) else None
+    return probe, probe.__dict__.get(_MANAGED, False), units if any(units) else None
+
+
+def _module_units_entry(module):
+    units = _units(module)
+    own = bool(units) and units[0] is module  # kept as a flag (see `_checked`)
+    return None, module.__dict__.get(_MANAGED, False), (own, units[1:] if own else units)
 
 
 def block_units(seq):
     """Per block of `seq`, its FSDP units (outermost first); None when no block holds one. The
     engines' one check per step (cached per structure)."""
-    return _cached_units(seq, "fsdp_block_units", seq.blocks[0], _units_per_block)
+    return _checked(seq, "fsdp_block_units", _block_units_entry)
 
 
 def module_units(module):
     """The FSDP units among `module`'s modules, outermost first (cached per structure)."""
-    return _cached_units(module, "fsdp_units", module, _units)
+    own, units = _checked(module, "fsdp_units", _module_units_entry)
+    return (module, *units) if own else units
 
 
 def enter(units, fn, *args):
