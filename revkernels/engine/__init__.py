@@ -12,6 +12,10 @@
                 function (torch.func), compiled once per block signature and shared by every block
                 with that signature (see `revkernels.engine.compiled`)
 
+Blocks sharded one by one by FSDP2 (``fully_shard`` on each block, or on F and G) make a
+memory-saving engine run one autograd node per block, entered through FSDP's forward logic (see
+`revkernels.engine.fsdp`).
+
 An engine is a function ``engine(seq, x1, x2, context=NO_CONTEXT) -> (y1, y2)``; `context` is
 the dict of keywords every F and G is called with (``seq(x1, x2, **context)``).
 """

@@ -48,6 +48,7 @@ import torch
 from torch.func import functional_call, vjp
 from torch.nn.modules import module as module_hooks
 
+from revkernels.engine.fsdp import block_units, run_sharded_compiled
 from revkernels.engine.sequential import save_with_context, saved_with_context
 from revkernels.engine.state import NO_CONTEXT, AutocastState, RngState, cuda_devices_of, maybe_replay
 from revkernels.engine.structure import frozen_batchnorm_stats
@@ -190,8 +191,9 @@ def _hooked(block):
     if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks \
             or module_hooks._global_backward_hooks:
         return True
+    # The block's own hooks (FSDP's, for one) never fire in its steps: no engine calls the block.
     return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-               for m in cached(block, "submodules", lambda b: list(b.modules())))
+               for m in cached(block, "submodules", lambda b: list(b.modules())[1:]))
 
 
 def _grad_slots(layout, slots):
@@ -356,6 +358,9 @@ _SHARED = {}
 
 
 def run_compiled(seq, x1, x2, context=NO_CONTEXT):
+    units = block_units(seq)
+    if units is not None:  # blocks sharded by FSDP2 one by one: one autograd node per block
+        return run_sharded_compiled(seq, x1, x2, units, context)
     params = _reversible.unique_grad_params(seq.blocks)
     grad_context = [v for v in context.values() if isinstance(v, torch.Tensor) and v.requires_grad]
     if not torch.is_grad_enabled() or not (x1.requires_grad or x2.requires_grad or params or grad_context):

@@ -37,7 +37,9 @@ on CPU), warning once per run and reason:
   before any capture is attempted;
 - capture failed; the warning carries the error and the signature is not tried again (the
   failed capture is ended and the caller's stream restored, so the process stays usable);
-- context keywords (``seq(x1, x2, **context)``): runs are captured without context only.
+- context keywords (``seq(x1, x2, **context)``): runs are captured without context only;
+- blocks sharded by FSDP2 one by one (`revkernels.engine.fsdp`): FSDP's collectives cannot be
+  captured.
 
 Forward hooks of the blocks run during warm-up and capture only, not at replay.
 """
@@ -50,6 +52,7 @@ import weakref
 import torch
 from torch import nn
 
+from revkernels.engine.fsdp import block_units
 from revkernels.engine.pareprop import reverse_blocks_two_streams, run_pareprop
 from revkernels.engine.sequential import reverse_blocks, run_reversible
 from revkernels.engine.state import NO_CONTEXT
@@ -291,6 +294,9 @@ def run_graphs(seq, x1, x2, context=NO_CONTEXT):
     params = unique_grad_params(seq.blocks)
     needs_grad = torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad or params)
     if not (x1.is_cuda and needs_grad):
+        return run_pareprop(seq, x1, x2, context)
+    if block_units(seq) is not None:
+        _warn_once(seq, "its blocks are sharded by FSDP2 (collectives cannot be captured)")
         return run_pareprop(seq, x1, x2, context)
     if context:
         _warn_once(seq, f"context keywords {sorted(context)} are not captured")

@@ -8,10 +8,13 @@ is re-entered, and BatchNorm running statistics are not updated a second time by
 Under torch.compile (which cannot trace this Function's backward) it is torch.utils.checkpoint,
 which the compiler handles.
 """
+import functools
+
 import torch
 import torch.utils.checkpoint
 from torch.func import functional_call
 
+from revkernels.engine.fsdp import enter, module_units
 from revkernels.engine.state import AutocastState, RngState, cuda_devices_of, maybe_replay
 from revkernels.engine.structure import frozen_batchnorm_stats
 
@@ -48,7 +51,16 @@ class _Recomputed(torch.autograd.Function):
 
 def run_recomputed(module, *inputs):
     """`module(*inputs)` keeping only `inputs` for the backward, which recomputes the module.
-    Returns what the module returns (a tensor or a tuple of tensors)."""
+    Returns what the module returns (a tensor or a tuple of tensors). A module that holds FSDP2
+    units runs as their forward (`revkernels.engine.fsdp.enter`): FSDP all-gathers the parameters
+    for the forward and for the recompute and reduce-scatters their grads, as for any module."""
+    units = () if torch.compiler.is_compiling() else module_units(module)
+    if units:
+        return enter(units, functools.partial(_run_recomputed, module), *inputs)
+    return _run_recomputed(module, *inputs)
+
+
+def _run_recomputed(module, *inputs):
     names = [name for name, p in module.named_parameters() if p.requires_grad]
     params = dict(module.named_parameters())
     needs_grad = any(t.requires_grad for t in inputs) or names

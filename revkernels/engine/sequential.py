@@ -7,6 +7,9 @@ forward's autocast mode, ``grads`` turns the output grads into input and paramet
 parameters are inputs of the Function, so their grads reach ``.grad`` through autograd's normal
 accumulation (tensor hooks, DDP's reducer and gradient accumulation see them as usual).
 
+Blocks sharded one by one by FSDP2 run one autograd node per block instead, with the same steps
+(`revkernels.engine.fsdp`).
+
 Context (``seq(x1, x2, **context)``): the context's tensors are saved once per run; those that
 require grad are inputs of the Function too. The backward hands every block the same detached
 leaf per such tensor and differentiates it like a parameter (the walker's `params` end with the
@@ -16,7 +19,8 @@ import contextlib
 
 import torch
 
-from revkernels.engine.state import NO_CONTEXT, AutocastState
+from revkernels.engine.fsdp import block_units, run_sharded
+from revkernels.engine.state import NO_CONTEXT, AutocastState, grad_tensors
 
 
 def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None, monitor=None, context=NO_CONTEXT):
@@ -53,6 +57,14 @@ def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None
     if monitor is not None:
         monitor[0].report(errors)
     return y1, y2, dy1, dy2, param_grads
+
+
+def forward_step(block, x1, x2, preserve_rng_state, context=NO_CONTEXT):
+    """``block.forward_with_state`` (without context: the steps' pre-context signature, so blocks
+    that override them still work)."""
+    if context:
+        return block.forward_with_state(x1, x2, preserve_rng_state, context)
+    return block.forward_with_state(x1, x2, preserve_rng_state)
 
 
 def save_with_context(ctx, context, *tensors):
@@ -97,8 +109,7 @@ class ReversibleRun(torch.autograd.Function):
             for block in seq.blocks:
                 if monitor is not None:
                     samples.append(monitor.sample(x1, x2))
-                x1, x2, state = block.forward_with_state(x1, x2, seq.preserve_rng_state, context) if context \
-                    else block.forward_with_state(x1, x2, seq.preserve_rng_state)
+                x1, x2, state = forward_step(block, x1, x2, seq.preserve_rng_state, context)
                 states.append(state)
         ctx.monitor = None if monitor is None else (monitor, samples)
         ctx.blocks = list(seq.blocks)
@@ -113,9 +124,9 @@ class ReversibleRun(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy1, dy2):
         (y1, y2), context, leaves = saved_with_context(ctx, 2)
-        params = ctx.params + leaves
         _, _, dx1, dx2, grads = ctx.walker(
-            ctx.blocks, ctx.states, y1, y2, dy1, dy2, params, ctx.autocast_state, monitor=ctx.monitor, context=context
+            ctx.blocks, ctx.states, y1, y2, dy1, dy2, ctx.params + leaves, ctx.autocast_state, monitor=ctx.monitor,
+            context=context
         )
         ctx.states = ctx.monitor = None
         return (None, None, None, None, dx1, dx2, *grads)
@@ -125,8 +136,11 @@ def run_reversible(seq, x1, x2, walker, context=NO_CONTEXT):
     """Runs `seq`'s blocks as one `ReversibleRun` whose backward follows `walker`."""
     from revkernels.nn.reversible import unique_grad_params
 
+    units = block_units(seq)
+    if units is not None:  # blocks sharded by FSDP2 one by one: one autograd node per block
+        return run_sharded(seq, x1, x2, units, reverse_blocks, forward_step, context)
     params = unique_grad_params(seq.blocks)
-    grad_context = [v for v in context.values() if isinstance(v, torch.Tensor) and v.requires_grad] if context else []
+    grad_context = grad_tensors(context)
     if not torch.is_grad_enabled() or not (x1.requires_grad or x2.requires_grad or params or grad_context):
         # Nothing to differentiate: a plain forward that keeps nothing.
         for block in seq.blocks:

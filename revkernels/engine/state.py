@@ -41,6 +41,11 @@ class RngState:
                 torch.cuda.set_rng_state(state, device)
 
 
+def grad_tensors(context):
+    """The context tensors that require grad (inputs of the engines' autograd nodes)."""
+    return [v for v in context.values() if isinstance(v, torch.Tensor) and v.requires_grad] if context else []
+
+
 def cuda_devices_of(*tensors):
     """The CUDA device indices of `tensors` (whose generators a forward may draw from)."""
     return tuple(sorted({t.device.index for t in tensors if t.is_cuda}))

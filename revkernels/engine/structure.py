@@ -4,9 +4,12 @@ A reversible step must not walk ``named_parameters``/``named_modules`` on every 
 step (at small sizes the walks cost more than the kernels). `cached(module, key, build)` keeps
 ``build(module)`` until the structure of any module changes: a global version counter is bumped
 by torch's module registration hooks, which fire whenever a parameter, buffer or submodule is
-registered or replaced (``module.weight = nn.Parameter(...)``, ``add_module``, FSDP's sharding,
-...). What can change without a registration (``requires_grad``, ``training``, dropout
-probabilities) is read at step time from the cached lists.
+registered or replaced (``module.weight = nn.Parameter(...)``, ``add_module``, ...). What can
+change without a registration (``requires_grad``, ``training``, dropout probabilities) is read at
+step time from the cached lists. FSDP2 (``fully_shard``) swaps its modules' sharded and unsharded
+parameters by writing ``module._parameters`` directly, which no hook sees: `param_slots` re-reads
+the parameters of FSDP-managed modules on every access, and `invalidate` lets the engines drop the
+cache when they see a run that was sharded after its structure was cached.
 
 `ParamSlots` swaps detached aliases of a module's parameters in and out of the modules that hold
 them (every occurrence of a tied parameter), so a local graph differentiates the aliases and fires
@@ -46,6 +49,11 @@ def structure_version():
     return _version
 
 
+def invalidate():
+    """Drops every cached structure (for changes no registration hook reports)."""
+    _bump()
+
+
 def cached(module, key, build):
     """``build(module)``, computed once per module structure (see the module docstring). While
     torch.compile traces, computed afresh (tracing runs once; a cache write would be a side effect
@@ -63,9 +71,13 @@ def cached(module, key, build):
 
 
 class ParamSlots:
-    """The parameters of a module tree, each once, with every (module, name) slot holding it."""
+    """The parameters of a module tree, each once, with every (module, name) slot holding it.
 
-    __slots__ = ("params", "names", "slots", "parametrized")
+    `managed`: some owner is managed by FSDP2, which swaps sharded and unsharded parameters into
+    the slots without a registration; `refresh` then re-reads them (in place: holders of `params`
+    see the current tensors)."""
+
+    __slots__ = ("params", "names", "slots", "parametrized", "managed", "_by_name")
 
     def __init__(self, module):
         by_id = {}
@@ -84,6 +96,25 @@ class ParamSlots:
         # Parametrized modules compute their weights from `parametrizations.*`: only
         # functional_call knows how to substitute those.
         self.parametrized = any(parametrize.is_parametrized(m) for m in module.modules())
+        # fully_shard marks every module whose parameters it swaps (also read by torch.compile).
+        self.managed = any(getattr(owner, "_is_fsdp_managed_module", False)
+                           for slots in self.slots for owner, _ in slots)
+        self._by_name = None
+
+    def refresh(self):
+        """Re-reads each parameter from its first slot (see `managed`)."""
+        for i, slots in enumerate(self.slots):
+            owner, name = slots[0]
+            p = owner._parameters[name]
+            if p is not self.params[i]:
+                self.params[i] = p
+                self._by_name = None
+
+    def by_name(self):
+        """{qualified name: parameter}."""
+        if self._by_name is None:
+            self._by_name = dict(zip(self.names, self.params))
+        return self._by_name
 
     @contextlib.contextmanager
     def substituted(self, aliases):
@@ -100,7 +131,11 @@ class ParamSlots:
 
 
 def param_slots(module):
-    return cached(module, "param_slots", ParamSlots)
+    """The module's `ParamSlots` (cached; the current parameters of an FSDP-managed module)."""
+    slots = cached(module, "param_slots", ParamSlots)
+    if slots.managed:
+        slots.refresh()
+    return slots
 
 
 def batchnorm_layers(module):
@@ -155,5 +190,5 @@ def detached_aliases(slots):
     return {i: p.detach().requires_grad_() for i, p in enumerate(slots.params) if p.requires_grad}
 
 
-__all__ = ["structure_version", "cached", "ParamSlots", "param_slots", "batchnorm_layers", "draws_random",
+__all__ = ["structure_version", "invalidate", "cached", "ParamSlots", "param_slots", "batchnorm_layers", "draws_random",
            "frozen_batchnorm_stats", "detached_aliases"]

@@ -423,14 +423,19 @@ class ReverseResult(tuple):
 
 def unique_grad_params(blocks):
     """The parameters of `blocks` (a ModuleList) that require grad, each once, in module order."""
-    return [p for p in cached(blocks, "unique_params", _unique_params) if p.requires_grad]
+    managed, params = cached(blocks, "unique_params", _unique_params)
+    if managed:  # FSDP swaps the parameters without a registration: the current ones
+        params = _unique_params(blocks)[1]
+    return [p for p in params if p.requires_grad]
 
 
 def _unique_params(blocks):
-    seen, params = set(), []
+    seen, params, managed = set(), [], False
     for block in blocks:
-        for p in param_slots(block).params:
+        slots = param_slots(block)
+        managed = managed or slots.managed
+        for p in slots.params:
             if id(p) not in seen:
                 seen.add(id(p))
                 params.append(p)
-    return params
+    return managed, params

@@ -220,9 +220,9 @@ class RevTransformerBlock(ReversibleBlock):
                          MlpBranch(dim, int(dim * mlp_ratio), drop_path, eps, approximate, dropout))
 
     def _params(self):
-        # {"f.norm.weight": parameter, ...}, computed once per module structure: a step reads
-        # parameters from it instead of walking submodules' __getattr__.
-        return cached(self, "params_by_name", lambda m: dict(zip(param_slots(m).names, param_slots(m).params)))
+        # {"f.norm.weight": parameter, ...}, computed once per module structure (and per FSDP
+        # swap): a step reads parameters from it instead of walking submodules' __getattr__.
+        return param_slots(self).by_name()
 
     def _parts(self):
         # The submodules the steps use, once per module structure (each Module.__getattr__ lookup

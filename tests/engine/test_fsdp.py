@@ -1,11 +1,17 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) over reversible runs: two gloo processes on CPU
-give the grads of one process.
+give the grads of one process, with every engine, for blocks sharded one by one (each block, or F
+and G inside generic blocks, or every stage of a RevNet-like model whose non-reversible stages are
+recomputed; RevNet-18 itself in a slow test), with ``reshard_after_forward`` True and False, and
+for a run sharded as one unit. One spawn runs every CI case (each spawn costs seconds); the parent
+compares each case's grads with plain autograd in one process.
 
-With a memory-saving engine the whole `ReversibleSequential` must be one FSDP unit
-(``fully_shard(seq)``): the engine calls its blocks' forward_with_state/recompute/grads, not the
-block modules, so FSDP's per-module unshard hooks would not run for blocks sharded on their own
-(their parameters stay sharded DTensors: "got mixed torch.Tensor and DTensor"). The autograd
-engine calls the blocks as modules, so each block can be its own unit there.
+Also checked inside the spawn: a forward saves only the run's outputs for the backward; the
+parameters are half per rank; in the backward, when block i
+is rebuilt, its parameters are the only unsharded ones allocated (the blocks after it are
+resharded, their grads reduce-scattered: per block, as FSDP does for ordinary modules); with
+``reshard_after_forward=False`` the forward leaves them unsharded. A mixed-precision policy (bf16
+parameters, fp32 reduce; fp32 streams under bf16 autocast) gives fp32 grads as accurate as the
+autograd engine under the same policy.
 """
 import datetime
 import os
@@ -15,42 +21,235 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
-from tests.helpers import assert_close_rel, loss_of, make_seq
-
-WIDTH, BATCH, STEPS = 16, 8, 2
+import revkernels as rk
+from revkernels.check import monitor_reconstruction
+from revkernels.engine.recompute import run_recomputed
+from revkernels.models.staged import StagedModel
+from tests.helpers import assert_close_rel, loss_of, make_seq, rel_err, residual_fn
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 
+WIDTH, DEPTH, TOKENS, BATCH, STEPS = 16, 3, 4, 4, 2
+# The streams stay fp32 (no input cast; F and G compute in bf16 under autocast): bf16 streams would
+# rebuild each block only to bf16 precision (README, "Expected drift"), which is not FSDP's doing.
+BF16 = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
-def _mean_loss(seq, x1, x2, w1, w2):
-    y1, y2 = seq(x1, x2)
-    return loss_of(y1, y2, w1, w2) / x1.shape[0]
+# name: (model, what fully_shard wraps before the model, reshard_after_forward, engine, mixed precision)
+CASES = {
+    "generic-block-raf": ("generic", "block", True, "sequential", False),
+    "generic-block-keep": ("generic", "block", False, "sequential", False),
+    "generic-fg-raf": ("generic", "fg", True, "sequential", False),
+    "generic-run": ("generic", "none", True, "sequential", False),  # the run as one unit
+    "vit-block-late": ("vit", "block", True, "sequential", False),  # a step before fully_shard
+    "vit-block-nosync": ("vit", "block", True, "sequential", False),  # grads accumulated unsharded, then synced
+    "context-block-raf": ("context", "block", True, "sequential", False),  # seq(x1, x2, cond=c), c requires grad
+    "vit-block-raf": ("vit", "block", True, "sequential", False),
+    "vit-block-keep": ("vit", "block", False, "sequential", False),
+    "staged-stage-raf": ("staged", "block", True, "sequential", False),
+    "generic-block-autograd": ("generic", "block", True, "autograd", False),
+    "generic-block-pareprop": ("generic", "block", True, "pareprop", False),
+    "generic-block-graphs": ("generic", "block", False, "graphs", False),
+    "generic-block-compiled": ("generic", "block", True, "compiled-dynamo", False),
+    "mlp-block-bf16": ("mlp", "block", True, "sequential", True),
+    "mlp-block-bf16-autograd": ("mlp", "block", True, "autograd", True),
+}
+SLOW_CASES = {"revnet18-stage-raf": ("revnet18", "block", True, "sequential", False),
+              "vit-block-inductor": ("vit", "block", True, "compiled", False)}
 
 
-def _worker(rank, world, engine, per_block, init_file, data_file, out_file):
+class _Split(nn.Module):
+    """x -> two streams (a stem)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, 2 * WIDTH)
+
+    def forward(self, x):
+        x1, x2 = self.proj(x).chunk(2, dim=-1)
+        return x1, x2
+
+
+class _Mix(nn.Module):
+    """A non-reversible two-stream stage (a downsampling stage's shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.f = residual_fn(WIDTH)
+
+    def forward(self, x1, x2):
+        return torch.tanh(x2), x1 + self.f(x2)
+
+
+def _mlp():
+    """F or G without a LayerNorm (CPU LayerNorm takes no bf16 weights with an fp32 input)."""
+    return nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
+
+
+class _Film(nn.Module):
+    """F or G scaled by a context tensor: ``fn(x) * (1 + cond)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fn = residual_fn(WIDTH)
+
+    def forward(self, x, cond=None):
+        return self.fn(x) * (1 + cond)
+
+
+class _Staged(StagedModel, nn.Module):
+    """RevNet in miniature: stem, run of half blocks, non-reversible stage, run, head; the stem and
+    the non-reversible stage recomputed, as RevNet's are."""
+
+    def __init__(self, engine):
+        super().__init__()
+        runs = [rk.nn.ReversibleSequential(*(rk.nn.HalfCouplingBlock(residual_fn(WIDTH)) for _ in range(2)),
+                                           engine=engine) for _ in range(2)]
+        self.segments = nn.ModuleList([_Split(), runs[0], _Mix(), runs[1], nn.Linear(2 * WIDTH, 10)])
+        self._engine = engine
+
+    def forward(self, x):
+        stem, run1, mix, run2, head = self.segments
+        out = run2(*run_recomputed(mix, *run1(*run_recomputed(stem, x))))
+        return head(torch.cat(out, dim=-1))
+
+
+def _model(kind, engine="autograd"):
+    """The case's model; engine "compiled-dynamo": the compiled engine with Dynamo's eager backend
+    (the steps traced as for inductor, in seconds instead of a minute)."""
+    if kind == "staged":
+        return _Staged(engine)
+    if kind in ("generic", "mlp", "vit", "context"):
+        blocks = {"generic": lambda: make_seq(DEPTH, WIDTH).blocks,
+                  "mlp": lambda: [rk.nn.ReversibleBlock(_mlp(), _mlp()) for _ in range(DEPTH)],
+                  "vit": lambda: [rk.nn.RevViTBlock(WIDTH, 2, mlp_ratio=2.0) for _ in range(2)],
+                  "context": lambda: [rk.nn.ReversibleBlock(_Film(), _Film()) for _ in range(2)]}[kind]()
+        seq = rk.nn.ReversibleSequential(*blocks)
+        seq.engine = engine.removesuffix("-dynamo")
+        if engine.endswith("-dynamo"):
+            seq.compile_options = {"backend": "eager"}
+        return seq
+    # eval: BatchNorm uses its running statistics, so a rank's grads do not depend on the other's batch
+    return rk.models.revnet18(num_classes=10, stem="cifar", engine=engine).eval()
+
+
+def _batch(kind):
+    if kind == "revnet18":
+        return torch.randn(BATCH, 3, 8, 8), torch.randn(BATCH, 10)
+    if kind == "staged":
+        return torch.randn(BATCH, WIDTH), torch.randn(BATCH, 10)
+    shape = (BATCH, TOKENS, WIDTH) if kind == "vit" else (BATCH, WIDTH)
+    return tuple(torch.randn(shape) for _ in range(5 if kind == "context" else 4))
+
+
+def _loss(model, kind, batch):
+    """The rank's mean loss (FSDP's reduce-scatter averages the ranks' grads) and the input (or
+    context tensor) whose grad is checked (None: none requires grad)."""
+    if kind in ("revnet18", "staged"):
+        x, w = batch
+        return (model(x) * w).sum() / x.shape[0], None
+    x1, x2, w1, w2, *cond = batch
+    leaf = (cond[0] if cond else x1).detach().requires_grad_()  # FSDP hooks the grad-requiring inputs
+    y1, y2 = model(x1, x2, cond=leaf) if cond else model(leaf, x2)
+    return loss_of(y1, y2, w1, w2) / x1.shape[0], leaf
+
+
+def _shard(model, kind, units, raf, mixed):
+    options = dict(reshard_after_forward=raf, mp_policy=BF16 if mixed else fsdp.MixedPrecisionPolicy())
+    for block in (model.stages if kind in ("revnet18", "staged") else model.blocks if units != "none" else []):
+        if units == "fg":
+            fsdp.fully_shard(block.f, **options)
+            fsdp.fully_shard(block.g, **options)
+        else:
+            fsdp.fully_shard(block, **options)
+    fsdp.fully_shard(model, mp_policy=options["mp_policy"])
+
+
+def _is_sharded(block):
+    return all(isinstance(p, torch.distributed.tensor.DTensor) for p in block.parameters())
+
+
+def _watch_backward(model, observed):
+    """Records, at each block's rebuild in the first step's backward, which blocks' unsharded
+    parameters are allocated and which blocks already have (reduce-scattered) grads."""
+    blocks = list(model.blocks)
+    unsharded = [None] * len(blocks)  # each block's unsharded parameter tensors, seen in its rebuild
+
+    def watch(i, recompute):
+        def rebuild(*args, **kwargs):
+            unsharded[i] = [p for p in blocks[i].parameters() if not isinstance(p, torch.distributed.tensor.DTensor)]
+            allocated = [j for j, ps in enumerate(unsharded) if ps and all(p.untyped_storage().size() for p in ps)]
+            with_grads = [j for j, b in enumerate(blocks) if _is_sharded(b) and all(p.grad is not None for p in b.parameters())]
+            observed.append((i, allocated, with_grads, [j for j, b in enumerate(blocks) if not _is_sharded(b)]))
+            return recompute(*args, **kwargs)
+        return rebuild
+
+    for i, block in enumerate(blocks):
+        block.recompute = watch(i, block.recompute)
+
+
+def _run_case(name, case, data, shard):
+    """One case's training steps on this rank; what the parent checks."""
+    kind, units, raf, engine, mixed = case
+    model = _model(kind, engine)
+    model.load_state_dict(data["state"])
+    if name.endswith("-late"):  # the structure cache is built before sharding
+        _loss(model, kind, tuple(t[shard] for t in data["batches"][0]))[0].backward()
+        model.zero_grad(set_to_none=True)
+    _shard(model, kind, units, raf, mixed)
+    observed, after_forward = [], None
+    if name == "generic-block-raf":
+        _watch_backward(model, observed)
+    monitor = monitor_reconstruction(model) if name == "generic-block-keep" else None
+    for step, batch in enumerate(data["batches"]):
+        if name.endswith("-nosync"):
+            model.set_requires_gradient_sync(step == len(data["batches"]) - 1)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+            loss, leaf = _loss(model, kind, tuple(t[shard] for t in batch))
+        if step == 0 and units == "block" and kind in ("generic", "vit"):
+            after_forward = [_is_sharded(b) for b in model.blocks]
+        loss.backward()
+        if observed and step == 0:
+            for block in model.blocks:  # the watch is for the first step only
+                del block.recompute
+    params = list(model.parameters())
+    result = {
+        # the last step's input grad, scaled from the rank's mean loss to the whole batch's
+        "input_grad": None if leaf is None else leaf.grad * (shard.stop - shard.start) / BATCH,
+        "grads": [p.grad.full_tensor() for p in params],
+        "grad_dtypes": {p.grad.dtype for p in params},
+        "local": sum(p.to_local().numel() for p in params), "total": sum(p.numel() for p in params),
+        "resharded": all(isinstance(p, torch.distributed.tensor.DTensor) for p in params),
+        "after_forward": after_forward, "observed": observed,
+        "monitored": None if monitor is None else monitor.errors,
+    }
+    if name in ("generic-block-raf", "vit-block-keep"):  # what a forward saves for the backward
+        x1, x2 = (t[shard].detach().requires_grad_() for t in data["batches"][0][:2])
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            y1, y2 = model(x1, x2)
+        (y1.sum() + y2.sum()).backward()  # completes FSDP's iteration (the grads were read above)
+        result["saved"], result["outputs"] = sum(saved), y1.numel() + y2.numel()
+    return result
+
+
+def _worker(rank, world, cases, data_file, init_file, out_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))  # a lost peer fails, never hangs
     done = False
     try:
         torch.set_num_threads(1)
-        warnings.simplefilter("ignore", UserWarning)
-        data = torch.load(data_file)
-        seq = make_seq(3, WIDTH, engine=engine)
-        seq.load_state_dict(data["state"])
-        if per_block:
-            for block in seq.blocks:
-                fsdp.fully_shard(block)
-        fsdp.fully_shard(seq)
+        data, out = torch.load(data_file), {}
         shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-        for step in range(STEPS):
-            x1, x2, w1, w2 = (t[shard] for t in data["batches"][step])
-            _mean_loss(seq, x1, x2, w1, w2).backward()  # reduce-scatter averages the ranks' grads
-        grads = [p.grad.full_tensor() for p in seq.parameters()]
+        for name, case in cases.items():
+            with warnings.catch_warnings(record=True) as warned:
+                warnings.simplefilter("always", UserWarning)
+                out[name] = _run_case(name, case, data[name], shard)
+            out[name]["warnings"] = [str(w.message) for w in warned if str(w.message).startswith("revkernels")]
         if rank == 0:
-            torch.save(grads, out_file)
+            torch.save(out, out_file)
         dist.barrier()  # neither rank tears gloo down while the other may still be talking to it
-        del seq, grads
         done = True
     finally:
         dist.destroy_process_group()
@@ -60,19 +259,89 @@ def _worker(rank, world, engine, per_block, init_file, data_file, out_file):
         os._exit(0)
 
 
-@pytest.mark.parametrize("engine,per_block", [
-    ("sequential", False),  # one FSDP unit for the whole run: what the memory-saving engines need
-    pytest.param("pareprop", False, marks=pytest.mark.slow),
-    pytest.param("autograd", True, marks=pytest.mark.slow),  # autograd: blocks may be their own units
-])
-def test_fsdp2_two_gloo_processes_match_one_process(tmp_path, engine, per_block):
-    seq = make_seq(3, WIDTH)
-    batches = [tuple(torch.randn(BATCH, WIDTH) for _ in range(4)) for _ in range(STEPS)]
-    torch.save({"state": seq.state_dict(), "batches": batches}, tmp_path / "data.pt")
-    paths = [str(tmp_path / name) for name in ("init", "data.pt", "grads.pt")]
-    mp.spawn(_worker, args=(2, engine, per_block, *paths), nprocs=2, join=True)
-    fsdp_grads = torch.load(tmp_path / "grads.pt")
-    for x1, x2, w1, w2 in batches:
-        _mean_loss(seq, x1, x2, w1, w2).backward()
-    for i, (p, g) in enumerate(zip(seq.parameters(), fsdp_grads)):
-        assert_close_rel(g, p.grad, 1e-5, f"FSDP2 grad of param {i}")
+def _two_ranks(tmp, cases):
+    """(data, results): `cases` run by two gloo processes in one spawn."""
+    data = {name: {"state": _model(kind).state_dict(), "batches": [_batch(kind) for _ in range(STEPS)]}
+            for name, (kind, *_rest) in cases.items()}
+    torch.save(data, tmp / "data.pt")
+    mp.spawn(_worker, args=(2, cases, str(tmp / "data.pt"), str(tmp / "init"), str(tmp / "out.pt")), nprocs=2,
+             join=True)
+    return data, torch.load(tmp / "out.pt")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return _two_ranks(tmp_path_factory.mktemp("fsdp"), CASES)
+
+
+def _one_process_grads(kind, data):
+    """The parameter grads after the steps and the last step's input grad, in one process."""
+    model = _model(kind)
+    model.load_state_dict(data["state"])
+    for batch in data["batches"]:
+        loss, leaf = _loss(model, kind, batch)
+        loss.backward()
+    return [p.grad for p in model.parameters()], leaf
+
+
+def _check_case(name, case, data, result):
+    grads, leaf = _one_process_grads(case[0], data)
+    for i, (g, ref) in enumerate(zip(result["grads"], grads, strict=True)):
+        assert_close_rel(g, ref, 1e-5, f"{name}: FSDP2 grad of param {i}")
+    if leaf is not None:  # rank 0's input grad: its half of the batch
+        assert_close_rel(result["input_grad"], leaf.grad[:BATCH // 2], 1e-5, f"{name}: input grad")
+    # Each rank keeps half the parameters (dim-0 shards; every dim here is even) and, after the
+    # step, only its shards: nothing is left unsharded.
+    assert result["local"] * 2 == result["total"], name
+    assert result["resharded"], name
+    assert not result["warnings"], (name, result["warnings"])  # e.g. a compiled step fallen back to eager
+    if "saved" in result:  # only the run's outputs: activation memory O(1) in depth
+        assert result["saved"] == result["outputs"], (name, result["saved"], result["outputs"])
+    if result["monitored"] is not None:  # the reconstruction monitor sees every block's rebuild
+        assert len(result["monitored"]) == DEPTH and max(result["monitored"]) < 1e-5, result["monitored"]
+    if result["after_forward"] is not None:
+        raf = case[2]
+        assert result["after_forward"] == [raf] * len(result["after_forward"]), f"{name}: sharded after forward"
+
+
+@pytest.mark.parametrize("name", [n for n, case in CASES.items() if not case[4]])
+def test_two_gloo_processes_match_one_process(two_ranks, name):
+    data, results = two_ranks
+    _check_case(name, CASES[name], data[name], results[name])
+
+
+@pytest.mark.slow
+def test_revnet18_and_inductor_compiled_steps(tmp_path):
+    data, results = _two_ranks(tmp_path, SLOW_CASES)
+    for name, case in SLOW_CASES.items():
+        _check_case(name, case, data[name], results[name])
+
+
+def test_backward_unshards_one_block_at_a_time(two_ranks):
+    observed = two_ranks[1]["generic-block-raf"]["observed"]
+    assert [i for i, *_ in observed] == list(reversed(range(DEPTH)))
+    for i, allocated, with_grads, unsharded in observed:
+        # Block i was all-gathered again for its rebuild (the forward resharded it); the blocks
+        # after it are resharded with their grads reduce-scattered; no other block's parameters
+        # are allocated (FSDP's prefetch of block i-1 is its all-gather buffer, not yet these).
+        assert allocated == [i] and unsharded == [i], (i, allocated, unsharded)
+        assert with_grads == list(range(i + 1, DEPTH)), (i, with_grads)
+
+
+def test_mixed_precision_policy(two_ranks):
+    """bf16 parameters and compute, fp32 reduce: the grads are fp32, and their error against fp32
+    in one process is at most twice the autograd engine's under the same policy.
+
+    The error is ||grads - reference|| / ||reference|| over all grads: a max-abs error of bf16
+    grads is set by the few elements whose bf16 rounding flips (the rebuild differs from the
+    forward's input by fp32 rounding, enough to flip a bf16 cast now and then), so the ratio of two
+    such maxima spread from 0.6x to 4x over seeds while the norms' ratio stays near 1."""
+    data, results = two_ranks
+    errors = {}
+    for name in ("mlp-block-bf16", "mlp-block-bf16-autograd"):
+        assert results[name]["grad_dtypes"] == {torch.float32}
+        reference = _one_process_grads(CASES[name][0], data[name])[0]
+        actual, expected = (torch.cat([g.reshape(-1).double() for g in grads])
+                            for grads in (results[name]["grads"], reference))
+        errors[name] = ((actual - expected).norm() / expected.norm()).item()
+    assert 0 < errors["mlp-block-bf16"] <= 2 * errors["mlp-block-bf16-autograd"], errors

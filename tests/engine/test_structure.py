@@ -80,6 +80,30 @@ def test_caches_rebuild_when_a_parameter_or_submodule_is_replaced():
     assert new_weight.grad is not None and seq.blocks[1].g[3].weight.grad is not None
 
 
+def test_parameters_swapped_without_a_registration_are_seen_in_fsdp_managed_modules():
+    """FSDP2 writes ``module._parameters`` directly (no registration hook) and marks the modules it
+    manages; the cached slots of such modules give the current parameters."""
+    block = RevViTBlock(WIDTH, 2, mlp_ratio=2.0)
+    slots = structure.param_slots(block)
+    assert not slots.managed
+    qkv = block.f.qkv
+    swapped = nn.Parameter(torch.randn_like(qkv.weight))
+    qkv._parameters["weight"] = swapped  # unmarked: the cache keeps what it saw
+    assert structure.param_slots(block).by_name()["f.qkv.weight"] is not swapped
+    for m in block.modules():
+        m._is_fsdp_managed_module = True
+    structure.invalidate()
+    slots = structure.param_slots(block)
+    assert slots.managed and slots.by_name()["f.qkv.weight"] is swapped
+    qkv._parameters["weight"] = again = nn.Parameter(torch.randn_like(qkv.weight))
+    assert structure.param_slots(block).by_name()["f.qkv.weight"] is again
+    assert any(p is again for p in slots.params)  # refreshed in place: holders of `params` see it too
+    x1, x2, w1, w2 = _inputs(shape=(2, 3, WIDTH))
+    seq = rk.nn.ReversibleSequential(block)
+    _assert_grads_equal_plain(seq, (x1, x2, w1, w2))  # the fused steps differentiate the current weight
+    assert again.grad is not None
+
+
 def test_requires_grad_changes_are_seen_without_a_structure_change():
     seq = make_seq(2, WIDTH)
     data = _inputs()

@@ -1,0 +1,217 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) with blocks sharded one by one.
+
+FSDP2 hangs everything on a unit's forward call: its pre-forward all-gathers the unit's parameters
+(and makes the backward reduce-scatter their grads once the grad reaches the forward's inputs), its
+post-forward frees them (``reshard_after_forward``) and makes the backward all-gather them again,
+prefetching the unit that ran before, when the grad of the forward's outputs arrives. The
+memory-saving engines call a block's steps, not the block, so a run whose blocks (or their F and
+G, or a module inside them) are FSDP units takes another shape:
+
+- every block is one autograd node (`BlockStep`) entered through the forward of each of the
+  block's units: FSDP's public ``register_fsdp_forward_method`` makes a method of the unit run
+  its pre- and post-forward, so the all-gathers, the reshards, the backward's prefetch and the
+  reduce-scatter of the block's grads happen per block, exactly as for an ordinary module. The
+  node's inputs are the block's unsharded parameters, so its grads accumulate where FSDP
+  reduce-scatters them from;
+- a node saves nothing but, for the last block, the run's outputs: its backward takes its block's
+  output from the backward of the block after it (the input that block rebuilt), rebuilds its own
+  input with the engine's step and hands it on. Activation memory stays O(1) in depth, and at most
+  two blocks' parameters are unsharded in the backward (the block stepped and the one prefetched).
+
+The schedule is the sequential engine's, one block at a time, with the engine's own steps (eager,
+or compiled for ``engine="compiled"``): pareprop's second stream cannot rebuild block i-1 before
+FSDP all-gathers its parameters, which it does after block i's node, and collectives cannot be
+captured in a CUDA graph. FSDP overlaps the communication instead.
+
+A run sharded as one unit (``fully_shard(seq)`` or a module above it, blocks not sharded) needs
+none of this: the unit's forward unshards every block before the engine runs.
+"""
+import functools
+import sys
+
+import torch
+
+from revkernels.engine.state import NO_CONTEXT, AutocastState, grad_tensors
+from revkernels.engine.structure import cached, invalidate, param_slots
+
+_MANAGED = "_is_fsdp_managed_module"  # fully_shard's mark on every module whose parameters it manages
+_ENTRY = "_revkernels_fsdp_forward"  # the method FSDP runs its forward logic around (`enter`)
+
+
+def _call(fn, *args):
+    return fn(*args)
+
+
+def _units(module):
+    """The FSDP units among `module`'s modules, outermost first, each given the `_ENTRY` method."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:  # FSDP never imported: nothing can be sharded (and importing it costs)
+        return ()
+    units = tuple(m for m in module.modules() if isinstance(m, fsdp.FSDPModule))
+    for unit in units:
+        if _ENTRY not in unit.__dict__:
+            unit.__dict__[_ENTRY] = _call
+            fsdp.register_fsdp_forward_method(unit, _ENTRY)
+    return units
+
+
+def _checked(module, key, build):
+    """``cached(module, key, build)`` for ``build(module) -> (probe, FSDP's mark on it, value)``
+    (probe None: `module` itself; a cached value must not hold its own key, or neither is ever
+    freed). fully_shard registers nothing the structure cache sees: a module sharded after its
+    structure was cached shows as the mark appearing on the probe, and the cache is dropped."""
+    probe, managed, value = cached(module, key, build)
+    if (module if probe is None else probe).__dict__.get(_MANAGED, False) != managed:
+        invalidate()
+        probe, managed, value = cached(module, key, build)
+    return value
+
+
+def _block_units_entry(seq):
+    probe = seq.blocks[0]
+    units = [_units(block) for block in seq.blocks]
+    return probe, probe.__dict__.get(_MANAGED, False), units if any(units) else None
+
+
+def _module_units_entry(module):
+    units = _units(module)
+    own = bool(units) and units[0] is module  # kept as a flag (see `_checked`)
+    return None, module.__dict__.get(_MANAGED, False), (own, units[1:] if own else units)
+
+
+def block_units(seq):
+    """Per block of `seq`, its FSDP units (outermost first); None when no block holds one. The
+    engines' one check per step (cached per structure)."""
+    return _checked(seq, "fsdp_block_units", _block_units_entry)
+
+
+def module_units(module):
+    """The FSDP units among `module`'s modules, outermost first (cached per structure)."""
+    own, units = _checked(module, "fsdp_units", _module_units_entry)
+    return (module, *units) if own else units
+
+
+def enter(units, fn, *args):
+    """``fn(*args)`` run as the forward of every unit in `units`, the first outermost: FSDP's
+    pre-forward (all-gather; the reduce-scatter hook on the grad-requiring tensors of `args`, which
+    it may cast or wrap: `fn` gets them) before, its post-forward (reshard; the backward's
+    all-gather hook on the outputs) after."""
+    if not units:
+        return fn(*args)
+    return getattr(units[0], _ENTRY)(lambda *inner: enter(units[1:], fn, *inner), *args)
+
+
+class ShardedRun:
+    """What the `BlockStep` nodes of one run share."""
+
+    __slots__ = ("blocks", "forward_step", "walker", "preserve_rng_state", "autocast_state", "monitor", "samples",
+                 "errors", "handed")
+
+    def __init__(self, seq, forward_step, walker, device_type):
+        self.blocks = list(seq.blocks)
+        self.forward_step, self.walker = forward_step, walker
+        self.preserve_rng_state = seq.preserve_rng_state
+        self.autocast_state = AutocastState.capture(device_type)
+        monitor = getattr(seq, "reconstruction_monitor", None)
+        self.monitor = monitor if monitor is not None and monitor.begin_forward() else None
+        self.samples = [None] * len(self.blocks)
+        self.errors = [None] * len(self.blocks)
+        self.handed = None
+
+    def hand_over(self, index, x1, x2):
+        """Block `index`'s output (rebuilt by the backward of block index + 1)."""
+        self.handed = (index, x1, x2)
+
+    def take(self, index):
+        if self.handed is None or self.handed[0] != index:
+            raise RuntimeError(f"revkernels: the backward of blocks[{index}] ran before its output was rebuilt "
+                               "(each block's node must be differentiated after the next block's, once)")
+        _, x1, x2 = self.handed
+        self.handed = None
+        return x1, x2
+
+
+class BlockStep(torch.autograd.Function):
+    """One block of a `ShardedRun` as an autograd node (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, run, index, context, n_params, x1, x2, *tensors):
+        # tensors: the block's parameters that require grad, then the context tensors that do
+        from revkernels.engine.sequential import save_with_context  # (sequential imports this module)
+
+        block = run.blocks[index]
+        if run.monitor is not None:
+            run.samples[index] = run.monitor.sample(x1, x2)
+        y1, y2, ctx.state = run.forward_step(block, x1, x2, run.preserve_rng_state, context)
+        ctx.run, ctx.index, ctx.params = run, index, list(tensors[:n_params])
+        ctx.last = index == len(run.blocks) - 1
+        save_with_context(ctx, context, *((y1, y2) if ctx.last else ()))
+        return y1, y2
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy1, dy2):
+        from revkernels.engine.sequential import saved_with_context
+
+        run, index = ctx.run, ctx.index
+        outputs, context, leaves = saved_with_context(ctx, 2 if ctx.last else 0)
+        y1, y2 = outputs if ctx.last else run.take(index)
+        block = run.blocks[index]
+        param_slots(block)  # the current (unsharded) parameters, for steps that read them from their cache
+        x1, x2, dx1, dx2, grads = run.walker([block], [ctx.state], y1, y2, dy1, dy2, ctx.params + leaves,
+                                             run.autocast_state, context=context)
+        ctx.state = None
+        if run.monitor is not None:
+            run.errors[index] = run.monitor.error(run.samples[index], x1, x2)
+            if index == 0:
+                run.monitor.report(run.errors)
+        if index > 0:
+            run.hand_over(index - 1, x1, x2)
+        return (None, None, None, None, dx1, dx2, *grads)
+
+
+def _plain_step(forward_step, block, x1, x2, context):
+    return forward_step(block, x1, x2, False, context)[:2]
+
+
+def _step_node(run, index, x1, x2, context):
+    # Inside the block's units' forward: the block's parameters are the unsharded ones now.
+    params = [p for p in param_slots(run.blocks[index]).params if p.requires_grad]
+    return BlockStep.apply(run, index, context, len(params), x1, x2, *params, *grad_tensors(context))
+
+
+def run_sharded(seq, x1, x2, units, walker, forward_step, context=NO_CONTEXT):
+    """Runs `seq`, whose blocks hold the FSDP `units` (from `block_units`), one `BlockStep` node
+    per block. `forward_step(block, x1, x2, preserve_rng_state, context) -> (y1, y2, state)` and
+    `walker` (`reverse_blocks`' signature, called with one block) are the engine's steps."""
+    from revkernels.nn.reversible import unique_grad_params
+
+    needs_grad = torch.is_grad_enabled() and (
+        x1.requires_grad or x2.requires_grad or unique_grad_params(seq.blocks) or grad_tensors(context))
+    if not needs_grad:  # a plain forward that keeps nothing
+        for block, unit_list in zip(seq.blocks, units):
+            x1, x2 = enter(unit_list, functools.partial(_plain_step, forward_step, block), x1, x2, context)
+        return x1, x2
+    run = ShardedRun(seq, forward_step, walker, x1.device.type)
+    for index, unit_list in enumerate(units):
+        x1, x2 = enter(unit_list, functools.partial(_step_node, run, index), x1, x2, context)
+    return x1, x2
+
+
+def run_sharded_compiled(seq, x1, x2, units, context=NO_CONTEXT):
+    """`run_sharded` with the compiled engine's steps."""
+    from revkernels.engine import compiled
+
+    steps = compiled.compiled_steps(seq)
+
+    def forward_step(block, a1, a2, preserve_rng_state, block_context):
+        y1, y2, states = compiled.forward_blocks([block], a1, a2, steps, preserve_rng_state, block_context)
+        return y1, y2, states[0]
+
+    def walker(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None, context=NO_CONTEXT):
+        return compiled.backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_state, context)
+
+    return run_sharded(seq, x1, x2, units, walker, forward_step, context)
+
+
+__all__ = ["block_units", "module_units", "enter", "run_sharded", "run_sharded_compiled", "BlockStep", "ShardedRun"]
