@@ -71,7 +71,8 @@ def cached(module, key, build):
 
 
 class ParamSlots:
-    """The parameters of a module tree, each once, with every (module, name) slot holding it.
+    """The parameters of a module tree, each once, with every (module, name) slot holding it (the
+    module by weak reference: a cache entry must not keep its own key, the tree's root, alive).
 
     `managed`: some owner is managed by FSDP2, which swaps sharded and unsharded parameters into
     the slots without a registration; `refresh` then re-reads them (in place: holders of `params`
@@ -92,20 +93,20 @@ class ParamSlots:
                     self.names.append(f"{owner_name}.{name}" if owner_name else name)
                 if (owner, name) not in by_id[id(p)]:
                     by_id[id(p)].append((owner, name))
-        self.slots = [by_id[id(p)] for p in self.params]
+        self.slots = [[(weakref.ref(owner), name) for owner, name in by_id[id(p)]] for p in self.params]
         # Parametrized modules compute their weights from `parametrizations.*`: only
         # functional_call knows how to substitute those.
         self.parametrized = any(parametrize.is_parametrized(m) for m in module.modules())
         # fully_shard marks every module whose parameters it swaps (also read by torch.compile).
         self.managed = any(getattr(owner, "_is_fsdp_managed_module", False)
-                           for slots in self.slots for owner, _ in slots)
+                           for slots in by_id.values() for owner, _ in slots)
         self._by_name = None
 
     def refresh(self):
         """Re-reads each parameter from its first slot (see `managed`)."""
         for i, slots in enumerate(self.slots):
             owner, name = slots[0]
-            p = owner._parameters[name]
+            p = owner()._parameters[name]
             if p is not self.params[i]:
                 self.params[i] = p
                 self._by_name = None
@@ -122,12 +123,12 @@ class ParamSlots:
         try:
             for i, alias in aliases.items():
                 for owner, name in self.slots[i]:
-                    owner._parameters[name] = alias
+                    owner()._parameters[name] = alias
             yield
         finally:
             for i in aliases:
                 for owner, name in self.slots[i]:
-                    owner._parameters[name] = self.params[i]
+                    owner()._parameters[name] = self.params[i]
 
 
 def param_slots(module):
@@ -139,8 +140,11 @@ def param_slots(module):
 
 
 def batchnorm_layers(module):
-    """The `_BatchNorm` layers under `module` (cached)."""
-    return cached(module, "batchnorm", lambda m: [layer for layer in m.modules() if isinstance(layer, _BatchNorm)])
+    """The `_BatchNorm` layers under `module` (cached; `module` itself is not part of its own cache
+    entry, which must not keep its key alive)."""
+    layers = cached(module, "batchnorm", lambda m: [layer for layer in m.modules()
+                                                    if layer is not m and isinstance(layer, _BatchNorm)])
+    return [module, *layers] if isinstance(module, _BatchNorm) else layers
 
 
 def _stochastic_modules(module):
@@ -168,20 +172,23 @@ def draws_random(module):
     return False
 
 
-@contextlib.contextmanager
 def frozen_batchnorm_stats(*modules):
-    """BatchNorm layers in training mode under `modules` use batch statistics without updating
-    running_mean/running_var/num_batches_tracked (they were updated by the forward)."""
-    flipped = []
-    for module in modules:
-        for layer in batchnorm_layers(module):
-            if layer.training and layer.track_running_stats:
-                layer.track_running_stats = False
-                flipped.append(layer)
+    """A context in which the BatchNorm layers in training mode under `modules` use batch statistics
+    without updating running_mean/running_var/num_batches_tracked (they were updated by the
+    forward); a no-op context where there are none."""
+    layers = [layer for module in modules for layer in batchnorm_layers(module)
+              if layer.training and layer.track_running_stats]
+    return _untracked(layers) if layers else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _untracked(layers):
+    for layer in layers:
+        layer.track_running_stats = False
     try:
         yield
     finally:
-        for layer in flipped:
+        for layer in layers:
             layer.track_running_stats = True
 
 

@@ -1,6 +1,9 @@
 """The lean walker: structure computed once per module structure and rebuilt when it changes, RNG
 state kept only for blocks that draw random numbers, and the fused block's fast paths (forward on
 the parameters, hand-written backward) against plain autograd."""
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -102,6 +105,29 @@ def test_parameters_swapped_without_a_registration_are_seen_in_fsdp_managed_modu
     seq = rk.nn.ReversibleSequential(block)
     _assert_grads_equal_plain(seq, (x1, x2, w1, w2))  # the fused steps differentiate the current weight
     assert again.grad is not None
+
+
+@pytest.mark.parametrize("engine", ["sequential", "compiled"])
+def test_the_cache_keeps_no_module_alive(engine):
+    """A model trained once and dropped is freed: no cached structure refers back to the module it
+    is keyed on (F and G here own their parameters directly, so they are their own slots' owners)."""
+    seq = rk.nn.ReversibleSequential(rk.nn.ReversibleBlock(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)),
+                                     rk.nn.ReversibleBlock(nn.BatchNorm1d(WIDTH), nn.Linear(WIDTH, WIDTH)),
+                                     engine=engine)
+    x1, x2, w1, w2 = _inputs()
+    if engine == "compiled":
+        seq.compile_options = {"backend": "eager"}
+    loss_of(*seq(x1.requires_grad_(), x2), w1, w2).backward()
+    refs = [weakref.ref(m) for m in seq.modules()]
+    del seq
+    gc.collect()
+    assert [r() for r in refs if r() is not None] == []
+    bn = nn.BatchNorm1d(WIDTH)
+    assert structure.batchnorm_layers(bn) == [bn]  # a BatchNorm layer is its own layer, not its own cache's
+    ref = weakref.ref(bn)
+    del bn
+    gc.collect()
+    assert ref() is None
 
 
 def test_requires_grad_changes_are_seen_without_a_structure_change():
