@@ -334,7 +334,13 @@ def test_batch_norm_act(entry, shape, dx_, dw, mixed, relu, lx, eps, seed):
     elif dx_ in LOW:
         one_rounding(out, exact, "out")
     else:
-        close_rel(out, exact, fp_tol(dx_, acc), "out")
+        # (x - mean) * rstd * w amplifies the rounding of the mean by rstd * |w|: a channel of (near)
+        # equal values (the expanded layout of a 2-D input) has rstd ~ eps^-1/2, and fp32 torch's own
+        # batch_norm is then off by 2.5e-3 of max |out| (1/3 of such inputs past 1e-5). The scale is
+        # that conditioning: max |x| * rstd * |w| per channel.
+        dims = [0] + list(range(2, x.dim()))
+        conditioning = x.double().abs().amax(dims) * rstd64 * w.double().abs() if x.numel() else None
+        close_rel(out, exact, fp_tol(dx_, acc), "out", scale=conditioning)
     untouched((x, w, b), before)
 
 
