@@ -46,13 +46,12 @@ import weakref
 
 import torch
 from torch.func import functional_call, vjp
-from torch.nn.modules import module as module_hooks
 
 from revkernels.engine.fsdp import block_units, run_sharded_compiled
 from revkernels.engine.sequential import save_with_context, saved_with_context
 from revkernels.engine.state import NO_CONTEXT, AutocastState, RngState, cuda_devices_of, maybe_replay
 from revkernels.engine.structure import frozen_batchnorm_stats
-from revkernels.engine.structure import cached, param_slots
+from revkernels.engine.structure import cached, param_slots, submodule_hooked
 import revkernels.nn.reversible as _reversible  # (a module object: the import is circular)
 
 
@@ -187,15 +186,6 @@ def _layout(block):
     return cached(block, "compiled_layout", _Layout)
 
 
-def _hooked(block):
-    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks \
-            or module_hooks._global_backward_hooks:
-        return True
-    # The block's own hooks (FSDP's, for one) never fire in its steps: no engine calls the block.
-    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-               for m in cached(block, "submodules", lambda b: list(b.modules())[1:]))
-
-
 def _grad_slots(layout, slots):
     """(names, indices into layout.params) of the slots whose parameter requires grad."""
     names, indices = [], []
@@ -218,7 +208,7 @@ def forward_blocks(blocks, x1, x2, steps, preserve_rng_state=True, context=NO_CO
     with torch.no_grad():
         for i, block in enumerate(blocks):
             layout = _layout(block)
-            block_steps = None if _hooked(block) else steps  # hooks fire in eager steps
+            block_steps = None if submodule_hooked(block, backward=True) else steps  # hooks fire in eager steps
             if layout.kind is None:
                 x1, x2, state = block.forward_with_state(x1, x2, preserve_rng_state, context) if context \
                     else block.forward_with_state(x1, x2, preserve_rng_state)
@@ -282,7 +272,7 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
             y1, y2, dy1, dy2 = rec.x1.detach(), rec.x2.detach(), grads.dx1, grads.dx2
             del rec, grads
             continue
-        block_steps = None if _hooked(block) else steps
+        block_steps = None if submodule_hooked(block, backward=True) else steps
         f_names, f_index = _grad_slots(layout, layout.f_slots)
         g_names, g_index = _grad_slots(layout, layout.g_slots)
         with autocast(), frozen_batchnorm_stats(block):

@@ -22,6 +22,7 @@ import weakref
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules import module as module_hooks
 from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.modules.module import (register_module_buffer_registration_hook,
                                      register_module_module_registration_hook,
@@ -137,6 +138,19 @@ def param_slots(module):
     if slots.managed:
         slots.refresh()
     return slots
+
+
+def submodule_hooked(module, backward=False):
+    """Whether a forward hook (with `backward`, also a backward hook) is registered globally or on a
+    submodule of `module` (its own hooks aside: the engines never call the block module itself)."""
+    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks or (
+            backward and (module_hooks._global_backward_hooks or module_hooks._global_backward_pre_hooks)):
+        return True
+    # Each module keeps its hook dicts for life (hooks are added to and removed from them).
+    return any(cached(module, ("hook_dicts", backward), lambda m: [
+        hooks for sub in list(m.modules())[1:]
+        for hooks in ((sub._forward_hooks, sub._forward_pre_hooks, sub._backward_hooks, sub._backward_pre_hooks)
+                      if backward else (sub._forward_hooks, sub._forward_pre_hooks))]))
 
 
 def batchnorm_layers(module):

@@ -62,10 +62,9 @@ parameters directly).
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as module_hooks
 
 from revkernels.engine.state import NO_CONTEXT, RngState, cuda_devices_of, maybe_replay
-from revkernels.engine.structure import cached, param_slots
+from revkernels.engine.structure import cached, param_slots, submodule_hooked
 from revkernels.nn.drop_path import DropPath
 from revkernels.nn.reversible import BlockGrads, BlockState, ReversibleBlock
 from revkernels.ops.coupling import coupling_sub
@@ -229,17 +228,8 @@ class RevTransformerBlock(ReversibleBlock):
         # costs about what a small kernel does).
         return cached(self, "parts", _BlockParts)
 
-    def _hooked(self):
-        """Whether a forward hook could observe F's or G's submodules (then the forward runs them
-        as modules)."""
-        if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
-            return True
-        # Each module keeps its hook dicts for life (hooks are added to and removed from them).
-        return any(cached(self, "forward_hook_dicts", lambda block: [
-            hooks for m in list(block.modules())[1:] for hooks in (m._forward_hooks, m._forward_pre_hooks)]))
-
     def forward_with_state(self, x1, x2, preserve_rng_state=True, context=NO_CONTEXT):
-        if self._hooked():
+        if submodule_hooked(self):  # a forward hook could observe F's or G's submodules: run them as modules
             return super().forward_with_state(x1, x2, preserve_rng_state, context)
         # AttentionBranch.forward and MlpBranch.forward with the same ops on the parameters
         # directly (bitwise the module composition, without its per-module call overhead).
