@@ -46,10 +46,15 @@ per channel; on CUDA the mean of 20 back-to-back calls, a launch being long agai
 wrapper_us is the Python entry point revkernels.ops.<op> (argument checks included)
 at the tiny size. ratio = aten_us / fused_us (> 1: the fused op is faster). Medians after warm-up.
 
+On CPU with glibc the benchmark first tells malloc to keep freed memory for reuse (`keep_freed_memory`):
+without it, whether a large tensor lands on fresh pages (first-touch page faults can cost more than
+the kernel timed) depends on what ran before, for the fused op and its ATen composition alike.
+
 Results under --out: overhead_<device>.csv (steps), overhead_ops_<device>.csv (ops), both with
 commit, device and versions on every row, and overhead_<device>.png (step time per variant).
 """
 import argparse
+import ctypes
 import math
 import os
 import statistics
@@ -494,11 +499,27 @@ def _fmt(value, spec):
     return format(value, spec) if isinstance(value, float) and math.isfinite(value) else "n/a"
 
 
+def keep_freed_memory():
+    """Tells glibc's malloc to keep freed memory for reuse (no trimming, no mmap per large block):
+    otherwise whether a large tensor lands on fresh pages, whose first-touch faults can cost more
+    than the kernel timed, depends on what ran before it (a 4096 x 768 fp32 output faulted 6112
+    pages in one call and none in the next). Returns whether it applied (glibc only); the setting
+    stays for the rest of the process."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+    # 32 MiB: glibc's largest mmap threshold on 64-bit (above it, a block is always mmapped)
+    return bool(mallopt(m_trim_threshold, 2**31 - 1)) and bool(mallopt(m_mmap_threshold, 32 * 2**20))
+
+
 def run(args):
     """Measures, prints the tables, writes overhead_<device>.csv, overhead_ops_<device>.csv and
     overhead_<device>.png under args.out; returns the step rows followed by the op rows."""
     device = torch.device(args.device)
     tag = device.type
+    reused = tag == "cpu" and keep_freed_memory()
     meta = provenance(args.device)
     names = selected_variants(args)
     ops = OPS if args.ops is None else [op for op in OPS if op in args.ops]
@@ -510,6 +531,8 @@ def run(args):
           f"torch {meta['torch']}, commit {meta['commit']}", flush=True)
     os.makedirs(args.out, exist_ok=True)
 
+    if reused:
+        print("glibc malloc keeps freed memory for reuse (see keep_freed_memory)", flush=True)
     error = check_plain_grads(CONFIGS["host_bound"], device)
     print(f"baseline check: reversible_plain grads vs revkernels' autograd engine (same weights, host_bound "
           f"shapes): max relative error {error:.1e} (limit {GRAD_CHECK_TOL:.0e})", flush=True)

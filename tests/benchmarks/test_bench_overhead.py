@@ -3,6 +3,9 @@ op table compares each fused op with the ATen composition computing the same val
 carry their columns and provenance. Tiny repetition counts; no timing is asserted."""
 import csv
 import math
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -136,7 +139,16 @@ def test_op_table_compares_like_with_like(op):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_keep_freed_memory_applies_on_glibc():
+    # In a child: the setting lasts for the process.
+    code = "from revkernels.bench.overhead import keep_freed_memory; print(keep_freed_memory())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert out.strip() == str(glibc)
+
+
 def test_run_writes_both_csvs_and_the_plot(tmp_path, monkeypatch):
+    monkeypatch.setattr(overhead, "keep_freed_memory", lambda: False)  # keeps this process's malloc as it is
     args = overhead.parse_args(["--device", "cpu", "--configs", "host_bound", "--quick", "--warmup", "1", "--rounds", "1",
                                 "--op-reps", "1", "--ops", "coupling_sub", "batch_norm_act_bwd", "--out", str(tmp_path)])
     rows = overhead.run(args)
