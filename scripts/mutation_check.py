@@ -59,18 +59,18 @@ T_SIM = "tests/petra/test_simulate.py"
 
 # --- fused RevViTBlock: F/G parameters, drop-path ----------------------------------------------------
 mutation("revvit_ln2_recompute_uses_F_params", REVVIT,
-         'torch.native_layer_norm(y1, [dim], P["g.norm.weight"], P["g.norm.bias"], g.norm.eps)',
-         'torch.native_layer_norm(y1, [dim], P["f.norm.weight"], P["f.norm.bias"], g.norm.eps)', T_REVVIT)
+         'torch.native_layer_norm(y1, [dim], P["g.norm.weight"], P["g.norm.bias"], m.g_norm.eps)',
+         'torch.native_layer_norm(y1, [dim], P["f.norm.weight"], P["f.norm.bias"], m.g_norm.eps)', T_REVVIT)
 mutation("revvit_ln1_rebuild_uses_G_params", REVVIT,
-         'sub_layer_norm(y2, g_out, P["f.norm.weight"], P["f.norm.bias"], f.norm.eps)',
-         'sub_layer_norm(y2, g_out, P["g.norm.weight"], P["g.norm.bias"], f.norm.eps)', T_REVVIT)
+         'sub_layer_norm(y2, g_out, P["f.norm.weight"], P["f.norm.bias"], m.f_norm.eps)',
+         'sub_layer_norm(y2, g_out, P["g.norm.weight"], P["g.norm.bias"], m.f_norm.eps)', T_REVVIT)
 mutation("revvit_ln2_bwd_uses_F_weight", REVVIT,
          'dln2, rec.y1, P["g.norm.weight"],', 'dln2, rec.y1, P["f.norm.weight"],', T_REVVIT)
 mutation("revvit_ln1_bwd_uses_G_weight", REVVIT,
-         'dln1, rec.x2, P["f.norm.weight"],', 'dln1, rec.x2, P["g.norm.weight"],', T_REVVIT)
+         'dln1, rec.x2_rows, P["f.norm.weight"],', 'dln1, rec.x2_rows, P["g.norm.weight"],', T_REVVIT)
 mutation("revvit_swap_F_G_norm_grads", REVVIT,
-         "            dln1, rec.x2, P[\"f.norm.weight\"], rec.mean1, rec.rstd1, dy2)\n        return dx2\n",
-         "            dln1, rec.x2, P[\"f.norm.weight\"], rec.mean1, rec.rstd1, dy2)\n"
+         "            dln1, rec.x2_rows, P[\"f.norm.weight\"], rec.mean1, rec.rstd1, dy2)\n        return dx2\n",
+         "            dln1, rec.x2_rows, P[\"f.norm.weight\"], rec.mean1, rec.rstd1, dy2)\n"
          "        named[\"f.norm.weight\"], named[\"g.norm.weight\"] = named[\"g.norm.weight\"], named[\"f.norm.weight\"]\n"
          "        return dx2\n",
          T_REVVIT)
@@ -80,12 +80,13 @@ mutation("revvit_swap_norm_weight_bias_grads", REVVIT,
 mutation("revvit_proj_grad_ignores_drop_path", REVVIT,
          "dproj = dy1_total if rec.f_scale is None else dy1_total * rec.f_scale", "dproj = dy1_total", T_REVVIT)
 mutation("revvit_rebuild_ignores_drop_path", REVVIT,
-         "            if f_scale is not None:\n                f_out = f_out * f_scale\n", "", T_REVVIT)
+         "    return (out * scale).view(-1, shape[-1]), keep,", "    return out.view(-1, shape[-1]), keep,", T_REVVIT)
 mutation("revvit_no_rng_replay_for_G", REVVIT,
          "with maybe_replay(None if state is None else state.rng_g):\n                # The ops",
          "with maybe_replay(None):\n                # The ops", T_REVVIT)
 mutation("revvit_skip_proj_bias_grad", REVVIT,
-         'named["f.proj.bias"] = lambda: dproj.float().sum(0)', 'named["f.proj.bias"] = lambda: 0 * dproj.float().sum(0)',
+         'named["f.proj.bias"] = lambda: _to(_to(dproj, torch.float32).sum(0)',
+         'named["f.proj.bias"] = lambda: _to(0 * _to(dproj, torch.float32).sum(0)',
          T_REVVIT)
 
 # --- generic blocks and the sequential engine ----------------------------------------------------------
@@ -105,7 +106,7 @@ mutation("block_no_rng_replay_for_F", REV,
 mutation("rng_state_not_restored_after_replay", STATE,
          "            torch.set_rng_state(saved.cpu)\n", "            pass\n", f"{T_SEQ} -k dropout")
 mutation("batchnorm_stats_updated_in_recompute", STRUCTURE,
-         "                layer.track_running_stats = False\n", "", f"{T_SEQ} -k batchnorm")
+         "        layer.track_running_stats = False\n", "", f"{T_SEQ} -k batchnorm")
 mutation("batchnorm_act_stats_updated_in_recompute", BNACT,
          "if self.training and self.track_running_stats and self.running_mean is not None:",
          "if self.training and self.running_mean is not None:",
@@ -125,8 +126,9 @@ mutation("engine_keeps_block_activations_on_ctx", SEQ,
          "                states.append(state)\n                state.kept = (x1.clone(), x2.clone())\n",
          "tests/engine/test_memory.py")
 mutation("engine_saves_every_block_output", SEQ,
-         "        ctx.save_for_backward(x1, x2)\n",
-         "        ctx.save_for_backward(x1, x2, *[torch.zeros_like(x1) for _ in states])\n", "tests/engine/test_memory.py")
+         "        save_with_context(ctx, context, x1, x2)\n",
+         "        save_with_context(ctx, context, x1, x2, *[torch.zeros_like(x1) for _ in states])\n",
+         "tests/engine/test_memory.py")
 mutation("engine_no_rng_state_per_block", REV,
          "        rng_f = RngState(devices) if keep else None\n        fx2 = self.f(", "        rng_f = None\n        fx2 = self.f(",
          f"{T_SEQ} -k dropout")
