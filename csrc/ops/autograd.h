@@ -30,7 +30,14 @@ c10::TypedOperatorHandle<Signature> typed_op(const char* qualified_name) {
 // Whether an autograd kernel must build a graph node: grad mode on and a tensor argument that
 // requires grad. Otherwise the kernel calls the op below autograd directly: no node is built, and
 // torch.func transforms (which refuse a C++ autograd::Function) see a plain call.
+// The ops have no forward-mode formula: a dual tensor (forward AD) raises instead of losing its
+// tangent.
 inline bool records_grad(std::initializer_list<std::reference_wrapper<const at::Tensor>> tensors) {
+  for (const at::Tensor& t : tensors) {
+    TORCH_CHECK_NOT_IMPLEMENTED(!t.defined() || !t._fw_grad(/*level=*/0).defined(),
+                                "revkernels: the ops have no forward-mode AD formula (an input is a dual tensor of "
+                                "torch.autograd.forward_ad); differentiate them in reverse mode");
+  }
   if (!at::GradMode::is_enabled()) return false;
   for (const at::Tensor& t : tensors) {
     if (t.defined() && t.requires_grad()) return true;

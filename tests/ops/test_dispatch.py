@@ -135,6 +135,18 @@ def test_grads_match_plain_autograd(name, dtype, tol):
         assert all(leaf.grad is None for leaf in leaves)
 
 
+@pytest.mark.parametrize("name", DIFFERENTIABLE)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_forward_mode_ad_raises_instead_of_dropping_the_tangent(name, requires_grad):
+    import torch.autograd.forward_ad as fwAD
+
+    inputs, op, _, _ = _case(name, torch.float64)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(inputs[0].requires_grad_(requires_grad), torch.randn_like(inputs[0]))
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            op(dual, *inputs[1:])
+
+
 def test_linear_sub_without_bias_grads():
     y, a, w = torch.randn(5, 8, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
     leaves = [t.clone().requires_grad_() for t in (y, a, w)]
