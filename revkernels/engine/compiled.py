@@ -48,10 +48,9 @@ import torch
 from torch.func import functional_call, vjp
 
 from revkernels.engine.fsdp import block_units, run_sharded_compiled
-from revkernels.engine.sequential import save_with_context, saved_with_context
-from revkernels.engine.state import NO_CONTEXT, AutocastState, RngState, cuda_devices_of, maybe_replay
-from revkernels.engine.structure import frozen_batchnorm_stats
-from revkernels.engine.structure import cached, param_slots, submodule_hooked
+from revkernels.engine.sequential import forward_step, recompute_step, save_with_context, saved_with_context
+from revkernels.engine.state import NO_CONTEXT, AutocastState, RngState, cuda_devices_of, grad_tensors, maybe_replay
+from revkernels.engine.structure import cached, frozen_batchnorm_stats, param_slots, submodule_hooked
 import revkernels.nn.reversible as _reversible  # (a module object: the import is circular)
 
 
@@ -210,8 +209,7 @@ def forward_blocks(blocks, x1, x2, steps, preserve_rng_state=True, context=NO_CO
             layout = _layout(block)
             block_steps = None if submodule_hooked(block, backward=True) else steps  # hooks fire in eager steps
             if layout.kind is None:
-                x1, x2, state = block.forward_with_state(x1, x2, preserve_rng_state, context) if context \
-                    else block.forward_with_state(x1, x2, preserve_rng_state)
+                x1, x2, state = forward_step(block, x1, x2, preserve_rng_state, context)
             elif preserve_rng_state and block.draws_random():
                 x1, x2, state = _random_forward(block, i, layout, x1, x2, block_steps, context)
             else:
@@ -264,7 +262,7 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
         layout = _layout(block)
         if layout.kind is None:
             with torch.enable_grad(), autocast():
-                rec = block.recompute(y1, y2, state, context) if context else block.recompute(y1, y2, state)
+                rec = recompute_step(block, y1, y2, state, context)
             grads = block.grads(rec, dy1, dy2)
             for p, grad in zip(grads.params, grads.param_grads):
                 if grad is not None:
@@ -352,7 +350,7 @@ def run_compiled(seq, x1, x2, context=NO_CONTEXT):
     if units is not None:  # blocks sharded by FSDP2 one by one: one autograd node per block
         return run_sharded_compiled(seq, x1, x2, units, context)
     params = _reversible.unique_grad_params(seq.blocks)
-    grad_context = [v for v in context.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+    grad_context = grad_tensors(context)
     if not torch.is_grad_enabled() or not (x1.requires_grad or x2.requires_grad or params or grad_context):
         y1, y2, _ = forward_blocks(list(seq.blocks), x1, x2, compiled_steps(seq), False, context)
         return y1, y2

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from revkernels.engine import compiled
+from revkernels.engine.sequential import forward_step
 from revkernels.engine.state import NO_CONTEXT, AutocastState, RngState, cuda_devices_of
 
 _RUNS = weakref.WeakValueDictionary()
@@ -174,7 +175,7 @@ def reversible_run(handle: int, x1: torch.Tensor, x2: torch.Tensor, params: list
             states = []
             with torch.no_grad():
                 for block in seq.blocks:
-                    x1, x2, state = block.forward_with_state(x1, x2, seq.preserve_rng_state, context)
+                    x1, x2, state = forward_step(block, x1, x2, seq.preserve_rng_state, context)
                     states.append(state)
         else:
             x1, x2, states = compiled.forward_blocks(list(seq.blocks), x1, x2, steps, seq.preserve_rng_state, context)

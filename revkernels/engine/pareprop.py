@@ -18,7 +18,7 @@ import contextlib
 
 import torch
 
-from revkernels.engine.sequential import reverse_blocks, run_reversible
+from revkernels.engine.sequential import recompute_step, reverse_blocks, run_reversible
 from revkernels.engine.state import NO_CONTEXT
 
 _SIDE_STREAMS = {}
@@ -60,7 +60,7 @@ def reverse_blocks_two_streams(blocks, states, y1, y2, dy1, dy2, params, autocas
         stream = streams[i % 2]
         with torch.cuda.stream(stream), autocast():
             state = None if states is None else states[i]
-            rec = blocks[i].recompute(a1, a2, state, context) if context else blocks[i].recompute(a1, a2, state)
+            rec = recompute_step(blocks[i], a1, a2, state, context)
             if monitor is not None:
                 errors[i] = monitor[0].error(monitor[1][i], rec.x1, rec.x2)
         return rec, stream.record_event()

@@ -42,7 +42,7 @@ def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None
         with autocast():
             state = None if states is None else states[i]
             # Without context, the steps' pre-context signature (blocks that override them still work)
-            rec = block.recompute(y1, y2, state, context) if context else block.recompute(y1, y2, state)
+            rec = recompute_step(block, y1, y2, state, context)
         if monitor is not None:
             errors[i] = monitor[0].error(monitor[1][i], rec.x1, rec.x2)
         grads = block.grads(rec, dy1, dy2)
@@ -65,6 +65,13 @@ def forward_step(block, x1, x2, preserve_rng_state, context=NO_CONTEXT):
     if context:
         return block.forward_with_state(x1, x2, preserve_rng_state, context)
     return block.forward_with_state(x1, x2, preserve_rng_state)
+
+
+def recompute_step(block, y1, y2, state, context=NO_CONTEXT):
+    """``block.recompute`` (without context: the pre-context signature, as `forward_step`)."""
+    if context:
+        return block.recompute(y1, y2, state, context)
+    return block.recompute(y1, y2, state)
 
 
 def save_with_context(ctx, context, *tensors):
