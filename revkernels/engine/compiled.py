@@ -112,9 +112,10 @@ _STEPS = {"block_forward": block_forward, "block_backward": block_backward,
 
 
 class CompiledSteps:
-    """The compiled step functions for one set of compile options (``torch.compile`` keywords)."""
+    """The compiled step functions for one set of compile options (``torch.compile`` keywords) and
+    device type. On CPU inductor's ``cpp_wrapper`` is on unless the options set it."""
 
-    def __init__(self, compile_options=None):
+    def __init__(self, compile_options=None, device_type="cpu"):
         options = dict(compile_options or {})
         unknown = set(options) - {"backend", "mode", "dynamic", "options"}
         if unknown:
@@ -127,6 +128,10 @@ class CompiledSteps:
             inductor = dict(torch._inductor.list_mode_options(mode, options.get("dynamic")) if mode else {})
             inductor.update(options.pop("options", None) or {})
             inductor["fallback_random"] = True
+            if device_type == "cpu":
+                # A C++ wrapper calls the step's kernels: a small step's host time is mostly inductor's
+                # Python wrapper otherwise (see README, "Compiled runs")
+                inductor.setdefault("cpp_wrapper", True)
             options["options"] = inductor
         self.options = dict(backend=backend, **options)
         self.functions = {name: torch.compile(_isolated(fn), fullgraph=True, **self.options)
@@ -313,7 +318,7 @@ class CompiledRun(torch.autograd.Function):
     def forward(ctx, seq, params, context, x1, x2, *tensors):
         # tensors: the parameters, then the context tensors that require grad
         context = NO_CONTEXT if context is None else context
-        steps = compiled_steps(seq)
+        steps = compiled_steps(seq, x1.device.type)
         y1, y2, ctx.states = forward_blocks(list(seq.blocks), x1, x2, steps, seq.preserve_rng_state, context)
         ctx.blocks, ctx.params, ctx.steps = list(seq.blocks), params, steps
         ctx.autocast_state = AutocastState.capture(x1.device.type)
@@ -330,15 +335,15 @@ class CompiledRun(torch.autograd.Function):
         return (None, None, None, dx1, dx2, *grads)
 
 
-def compiled_steps(seq):
+def compiled_steps(seq, device_type):
     """The `CompiledSteps` for ``seq.compile_options`` (a dict of torch.compile keywords; unset:
-    inductor's defaults), shared by every run with the same options."""
+    inductor's defaults) on `device_type`'s tensors, shared by every run with the same options."""
     options = getattr(seq, "compile_options", None) or {}
     if not isinstance(options, dict):
         raise TypeError(f"revkernels: compile_options must be a dict, got {type(options).__name__}")
-    key = tuple(sorted((k, repr(v)) for k, v in options.items()))
+    key = (device_type, *sorted((k, repr(v)) for k, v in options.items()))
     if key not in _SHARED:
-        _SHARED[key] = CompiledSteps(options)
+        _SHARED[key] = CompiledSteps(options, device_type)
     return _SHARED[key]
 
 
@@ -352,6 +357,6 @@ def run_compiled(seq, x1, x2, context=NO_CONTEXT):
     params = _reversible.unique_grad_params(seq.blocks)
     grad_context = grad_tensors(context)
     if not torch.is_grad_enabled() or not (x1.requires_grad or x2.requires_grad or params or grad_context):
-        y1, y2, _ = forward_blocks(list(seq.blocks), x1, x2, compiled_steps(seq), False, context)
+        y1, y2, _ = forward_blocks(list(seq.blocks), x1, x2, compiled_steps(seq, x1.device.type), False, context)
         return y1, y2
     return CompiledRun.apply(seq, params, context or None, x1, x2, *params, *grad_context)

@@ -202,7 +202,7 @@ def run_sharded_compiled(seq, x1, x2, units, context=NO_CONTEXT):
     """`run_sharded` with the compiled engine's steps."""
     from revkernels.engine import compiled
 
-    steps = compiled.compiled_steps(seq)
+    steps = compiled.compiled_steps(seq, x1.device.type)
 
     def forward_step(block, a1, a2, preserve_rng_state, block_context):
         y1, y2, states = compiled.forward_blocks([block], a1, a2, steps, preserve_rng_state, block_context)

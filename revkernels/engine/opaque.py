@@ -100,8 +100,8 @@ def _autocast(device_type, dtype):
     return AutocastState(device_type, dtype is not None, dtype or torch.float32, True).enter()
 
 
-def _steps(seq):
-    return compiled.compiled_steps(seq) if seq.engine == "compiled" else None
+def _steps(seq, device_type):
+    return compiled.compiled_steps(seq, device_type) if seq.engine == "compiled" else None
 
 
 # Generator states travel from the forward to the backward kernel as one uint8 tensor: per block
@@ -170,7 +170,7 @@ def reversible_run(handle: int, x1: torch.Tensor, x2: torch.Tensor, params: list
     inputs = (x1, x2)
     context, _ = _context(context, context_tensors, context_numbers)
     with _autocast(x1.device.type, autocast_dtype):
-        steps = _steps(seq)
+        steps = _steps(seq, x1.device.type)
         if steps is None:
             states = []
             with torch.no_grad():
@@ -206,7 +206,7 @@ def reversible_run_backward(handle: int, y1: torch.Tensor, y2: torch.Tensor, dy1
     run_params = _grad_params(seq)
     context, leaves = _context(context, context_tensors, context_numbers, leaves=True)
     _, _, dx1, dx2, grads = compiled.backward_blocks(blocks, states, y1, y2, dy1, dy2, run_params + leaves,
-                                                     _steps(seq), autocast_state, context)
+                                                     _steps(seq, y1.device.type), autocast_state, context)
     inputs = (y1, y2, dy1, dy2, *context_tensors)
     dx1, dx2, *context_grads = _unaliased((dx1, dx2, *(torch.zeros_like(t) if g is None else g
                                                         for t, g in zip(leaves, grads[len(run_params):]))), inputs)

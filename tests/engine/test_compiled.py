@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import revkernels as rk
-from revkernels.engine.compiled import backward_blocks, forward_blocks
+from revkernels.engine.compiled import backward_blocks, compiled_steps, forward_blocks
 from revkernels.nn.reversible import ReversibleSequential, unique_grad_params
 from revkernels.nn.revvit import RevViTBlock
 from tests.helpers import (CountingBackend, assert_close_rel, compiled_saved_bytes, loss_of, make_seq, plain_forward,
@@ -225,6 +225,17 @@ def test_bad_compile_options_raise_naming_the_argument():
     seq.compile_options = {"fullgraph": False}
     with pytest.raises(ValueError, match="compile_options"):
         seq(torch.randn(2, 8, requires_grad=True), torch.randn(2, 8))
+
+
+def test_inductor_steps_use_the_cpp_wrapper_on_cpu_unless_the_options_say_otherwise():
+    # (the inductor test above runs the default, so its steps run through the C++ wrapper)
+    seq = make_seq(1, 8, engine="compiled")
+    assert compiled_steps(seq, "cpu").options["options"]["cpp_wrapper"] is True
+    assert "cpp_wrapper" not in compiled_steps(seq, "cuda").options["options"]
+    seq.compile_options = {"options": {"cpp_wrapper": False}}
+    assert compiled_steps(seq, "cpu").options["options"]["cpp_wrapper"] is False
+    seq.compile_options = AOT
+    assert "options" not in compiled_steps(seq, "cpu").options
 
 
 def test_fullgraph_compile_saves_the_same_bytes_at_depth_4_and_16():
