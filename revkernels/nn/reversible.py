@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.autograd.graph import _engine_run_backward
 from torch.func import functional_call
 
 from revkernels.engine.state import NO_CONTEXT, RngState, cuda_devices_of, maybe_replay
@@ -243,7 +244,10 @@ def _vjp(out, leaf, aliases, grad_out):
     not depend on."""
     if not out.requires_grad:
         return None, [None] * len(aliases)
-    grads = torch.autograd.grad(out, [leaf, *aliases.values()], grad_out.to(out.dtype), allow_unused=True)
+    # torch.autograd.grad's engine call without its Python argument handling (one output whose grad
+    # has its shape and dtype): a generic block makes two such calls a step
+    grads = _engine_run_backward((out,), (grad_out.to(out.dtype),), False, False, (leaf, *aliases.values()), True,
+                                 accumulate_grad=False)
     return grads[0], list(grads[1:])
 
 
