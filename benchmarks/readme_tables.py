@@ -145,9 +145,9 @@ def _config_line(rows):
             f"{r['threads']} thread{'s' if r['threads'] != '1' else ''}; median of {r['steps']} steps")
 
 
-def overhead_tables(steps, ops):
+def overhead_tables(steps, ops, compiles=()):
     """Step time per variant and configuration with speed ratios against the baselines of the same
-    run, and each fused op against its ATen composition."""
+    run, the compile times of a ViT-S, and each fused op against its ATen composition."""
     lines = []
     if steps:
         configs = list(dict.fromkeys(r["config"] for r in steps))
@@ -176,6 +176,16 @@ def overhead_tables(steps, ops):
                 cells += [cell] + [_ratio(by.get((c, b), {}).get("step_ms"), r["step_ms"])
                                    for b in bases]
             lines.append(f"| `{v}` | " + " | ".join(cells) + " |")
+    if compiles:
+        r = compiles[0]
+        lines += (["", ""] if lines else []) + [
+            f"Compile time of a {r['depth']}-block ViT-S (dim {r['dim']}, {r['heads']} heads, {r['tokens']} tokens, "
+            f"batch {r['batch']}, {r['threads']} threads, {r['dtype']}), each variant in a fresh process with an "
+            f"empty inductor cache: first step - median of the next steps ({_provenance(compiles)}):", "",
+            "| variant | compile s | first step ms | step ms |", "|---|---|---|---|"]
+        for r in compiles:
+            lines.append(f"| `{r['variant']}` | {_num(r['compile_s']):.1f} | {_num(r['first_step_ms']):.0f} | "
+                         f"{_num(r['step_ms']):.1f} |")
     if ops:
         columns = list(dict.fromkeys((r["case"], r["dtype"]) for r in ops))
         names = {"tiny": "no grad", "tiny_grad": "fwd + bwd of the sum", "throughput": "one call"}
@@ -209,10 +219,11 @@ def overhead_section(results=RESULTS):
     """The text between the overhead markers: the tables of every device with results."""
     lines = []
     for device in ("cpu", "cuda"):
-        steps, ops = (os.path.join(results, f"{name}_{device}.csv") for name in ("overhead", "overhead_ops"))
-        if os.path.exists(steps) or os.path.exists(ops):
-            lines += overhead_tables(read_csv(steps) if os.path.exists(steps) else [],
-                                     read_csv(ops) if os.path.exists(ops) else []) + [""]
+        paths = [os.path.join(results, f"{name}_{device}.csv")
+                 for name in ("overhead", "overhead_ops", "overhead_compile")]
+        if any(os.path.exists(path) for path in paths):
+            steps, ops, compiles = (read_csv(path) if os.path.exists(path) else [] for path in paths)
+            lines += overhead_tables(steps, ops, compiles) + [""]
     if not lines:
         lines = ["No results committed yet: `python benchmarks/bench_overhead.py` writes "
                  "`benchmarks/results/overhead_cpu.csv` and `overhead_ops_cpu.csv`; then run "

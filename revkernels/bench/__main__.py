@@ -11,8 +11,9 @@ own CSV and PNG under --out):
   train    transformer and RevNet train steps: standard backprop, checkpointing, plain reversible
            blocks and revkernels' engines (train_<device>.csv)
   overhead host-bound and compute-bound train steps (standard, checkpoint, a minREV-style reversible
-           stack, every revkernels engine) and each fused op's per-call cost against ATen
-           (overhead_<device>.csv, overhead_ops_<device>.csv)
+           stack, every revkernels engine), each fused op's per-call cost against ATen, and (not in
+           --quick) the compile time of a ViT-S (overhead_<device>.csv, overhead_ops_<device>.csv,
+           overhead_compile_<device>.csv)
   petra    the PETRA distributed runtime (2 CPU processes over gloo) against single-process
            reversible backprop (petra_cpu.csv); always on CPU
 

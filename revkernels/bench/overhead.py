@@ -50,15 +50,26 @@ On CPU with glibc the benchmark first tells malloc to keep freed memory for reus
 without it, whether a large tensor lands on fresh pages (first-touch page faults can cost more than
 the kernel timed) depends on what ran before, for the fused op and its ATen composition alike.
 
-Results under --out: overhead_<device>.csv (steps), overhead_ops_<device>.csv (ops), both with
-commit, device and versions on every row, and overhead_<device>.png (step time per variant).
+Compile time (full runs; --quick leaves it out unless --compile-variants names variants): a 12-block
+ViT-S (dim 384, 6 heads, 65 tokens, batch 2, 2 threads, fp32 on CPU) under revkernels_compiled,
+revkernels_generic_compiled and standard_compile, each in a child process with an empty inductor
+cache (TORCHINDUCTOR_CACHE_DIR in a temporary folder), so compile_s (first step - median of the next
+steps) is what a first run pays: Dynamo tracing, AOTAutograd and inductor's code generation and C++
+compiles.
+
+Results under --out: overhead_<device>.csv (steps), overhead_ops_<device>.csv (ops),
+overhead_compile_<device>.csv (compile time), all with commit, device and versions on every row, and
+overhead_<device>.png (step time per variant).
 """
 import argparse
 import ctypes
+import json
 import math
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -76,6 +87,9 @@ CONFIGS = {
     "compute_bound": dict(depth=6, dim=192, heads=3, tokens=65, batch=16, threads=2),
 }
 BASELINES = ("standard", "reversible_plain", "checkpoint", "standard_compile")
+COMPILE_CONFIG = dict(depth=12, dim=384, heads=6, tokens=65, batch=2, threads=2)  # ViT-S
+COMPILE_VARIANTS = ("revkernels_compiled", "revkernels_generic_compiled", "standard_compile")
+COMPILE_TIMEOUT_S = 1800
 TINY = (8, 64)
 LARGE = (4096, 768)
 TINY_THREADS, LARGE_THREADS = 1, 2
@@ -310,6 +324,33 @@ def measure_config(name, cfg, names, device, warmup, rounds, progress=None):
     return rows
 
 
+def measure_compile(variant, device):
+    """The compile-time row of `variant` on the ViT-S configuration, measured in a child process
+    with an empty inductor cache (see the module docstring); nan times if the child fails."""
+    row = {"config": "vit_s", **COMPILE_CONFIG, "variant": variant, "cache": "empty"}
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(rk.__file__)))
+    with tempfile.TemporaryDirectory(prefix="revkernels-inductor-cache-") as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache,
+                   PYTHONPATH=os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH")))))
+        command = [sys.executable, "-m", "revkernels.bench.overhead", "--device", str(device), "--compile-child", variant]
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+            failure = None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["no output"])[-1]
+        except subprocess.TimeoutExpired:
+            done, failure = None, f"timed out after {COMPILE_TIMEOUT_S} s"
+    if failure is not None:
+        print(f"  compile time {variant} FAILED: {failure[:200]}", flush=True)
+        return {**row, "compile_s": float("nan"), "first_step_ms": float("nan"), "step_ms": float("nan")}
+    return {**row, **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+def _compile_child(variant, device):
+    """In the child process: two warm-up steps (the first timed alone), three timed steps; prints
+    the times as JSON on the last line."""
+    (row,) = measure_config("vit_s", COMPILE_CONFIG, [variant], device, warmup=2, rounds=3)
+    print(json.dumps({k: row[k] for k in ("dtype", "compile_s", "first_step_ms", "step_ms")}))
+
+
 def _ratio_value(a, b):
     return a / b if isinstance(a, float) and isinstance(b, float) and math.isfinite(a) and math.isfinite(b) and b > 0 \
         else float("nan")
@@ -462,12 +503,16 @@ def parse_args(argv=None, default_out=DEFAULT_OUT):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device to run on (default: cuda if available, else cpu)")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, the same shapes (~60 s on 2 CPU cores)")
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
-                        help="train-step configurations (default: all)")
+    parser.add_argument("--configs", nargs="*", choices=list(CONFIGS), default=list(CONFIGS),
+                        help="train-step configurations (default: all; none: skip the train steps)")
     parser.add_argument("--variants", nargs="+", metavar="VARIANT",
                         help=f"train-step variants (default: all: {', '.join(variants())})")
     parser.add_argument("--ops", nargs="*", metavar="OP", help=f"ops of the op table (default: all: {', '.join(OPS)}; "
                         "none: skip the table)")
+    parser.add_argument("--compile-variants", nargs="*", metavar="VARIANT", choices=COMPILE_VARIANTS,
+                        help=f"compile time of a 12-block ViT-S for these variants (default: all: "
+                        f"{', '.join(COMPILE_VARIANTS)}; none with --quick)")
+    parser.add_argument("--compile-child", choices=COMPILE_VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, help="warm-up steps per variant, the first timed alone (default 3, 2 with --quick)")
     parser.add_argument("--rounds", type=int, help="timed rounds of one step per variant (default: host_bound 30, "
                         "compute_bound 10; 10 and 3 with --quick)")
@@ -493,6 +538,13 @@ def selected_variants(args):
     if args.variants:
         return [v for v in variants() if v in args.variants]
     return [v for v in variants() if not (args.quick and v == "standard_compile")]
+
+
+def selected_compile_variants(args):
+    """The compile-time variants `args` asks for: --compile-variants, else all (none with --quick)."""
+    if args.compile_variants is not None:
+        return [v for v in COMPILE_VARIANTS if v in args.compile_variants]
+    return [] if args.quick else list(COMPILE_VARIANTS)
 
 
 def _fmt(value, spec):
@@ -522,6 +574,7 @@ def run(args):
     reused = tag == "cpu" and keep_freed_memory()
     meta = provenance(args.device)
     names = selected_variants(args)
+    compile_names = selected_compile_variants(args)
     ops = OPS if args.ops is None else [op for op in OPS if op in args.ops]
     warmup = args.warmup or (2 if args.quick else 3)
     rounds = {name: args.rounds or ((10 if args.quick else 30) if name == "host_bound" else (3 if args.quick else 10))
@@ -537,7 +590,8 @@ def run(args):
     print(f"baseline check: reversible_plain grads vs revkernels' autograd engine (same weights, host_bound "
           f"shapes): max relative error {error:.1e} (limit {GRAD_CHECK_TOL:.0e})", flush=True)
 
-    progress = tqdm(total=sum(len(names) + rounds[c] for c in args.configs) + len(op_points(ops)), desc="overhead",
+    progress = tqdm(total=sum(len(names) + rounds[c] for c in args.configs) + len(op_points(ops)) + len(compile_names),
+                    desc="overhead",
                     unit="step", file=sys.stderr, leave=False)
     step_rows = []
     for name in args.configs:
@@ -547,10 +601,17 @@ def run(args):
         progress.set_postfix_str(f"{point[0]} {point[1]} {str(point[2]).replace('torch.', '')}")
         op_rows.append(measure_op(*point, device, op_reps))
         progress.update()
+    compile_rows = []
+    for variant in compile_names:
+        progress.set_postfix_str(f"compile time {variant} (empty inductor cache)")
+        compile_rows.append({k: (round(v, 4) if isinstance(v, float) else v)
+                             for k, v in measure_compile(variant, device).items()})
+        progress.update()
     progress.close()
 
     _print_steps(step_rows)
     _print_ops(op_rows)
+    _print_compile(compile_rows)
     written = []
     if step_rows:
         written.append(write_csv(os.path.join(args.out, f"overhead_{tag}.csv"), step_rows, meta))
@@ -559,8 +620,10 @@ def run(args):
             written.append(png)
     if op_rows:
         written.append(write_csv(os.path.join(args.out, f"overhead_ops_{tag}.csv"), op_rows, meta))
+    if compile_rows:
+        written.append(write_csv(os.path.join(args.out, f"overhead_compile_{tag}.csv"), compile_rows, meta))
     print("\nwrote " + ", ".join(written), flush=True)
-    return step_rows + op_rows
+    return step_rows + op_rows + compile_rows
 
 
 def _print_steps(rows):
@@ -591,9 +654,21 @@ def _print_ops(rows):
               f"{r['aten_us']:10.2f} {r['ratio']:6.2f}x {wrapper}")
 
 
+def _print_compile(rows):
+    if not rows:
+        return
+    cfg = rows[0]
+    print(f"\ncompile time, empty inductor cache: depth {cfg['depth']}, dim {cfg['dim']}, {cfg['heads']} heads, "
+          f"{cfg['tokens']} tokens, batch {cfg['batch']}, {cfg['threads']} threads")
+    print(f"{'variant':<34} {'compile s':>10} {'first ms':>10} {'step ms':>9}")
+    for r in rows:
+        print(f"{r['variant']:<34} {_fmt(r['compile_s'], '10.1f')} {_fmt(r['first_step_ms'], '10.0f')} "
+              f"{_fmt(r['step_ms'], '9.1f')}")
+
+
 def summary(rows):
     """The suite's headline lines from run()'s rows."""
-    steps = [r for r in rows if "variant" in r]
+    steps = [r for r in rows if "variant" in r and r["config"] != "vit_s"]
     lines = []
     for name in dict.fromkeys(r["config"] for r in steps):
         mine = {r["variant"]: r for r in steps if r["config"] == name}
@@ -602,6 +677,10 @@ def summary(rows):
                  for v in ("revkernels_sequential", "revkernels_generic_sequential") if v in mine]
         if cells:
             lines.append(f"{name}: " + "; ".join(cells))
+    compile_rows = [r for r in rows if r.get("config") == "vit_s"]
+    if compile_rows:
+        lines.append("ViT-S compile time (empty inductor cache): "
+                     + ", ".join(f"{r['variant']} {_fmt(r['compile_s'], '.1f')} s" for r in compile_rows))
     tiny = [r for r in rows if r.get("case") == "tiny"]
     if tiny:
         geo = math.exp(statistics.fmean(math.log(r["ratio"]) for r in tiny))
@@ -644,7 +723,11 @@ def plot(path, rows, meta):
 
 
 def main(argv=None, default_out=DEFAULT_OUT):
-    run(parse_args(argv, default_out))
+    args = parse_args(argv, default_out)
+    if args.compile_child:
+        _compile_child(args.compile_child, torch.device(args.device))
+    else:
+        run(args)
     return 0
 
 

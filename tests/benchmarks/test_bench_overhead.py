@@ -2,7 +2,9 @@
 op table compares each fused op with the ATen composition computing the same values, and the CSVs
 carry their columns and provenance. Tiny repetition counts; no timing is asserted."""
 import csv
+import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -96,6 +98,45 @@ def test_standard_compile_is_left_to_full_runs_unless_named():
     assert select("--quick", "--variants", "standard_compile", "standard") == ["standard", "standard_compile"]
 
 
+def test_compile_time_is_left_to_full_runs_unless_named():
+    select = lambda *argv: overhead.selected_compile_variants(overhead.parse_args(list(argv)))  # noqa: E731
+    assert select() == list(overhead.COMPILE_VARIANTS) and select("--quick") == []
+    assert select("--quick", "--compile-variants", "standard_compile") == ["standard_compile"]
+    assert select("--compile-variants") == []
+    with pytest.raises(SystemExit):
+        overhead.parse_args(["--compile-variants", "revkernels_sequential"])
+
+
+def test_compile_time_runs_in_a_child_with_an_empty_inductor_cache(monkeypatch):
+    seen = {}
+
+    def child(command, env, **kwargs):
+        seen["cache"] = env["TORCHINDUCTOR_CACHE_DIR"]
+        seen["empty"] = os.path.isdir(seen["cache"]) and not os.listdir(seen["cache"])
+        seen["command"] = command
+        out = '{"dtype": "float32", "compile_s": 3.25, "first_step_ms": 3300.0, "step_ms": 50.0}'
+        return subprocess.CompletedProcess(command, 0, stdout="inductor chatter\n" + out + "\n", stderr="")
+
+    monkeypatch.setattr(overhead.subprocess, "run", child)
+    row = overhead.measure_compile("standard_compile", torch.device("cpu"))
+    assert seen["empty"] and not os.path.exists(seen["cache"])  # a fresh folder, removed afterwards
+    assert seen["command"][-2:] == ["--compile-child", "standard_compile"]
+    assert row["compile_s"] == 3.25 and row["dim"] == 384 and row["depth"] == 12 and row["cache"] == "empty"
+
+    monkeypatch.setattr(overhead.subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(
+        command, 1, stdout="", stderr="Traceback ...\nRuntimeError: no compiler"))
+    assert math.isnan(overhead.measure_compile("standard_compile", torch.device("cpu"))["compile_s"])
+
+
+def test_compile_child_prints_its_times_as_json(monkeypatch, capsys):
+    monkeypatch.setitem(rk.engine.ENGINES, "compiled", rk.engine.run_sequential)  # no compile in this test
+    monkeypatch.setattr(overhead, "COMPILE_CONFIG", {**SMALL, "threads": 1})
+    overhead.main(["--device", "cpu", "--compile-child", "revkernels_compiled"])
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(row) == {"dtype", "compile_s", "first_step_ms", "step_ms"}
+    assert row["first_step_ms"] > 0 and row["step_ms"] > 0
+
+
 def test_measure_config_reports_compile_time_and_failures(monkeypatch):
     monkeypatch.setitem(rk.engine.ENGINES, "compiled", rk.engine.run_sequential)
     build = overhead.build
@@ -149,8 +190,13 @@ def test_keep_freed_memory_applies_on_glibc():
 
 def test_run_writes_both_csvs_and_the_plot(tmp_path, monkeypatch):
     monkeypatch.setattr(overhead, "keep_freed_memory", lambda: False)  # keeps this process's malloc as it is
+    # the compile-time child is tested below; here its row reaches the CSV
+    monkeypatch.setattr(overhead, "measure_compile", lambda variant, device: {
+        "config": "vit_s", **overhead.COMPILE_CONFIG, "variant": variant, "cache": "empty", "dtype": "float32",
+        "compile_s": 12.5, "first_step_ms": 12600.0, "step_ms": 100.0})
     args = overhead.parse_args(["--device", "cpu", "--configs", "host_bound", "--quick", "--warmup", "1", "--rounds", "1",
-                                "--op-reps", "1", "--ops", "coupling_sub", "batch_norm_act_bwd", "--out", str(tmp_path)])
+                                "--op-reps", "1", "--ops", "coupling_sub", "batch_norm_act_bwd", "--out", str(tmp_path),
+                                "--compile-variants", "revkernels_compiled"])
     rows = overhead.run(args)
     steps = list(csv.DictReader(open(tmp_path / "overhead_cpu.csv")))
     assert list(steps[0])[:21] == [
@@ -171,11 +217,15 @@ def test_run_writes_both_csvs_and_the_plot(tmp_path, monkeypatch):
         ("batch_norm_act_bwd", "tiny", "float32", "2x64x2x2"),
         ("batch_norm_act_bwd", "throughput", "float32", "16x768x16x16"),
         ("batch_norm_act_bwd", "throughput", "bfloat16", "16x768x16x16")]
-    for r in steps + ops:
+    compile_rows = list(csv.DictReader(open(tmp_path / "overhead_compile_cpu.csv")))
+    assert [(r["variant"], r["dim"], r["compile_s"]) for r in compile_rows] == [("revkernels_compiled", "384", "12.5")]
+    for r in steps + ops + compile_rows:
         assert all(r[k] for k in PROVENANCE)
     assert (tmp_path / "overhead_cpu.png").stat().st_size > 0
-    assert len(rows) == len(steps) + len(ops)
-    assert any(line.startswith("host_bound: revkernels_sequential") for line in overhead.summary(rows))
+    assert len(rows) == len(steps) + len(ops) + len(compile_rows)
+    lines = overhead.summary(rows)
+    assert any(line.startswith("host_bound: revkernels_sequential") for line in lines)
+    assert "ViT-S compile time (empty inductor cache): revkernels_compiled 12.5 s" in lines
 
 
 def test_summary_from_rows():

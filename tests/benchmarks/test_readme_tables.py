@@ -114,6 +114,17 @@ def test_overhead_table_has_a_standard_compiled_column_when_measured(tmp_path, r
     assert "| `standard_compile` | 4.00 (compile 30.0 s) | 1.50x | 2.50x | 4.00x | 1.00x |" in text
 
 
+def test_overhead_section_has_the_compile_time_table(tmp_path, readme_tables):
+    row = {"config": "vit_s", "depth": 12, "dim": 384, "heads": 6, "tokens": 65, "batch": 2, "threads": 2,
+           "variant": "revkernels_compiled", "cache": "empty", "dtype": "float32", "compile_s": 14.83,
+           "first_step_ms": 14964.2, "step_ms": 155.24}
+    _write(tmp_path / "overhead_compile_cpu.csv", [row, dict(row, variant="standard_compile", compile_s=61.0)])
+    text = readme_tables.overhead_section(str(tmp_path))
+    assert "Compile time of a 12-block ViT-S (dim 384, 6 heads, 65 tokens, batch 2, 2 threads, float32)" in text
+    assert "| `revkernels_compiled` | 14.8 | 14964 | 155.2 |" in text
+    assert "| `standard_compile` | 61.0 | 14964 | 155.2 |" in text
+
+
 def test_main_rewrites_both_marked_sections(tmp_path, readme_tables):
     readme = tmp_path / "README.md"
     o_begin, o_end = readme_tables.OVERHEAD_BEGIN, readme_tables.OVERHEAD_END
