@@ -11,6 +11,7 @@ namespace DEFAULT { extern const CpuKernels kCpuKernels; }
 #if defined(REVKERNELS_CPU_ISA_VARIANTS)
 namespace AVX2 { extern const CpuKernels kCpuKernels; }
 namespace AVX512 { extern const CpuKernels kCpuKernels; }
+namespace AVX512_BF16 { extern const CpuKernels kCpuKernels; }
 #endif
 
 namespace {
@@ -19,6 +20,8 @@ namespace {
 bool cpu_supports(CpuIsa isa) {
 #if defined(REVKERNELS_CPU_ISA_VARIANTS)
   switch (isa) {
+    case CpuIsa::Avx512Bf16:
+      return __builtin_cpu_supports("avx512bf16") && cpu_supports(CpuIsa::Avx512);
     case CpuIsa::Avx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && cpu_supports(CpuIsa::Avx2);
@@ -38,6 +41,7 @@ const CpuKernels* cpu_kernels_for(CpuIsa isa) {
   if (!cpu_supports(isa)) return nullptr;
   switch (isa) {
 #if defined(REVKERNELS_CPU_ISA_VARIANTS)
+    case CpuIsa::Avx512Bf16: return &AVX512_BF16::kCpuKernels;
     case CpuIsa::Avx512: return &AVX512::kCpuKernels;
     case CpuIsa::Avx2: return &AVX2::kCpuKernels;
 #endif
@@ -51,7 +55,8 @@ const CpuKernels& cpu_kernels() {
     // "AVX512", "AVX2" or "DEFAULT" (ATEN_CPU_CAPABILITY=default|avx2|avx512 lowers it).
     const std::string aten = at::get_cpu_capability();
     const CpuKernels* kernels = nullptr;
-    if (aten == "AVX512") kernels = cpu_kernels_for(CpuIsa::Avx512);
+    if (aten == "AVX512") kernels = cpu_kernels_for(CpuIsa::Avx512Bf16);
+    if (kernels == nullptr && aten == "AVX512") kernels = cpu_kernels_for(CpuIsa::Avx512);
     if (kernels == nullptr && (aten == "AVX512" || aten == "AVX2")) kernels = cpu_kernels_for(CpuIsa::Avx2);
     return kernels != nullptr ? kernels : cpu_kernels_for(CpuIsa::Default);
   }();

@@ -17,7 +17,7 @@
 
 namespace revkernels {
 
-enum class CpuIsa : int { Default = 0, Avx2 = 1, Avx512 = 2 };
+enum class CpuIsa : int { Default = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3 };
 
 struct CpuKernels {
   CpuIsa isa;

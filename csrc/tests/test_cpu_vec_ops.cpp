@@ -1,5 +1,5 @@
 // Unit test of the vectorised CPU kernels (cpu/vec_kernels.h): every ISA build this CPU runs
-// (DEFAULT, AVX2, AVX512; cpu_kernels_for), called directly, against naive loops in double, for
+// (DEFAULT, AVX2, AVX512, AVX512_BF16; cpu_kernels_for), called directly, against naive loops in double, for
 // each data type and mixed pairs (the fp64-mixed ones take the scalar path), widths that leave
 // every vector tail (1 to 100 and a 1000-wide row), padded and broadcast rows, a strided innermost
 // dim, and row ranges split as threads would split them. Links the op library (the kernels live
@@ -240,8 +240,27 @@ void check_pair(const CpuKernels& k, std::mt19937_64& rng) {
   }
 }
 
+// A bf16 output whose fp32 value is subnormal (2^-127): the AVX512_BF16 build's conversion
+// (vcvtne2ps2bf16) flushes it to +0; every other build rounds it to bf16's subnormal 2^-127.
+void check_bf16_subnormal_output(const CpuKernels& k) {
+  const int64_t n = 40;  // whole vector blocks and a tail in every build
+  const std::vector<BFloat16> a(n, from_double<BFloat16>(std::ldexp(1.5, -126)));
+  const std::vector<BFloat16> b(n, from_double<BFloat16>(std::ldexp(1.0, -126)));
+  std::vector<BFloat16> out(n, sentinel<BFloat16>());
+  CouplingLayout layout;
+  layout.ndim = 1;
+  layout.sizes[0] = n, layout.a_strides[0] = 1, layout.b_strides[0] = 1;
+  k.coupling_axpy(out.data(), a.data(), Traits<BFloat16>::kind, b.data(), Traits<BFloat16>::kind, -1.0, layout, 0, n);
+  const double want = k.isa == CpuIsa::Avx512Bf16 ? 0.0 : std::ldexp(1.0, -127);
+  for (int64_t i = 0; i < n; ++i) {
+    RK_CHECK(to_double(out[i]) == want, "%s bf16 subnormal output %lld: %g, expected %g", k.name, (long long)i,
+             to_double(out[i]), want);
+  }
+}
+
 void check_kernels(const CpuKernels& k) {
   std::mt19937_64 rng(1234);
+  check_bf16_subnormal_output(k);
   check_pair<float, float>(k, rng);
   check_pair<double, double>(k, rng);
   check_pair<BFloat16, BFloat16>(k, rng);
@@ -258,7 +277,7 @@ void check_kernels(const CpuKernels& k) {
 
 int main() {
   int builds = 0;
-  for (CpuIsa isa : {CpuIsa::Default, CpuIsa::Avx2, CpuIsa::Avx512}) {
+  for (CpuIsa isa : {CpuIsa::Default, CpuIsa::Avx2, CpuIsa::Avx512, CpuIsa::Avx512Bf16}) {
     const CpuKernels* k = cpu_kernels_for(isa);
     if (k == nullptr) {
       std::printf("ISA %d: not built or not supported by this CPU, skipped\n", int(isa));
