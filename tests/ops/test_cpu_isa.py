@@ -1,5 +1,7 @@
 """The C++ CPU kernels under each instruction set they are built for (csrc/cpu/vec_kernels.cpp:
-DEFAULT, AVX2, AVX512, picked at run time like ATen's kernels, so ATEN_CPU_CAPABILITY forces one).
+DEFAULT, AVX2, AVX512, picked at run time like ATen's kernels, so ATEN_CPU_CAPABILITY forces one;
+"avx512" runs the AVX512_BF16 build on a CPU with avx512_bf16. csrc/tests/test_cpu_vec_ops.cpp
+calls all four builds directly).
 
 Each ISA runs in a subprocess with ATEN_CPU_CAPABILITY set and checks every CPU op against an fp64
 pure-PyTorch reference: widths that leave vector tails, row-sliced, broadcast and transposed inputs,
