@@ -4,10 +4,24 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "cpu/vec_kernels.h"
+
+namespace {
+
+// _C.cpu_kernel_build(): the name of the CPU kernel build the ops run ("DEFAULT", "AVX2", "AVX512"
+// or "AVX512_BF16"; picked once per process, see cpu/dispatch.cpp).
+PyObject* cpu_kernel_build(PyObject*, PyObject*) { return PyUnicode_FromString(revkernels::cpu_kernels().name); }
+
+PyMethodDef methods[] = {
+    {"cpu_kernel_build", cpu_kernel_build, METH_NOARGS, "The CPU kernel build the ops run."},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
 extern "C" {
-// Importing revkernels._C runs the static registrations; the module itself is empty.
+// Importing revkernels._C runs the static registrations (the ops); the module holds cpu_kernel_build.
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr, nullptr, nullptr, nullptr, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods, nullptr, nullptr, nullptr, nullptr};
   return PyModule_Create(&module_def);
 }
 }

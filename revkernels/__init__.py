@@ -7,9 +7,10 @@
 See README.md and DESIGN.md for the API contract and the math.
 """
 from revkernels import _extension, engine, models, nn, ops, petra
-from revkernels._extension import HAS_C_EXTENSION
+from revkernels._extension import CPU_KERNEL_BUILD, HAS_C_EXTENSION
 from revkernels.check import ReversibilityReport, check_reversibility
 
 __version__ = "0.1.0"
 
-__all__ = ["nn", "ops", "engine", "models", "petra", "check_reversibility", "ReversibilityReport", "HAS_C_EXTENSION", "__version__"]
+__all__ = ["nn", "ops", "engine", "models", "petra", "check_reversibility", "ReversibilityReport", "HAS_C_EXTENSION", "CPU_KERNEL_BUILD",
+           "__version__"]

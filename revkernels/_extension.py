@@ -22,3 +22,7 @@ except ImportError as error:  # not built, or built against another torch
 else:
     HAS_C_EXTENSION = True
     C_EXTENSION_ERROR = None
+
+# Which build of the C++ CPU kernels runs: "DEFAULT", "AVX2", "AVX512" or "AVX512_BF16" (the widest
+# this CPU runs that ATen would use too; ATEN_CPU_CAPABILITY lowers it), None without revkernels._C.
+CPU_KERNEL_BUILD = _C.cpu_kernel_build() if HAS_C_EXTENSION else None

@@ -41,6 +41,7 @@ def provenance(device):
         "triton": triton_version,
         "revkernels": revkernels.__version__,
         "c_extension": revkernels.HAS_C_EXTENSION,
+        "cpu_kernels": revkernels.CPU_KERNEL_BUILD or "none",
         "date": datetime.date.today().isoformat(),
     }
 

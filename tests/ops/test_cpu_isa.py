@@ -1,7 +1,7 @@
 """The C++ CPU kernels under each instruction set they are built for (csrc/cpu/vec_kernels.cpp:
 DEFAULT, AVX2, AVX512, picked at run time like ATen's kernels, so ATEN_CPU_CAPABILITY forces one;
-"avx512" runs the AVX512_BF16 build on a CPU with avx512_bf16. csrc/tests/test_cpu_vec_ops.cpp
-calls all four builds directly).
+"avx512" runs the AVX512_BF16 build on a CPU with avx512_bf16, which `revkernels.CPU_KERNEL_BUILD`
+must report. csrc/tests/test_cpu_vec_ops.cpp calls all four builds directly).
 
 Each ISA runs in a subprocess with ATEN_CPU_CAPABILITY set and checks every CPU op against an fp64
 pure-PyTorch reference: widths that leave vector tails, row-sliced, broadcast and transposed inputs,
@@ -23,6 +23,7 @@ from revkernels.ops.batch_norm import batch_norm_act_bwd_reference, batch_norm_a
 from revkernels.ops.bias_gelu import bias_gelu_bwd_reference, bias_gelu_reference
 from revkernels.ops.coupling import coupling_add_reference, coupling_sub_reference
 from revkernels.ops.layer_norm import layer_norm_bwd_add_reference, sub_layer_norm_reference
+from tests.helpers import run_without_c_extension
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WIDTHS = (1, 17, 100, 769)
@@ -141,7 +142,7 @@ def check_all():
             once = ref(dout, xb, w, b, mean, rstd, True)
             for t, e, o, name in zip(got, exact, once, ("dx", "dweight", "dbias")):
                 _check(t, e, o, f"batch_norm_act_bwd {name} {what}")
-    print("checked", torch.backends.cpu.get_cpu_capability())
+    print("checked", torch.backends.cpu.get_cpu_capability(), "with the", rk.CPU_KERNEL_BUILD, "kernels")
 
 
 @pytest.mark.parametrize("isa", ["default", "avx2", "avx512"])
@@ -156,4 +157,18 @@ def test_cpu_kernels_under_each_isa(isa):
     result = subprocess.run([sys.executable, "-c", "import tests.ops.test_cpu_isa as t; t.check_all()"],
                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"checked {isa.upper()}" in result.stdout
+    assert f"checked {isa.upper()} with the {_expected_build(isa)} kernels" in result.stdout
+
+
+def _expected_build(isa):
+    """Our kernel build under ATen capability `isa`: the same ISA, AVX-512 with the bf16 conversion
+    instructions where the CPU has them."""
+    if isa != "avx512":
+        return isa.upper()
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    return "AVX512_BF16" if "avx512_bf16" in flags else "AVX512"
+
+
+def test_cpu_kernel_build_is_none_without_the_c_extension():
+    run_without_c_extension("import revkernels as rk\nassert rk.CPU_KERNEL_BUILD is None\nprint('ok')")
