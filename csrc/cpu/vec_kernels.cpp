@@ -4,8 +4,9 @@
 // `-DCPU_CAPABILITY=AVX512 -DCPU_CAPABILITY_AVX512 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma`,
 // and AVX512_BF16: the AVX512 build plus `-mavx512bf16 -DREVKERNELS_AVX512_BF16`, which stores bf16
 // with the CPU's own conversion (setup.py and CMakeLists.txt). at::vec picks its vector width and
-// intrinsics from those macros, and everything here lands in namespace revkernels::CPU_CAPABILITY. No static data with dynamic
-// initialisers here: they would run ISA-specific code at load time on any CPU.
+// intrinsics from those macros, and everything here lands in namespace revkernels::CPU_CAPABILITY.
+// No static data with dynamic initialisers here: they would run ISA-specific code at load time on
+// any CPU.
 //
 // Data are processed in blocks of two accumulation-type vectors (kBlock elements: the width of one
 // 16-bit vector, converted to two fp32 vectors); a row's last partial block uses masked loads and
@@ -131,8 +132,8 @@ C10_ALWAYS_INLINE Block<acc_t> load_block(const T* p, int64_t count = kBlock<acc
 
 // fp32 -> 16-bit, round to nearest even. The AVX512_BF16 build converts to bf16 with
 // vcvtne2ps2bf16 (one instruction for what at::vec emulates with integer ops, ~30% of bias_gelu's
-// time on bf16), which flushes fp32 subnormals (|v| < 2^-126) to a signed zero, as bf16 matmuls on
-// such CPUs do; every other value converts bitwise as at::vec's emulation does.
+// time on bf16), which flushes fp32 subnormals (|v| < 2^-126) to a signed zero; every other value
+// converts bitwise as at::vec's emulation does.
 template <typename c10_t>
 C10_ALWAYS_INLINE Vec<c10_t> to_16bit(const Vec<float>& lo, const Vec<float>& hi) {
 #if defined(REVKERNELS_AVX512_BF16)
