@@ -28,13 +28,13 @@ def _env_flag(name):
 
 
 # -DCPU_CAPABILITY... selects at::vec's implementation; the -m flags are those of ATen's kernels.
+_AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mbmi", "-mbmi2"]
 ISA_VARIANTS = {
     "avx2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2"],
-    "avx512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
-               "-mavx512dq", "-mfma", "-mf16c", "-mbmi", "-mbmi2"],
+    "avx512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", *_AVX512_FLAGS],
     # The AVX512 build (at::vec's AVX512 vectors) with the CPU's bf16 conversion, in a namespace of its own.
-    "avx512_bf16": ["-DCPU_CAPABILITY=AVX512_BF16", "-DCPU_CAPABILITY_AVX512", "-DREVKERNELS_AVX512_BF16", "-mavx512f",
-                    "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c", "-mbmi", "-mbmi2"],
+    "avx512_bf16": ["-DCPU_CAPABILITY=AVX512_BF16", "-DCPU_CAPABILITY_AVX512", "-DREVKERNELS_AVX512_BF16",
+                    *_AVX512_FLAGS, "-mavx512bf16"],
 }
 VEC_SOURCE = "csrc/cpu/vec_kernels.cpp"
 

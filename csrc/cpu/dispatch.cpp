@@ -55,8 +55,10 @@ const CpuKernels& cpu_kernels() {
     // "AVX512", "AVX2" or "DEFAULT" (ATEN_CPU_CAPABILITY=default|avx2|avx512 lowers it).
     const std::string aten = at::get_cpu_capability();
     const CpuKernels* kernels = nullptr;
-    if (aten == "AVX512") kernels = cpu_kernels_for(CpuIsa::Avx512Bf16);
-    if (kernels == nullptr && aten == "AVX512") kernels = cpu_kernels_for(CpuIsa::Avx512);
+    if (aten == "AVX512") {  // with the bf16 conversion instructions where the CPU has them
+      kernels = cpu_kernels_for(CpuIsa::Avx512Bf16);
+      if (kernels == nullptr) kernels = cpu_kernels_for(CpuIsa::Avx512);
+    }
     if (kernels == nullptr && (aten == "AVX512" || aten == "AVX2")) kernels = cpu_kernels_for(CpuIsa::Avx2);
     return kernels != nullptr ? kernels : cpu_kernels_for(CpuIsa::Default);
   }();

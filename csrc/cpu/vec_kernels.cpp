@@ -131,9 +131,9 @@ C10_ALWAYS_INLINE Block<acc_t> load_block(const T* p, int64_t count = kBlock<acc
 }
 
 // fp32 -> 16-bit, round to nearest even. The AVX512_BF16 build converts to bf16 with
-// vcvtne2ps2bf16 (one instruction for what at::vec emulates with integer ops, ~30% of bias_gelu's
-// time on bf16), which flushes fp32 subnormals (|v| < 2^-126) to a signed zero; every other value
-// converts bitwise as at::vec's emulation does.
+// vcvtne2ps2bf16 (one instruction for what at::vec emulates with several integer ops per vector),
+// which flushes fp32 subnormals (|v| < 2^-126) to a signed zero; every other value converts bitwise
+// as at::vec's emulation does.
 template <typename c10_t>
 C10_ALWAYS_INLINE Vec<c10_t> to_16bit(const Vec<float>& lo, const Vec<float>& hi) {
 #if defined(REVKERNELS_AVX512_BF16)

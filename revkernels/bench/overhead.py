@@ -87,6 +87,7 @@ CONFIGS = {
     "compute_bound": dict(depth=6, dim=192, heads=3, tokens=65, batch=16, threads=2),
 }
 BASELINES = ("standard", "reversible_plain", "checkpoint", "standard_compile")
+COMPILE_CONFIG_NAME = "vit_s"
 COMPILE_CONFIG = dict(depth=12, dim=384, heads=6, tokens=65, batch=2, threads=2)  # ViT-S
 COMPILE_VARIANTS = ("revkernels_compiled", "revkernels_generic_compiled", "standard_compile")
 COMPILE_TIMEOUT_S = 1800
@@ -327,7 +328,7 @@ def measure_config(name, cfg, names, device, warmup, rounds, progress=None):
 def measure_compile(variant, device):
     """The compile-time row of `variant` on the ViT-S configuration, measured in a child process
     with an empty inductor cache (see the module docstring); nan times if the child fails."""
-    row = {"config": "vit_s", **COMPILE_CONFIG, "variant": variant, "cache": "empty"}
+    row = {"config": COMPILE_CONFIG_NAME, **COMPILE_CONFIG, "variant": variant, "cache": "empty"}
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(rk.__file__)))
     with tempfile.TemporaryDirectory(prefix="revkernels-inductor-cache-") as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache,
@@ -347,7 +348,7 @@ def measure_compile(variant, device):
 def _compile_child(variant, device):
     """In the child process: two warm-up steps (the first timed alone), three timed steps; prints
     the times as JSON on the last line."""
-    (row,) = measure_config("vit_s", COMPILE_CONFIG, [variant], device, warmup=2, rounds=3)
+    (row,) = measure_config(COMPILE_CONFIG_NAME, COMPILE_CONFIG, [variant], device, warmup=2, rounds=3)
     print(json.dumps({k: row[k] for k in ("dtype", "compile_s", "first_step_ms", "step_ms")}))
 
 
@@ -668,7 +669,7 @@ def _print_compile(rows):
 
 def summary(rows):
     """The suite's headline lines from run()'s rows."""
-    steps = [r for r in rows if "variant" in r and r["config"] != "vit_s"]
+    steps = [r for r in rows if "variant" in r and r["config"] != COMPILE_CONFIG_NAME]
     lines = []
     for name in dict.fromkeys(r["config"] for r in steps):
         mine = {r["variant"]: r for r in steps if r["config"] == name}
@@ -677,7 +678,7 @@ def summary(rows):
                  for v in ("revkernels_sequential", "revkernels_generic_sequential") if v in mine]
         if cells:
             lines.append(f"{name}: " + "; ".join(cells))
-    compile_rows = [r for r in rows if r.get("config") == "vit_s"]
+    compile_rows = [r for r in rows if r.get("config") == COMPILE_CONFIG_NAME]
     if compile_rows:
         lines.append("ViT-S compile time (empty inductor cache): "
                      + ", ".join(f"{r['variant']} {_fmt(r['compile_s'], '.1f')} s" for r in compile_rows))

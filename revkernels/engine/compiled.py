@@ -115,7 +115,7 @@ class CompiledSteps:
     """The compiled step functions for one set of compile options (``torch.compile`` keywords) and
     device type. On CPU inductor's ``cpp_wrapper`` is on unless the options set it."""
 
-    def __init__(self, compile_options=None, device_type="cpu"):
+    def __init__(self, compile_options, device_type):
         options = dict(compile_options or {})
         unknown = set(options) - {"backend", "mode", "dynamic", "options"}
         if unknown:
