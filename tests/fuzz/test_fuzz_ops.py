@@ -29,6 +29,8 @@ R = torch.ops.revkernels
 FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 LOW = (torch.bfloat16, torch.float16)
 HALF_ULP = {torch.bfloat16: 2**-8, torch.float16: 2**-11}
+# Half the spacing of the subnormals (below the smallest normal the spacing stops shrinking)
+HALF_SUBNORMAL = {torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}
 LAYOUTS = ["contiguous", "transposed", "sliced", "strided", "expanded"]
 MAX_NUMEL = 2000
 MIN_2X = 64
@@ -150,13 +152,14 @@ def within_2x(got, composed, exact, what, scale=None):
 
 
 def one_rounding(got, exact, what, scale=None):
-    """A 16-bit output of a mixed-dtype op: half an ulp of each value, of a value accurate to fp32
-    (1e-5 of max |exact|, or of max(scale) where a sum cancels, as in close_rel)."""
+    """A 16-bit output of a mixed-dtype op: half an ulp of each value (half the subnormal spacing for
+    a subnormal value), of a value accurate to fp32 (1e-5 of max |exact|, or of max(scale) where a
+    sum cancels, as in close_rel)."""
     if got.numel() == 0:
         return
     err = (got.double() - exact.double()).abs()
     magnitude = exact.double().abs().max() if scale is None else max(exact.double().abs().max(), scale.double().abs().max())
-    bound = exact.double().abs() * HALF_ULP[got.dtype] + 1e-5 * magnitude
+    bound = exact.double().abs() * HALF_ULP[got.dtype] + HALF_SUBNORMAL[got.dtype] + 1e-5 * magnitude
     assert (err <= bound).all(), f"{what}: error up to {(err - bound).max().item():.3e} past one rounding"
 
 
