@@ -7,7 +7,8 @@ Reads ``benchmarks/results/kernels_cuda.csv`` (bench_kernels.py) and ``train_cud
 (bench_train.py) where present; each table is headed by the commit, GPU, torch and triton versions
 its CSV recorded. Ratios are computed here from the medians in the CSV, against baselines measured
 in the same run. The host-overhead tables (bench_overhead.py: ``overhead_<device>.csv`` and
-``overhead_ops_<device>.csv``, CPU then CUDA where present) go between their own markers.
+``overhead_ops_<device>.csv``, CPU then CUDA where present) go between their own markers, followed
+by the host-time profiles of profile_overhead.py (``profile_<config>_<device>.csv``).
 """
 import argparse
 import csv
@@ -215,6 +216,27 @@ def overhead_tables(steps, ops, compiles=()):
     return lines
 
 
+PROFILE_CONFIGS = ("host_bound", "compute_bound")
+PROFILE_COLUMNS = (("gemm_attention", "GEMM + attention"), ("compiled_graphs", "compiled graphs"),
+                   ("dynamo_entry", "Dynamo entry"), ("autograd_engine", "autograd engine"),
+                   ("python_functions", "Python Functions"), ("revkernels_ops", "fused ops"),
+                   ("other_aten", "other ATen"), ("other", "other"), ("python_untraced", "Python, untraced"))
+
+
+def profile_table(rows):
+    """Host time per category of the profiled steps (benchmarks/profile_overhead.py), ms per step."""
+    r = rows[0]
+    lines = [f"Where a `{r['config']}` step's host time goes (profiled, {r['steps']} steps per variant; ms per step "
+             f"by self CPU time, categories in `revkernels/bench/host_profile.py`; the profiler's own cost per "
+             f"event is included, so compare shares; {_provenance(rows)}):", "",
+             "| variant | " + " | ".join(title for _, title in PROFILE_COLUMNS) + " | step (profiled) |",
+             "|---" * (len(PROFILE_COLUMNS) + 2) + "|"]
+    for r in rows:
+        cells = [f"{_num(r[f'{key}_ms']):.2f}" for key, _ in PROFILE_COLUMNS]
+        lines.append(f"| `{r['variant']}` | " + " | ".join(cells) + f" | {_num(r['step_ms_profiled']):.2f} |")
+    return lines
+
+
 def overhead_section(results=RESULTS):
     """The text between the overhead markers: the tables of every device with results."""
     lines = []
@@ -224,6 +246,10 @@ def overhead_section(results=RESULTS):
         if any(os.path.exists(path) for path in paths):
             steps, ops, compiles = (read_csv(path) if os.path.exists(path) else [] for path in paths)
             lines += overhead_tables(steps, ops, compiles) + [""]
+        for config in PROFILE_CONFIGS:
+            path = os.path.join(results, f"profile_{config}_{device}.csv")
+            if os.path.exists(path):
+                lines += ["", *profile_table(read_csv(path)), ""]
     if not lines:
         lines = ["No results committed yet: `python benchmarks/bench_overhead.py` writes "
                  "`benchmarks/results/overhead_cpu.csv` and `overhead_ops_cpu.csv`; then run "

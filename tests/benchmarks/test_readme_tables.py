@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+from revkernels.bench import host_profile
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "readme_tables.py")
 META = {"commit": "abc1234", "device": "Test GPU", "torch": "2.x", "triton": "3.x", "revkernels": "0.1.0",
         "c_extension": "True", "date": "2026-11-30"}
@@ -135,3 +137,19 @@ def test_main_rewrites_both_marked_sections(tmp_path, readme_tables):
     assert text.startswith(f"a\n{readme_tables.BEGIN}\n") and text.endswith(f"{o_end}\nc\n")
     assert "| `standard` | 6.00 | 1.00x | 1.67x | 2.67x |" in text.split(o_begin)[1]
     assert "old" not in text
+
+
+def test_overhead_section_has_the_host_profile_tables(tmp_path, readme_tables):
+    categories = [key for key, _ in readme_tables.PROFILE_COLUMNS]
+    row = {"config": "host_bound", "variant": "standard", "steps": 20, "step_ms_profiled": 6.5,
+           **{f"{key}_ms": 0.25 * (i + 1) for i, key in enumerate(categories)}}
+    _write(tmp_path / "profile_host_bound_cpu.csv", [row, dict(row, variant="revkernels_compiled", gemm_attention_ms=0.0)])
+    text = readme_tables.overhead_section(str(tmp_path))
+    assert "Where a `host_bound` step's host time goes (profiled, 20 steps per variant" in text
+    assert "commit `abc1234`, Test GPU" in text
+    assert ("| variant | GEMM + attention | compiled graphs | Dynamo entry | autograd engine | Python Functions | "
+            "fused ops | other ATen | other | Python, untraced | step (profiled) |") in text
+    assert "| `standard` | 0.25 | 0.50 | 0.75 | 1.00 | 1.25 | 1.50 | 1.75 | 2.00 | 2.25 | 6.50 |" in text
+    assert "| `revkernels_compiled` | 0.00 | 0.50 |" in text
+    assert "compute_bound" not in text  # no CSV for it
+    assert tuple(categories) == host_profile.CATEGORIES  # the profile CSV's columns, in its order
