@@ -44,7 +44,9 @@ grad (tiny_grad; the *_bwd ops have no autograd formula, so no such row), and th
 4096 x 768 in fp32 and bf16 with 2 threads (throughput; BatchNorm on 16 x 768 x 16 x 16: 4096 values
 per channel; on CUDA the mean of 20 back-to-back calls, a launch being long against the kernel).
 wrapper_us is the Python entry point revkernels.ops.<op> (argument checks included)
-at the tiny size. ratio = aten_us / fused_us (> 1: the fused op is faster). Medians after warm-up.
+at the tiny size. ratio = aten_us / fused_us (> 1: the fused op is faster). Medians after warm-up,
+the samples of the fused op, its ATen composition and the entry point taken in turn (a drift of the
+machine's memory bandwidth during the measurement hits them alike).
 
 On CPU with glibc the benchmark first tells malloc to keep freed memory for reuse (`keep_freed_memory`):
 without it, whether a large tensor lands on fresh pages (first-touch page faults can cost more than
@@ -442,19 +444,24 @@ def _with_grad(fn, inputs):
     return call
 
 
-def per_call_us(fn, device, reps, inner, warmup):
-    """Median over `reps` samples of the mean time of `inner` back-to-back calls (us), after warm-up."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(inner):
+def per_call_us(fns, device, reps, inner, warmup):
+    """Median us per call of each of `fns`: `reps` samples each (a sample: the mean time of `inner`
+    back-to-back calls) after `warmup` calls each. The functions' samples are taken in turn, so a
+    drift in the machine's speed during the measurement (memory bandwidth shared with other
+    tenants, pages promoted to huge pages) reaches all of them alike, not the one measured last."""
+    for fn in fns:
+        for _ in range(warmup):
             fn()
-        _sync(device)
-        samples.append((time.perf_counter() - start) / inner * 1e6)
-    return statistics.median(samples)
+    _sync(device)
+    samples = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, out in zip(fns, samples):
+            start = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            _sync(device)
+            out.append((time.perf_counter() - start) / inner * 1e6)
+    return [statistics.median(s) for s in samples]
 
 
 def op_points(ops=OPS):
@@ -484,16 +491,14 @@ def measure_op(op, case, dtype, shape, threads, device, reps):
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        fused_us = per_call_us(fused, device, reps, inner, warmup)
-        aten_us = per_call_us(aten, device, reps, inner, warmup)
-        wrapper_us = per_call_us(wrapper, device, reps, inner, warmup) if tiny else ""
+        fused_us, aten_us, *wrapper_us = per_call_us([fused, aten] + [wrapper] * tiny, device, reps, inner, warmup)
     finally:
         torch.set_num_threads(previous_threads)
     size = "x".join(map(str, (2, shape[1], 2, 2) if shape == TINY else (16, shape[1], 16, 16))) \
         if op.startswith("batch_norm") else f"{shape[0]}x{shape[1]}"
     return {"op": op, "case": case, "dtype": str(dtype).replace("torch.", ""), "size": size,
             "fused_us": round(fused_us, 3), "aten_us": round(aten_us, 3), "ratio": round(aten_us / fused_us, 3),
-            "wrapper_us": round(wrapper_us, 3) if tiny else "", "threads": threads}
+            "wrapper_us": round(wrapper_us[0], 3) if tiny else "", "threads": threads}
 
 
 # --- command line -----------------------------------------------------------------------------------

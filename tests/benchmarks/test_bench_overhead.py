@@ -180,6 +180,24 @@ def test_op_table_compares_like_with_like(op):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_per_call_us_takes_the_samples_in_turn(monkeypatch):
+    """Warm-up calls, then one sample (`inner` calls) of each function per round; each median is
+    of that function's own samples."""
+    calls, clock = [], [0.0]
+    costs = {"a": 1e-6, "b": 3e-6}  # seconds per call, read by the fake clock
+
+    def fn(name):
+        def call():
+            calls.append(name)
+            clock[0] += costs[name]
+        return call
+
+    monkeypatch.setattr(overhead.time, "perf_counter", lambda: clock[0])
+    got = overhead.per_call_us([fn("a"), fn("b")], torch.device("cpu"), reps=3, inner=2, warmup=1)
+    assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 3
+    assert got == pytest.approx([1.0, 3.0])
+
+
 def test_keep_freed_memory_applies_on_glibc():
     # In a child: the setting lasts for the process.
     code = "from revkernels.bench.overhead import keep_freed_memory; print(keep_freed_memory())"
