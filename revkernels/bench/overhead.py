@@ -448,7 +448,9 @@ def per_call_us(fns, device, reps, inner, warmup):
     """Median us per call of each of `fns`: `reps` samples each (a sample: the mean time of `inner`
     back-to-back calls) after `warmup` calls each. The functions' samples are taken in turn, so a
     drift in the machine's speed during the measurement (memory bandwidth shared with other
-    tenants, pages promoted to huge pages) reaches all of them alike, not the one measured last."""
+    tenants, pages promoted to huge pages) reaches all of them alike, not the one measured last;
+    each sample follows an untimed call of its own function, so it finds the caches as a run of
+    that function alone leaves them, not as the previous function left them."""
     for fn in fns:
         for _ in range(warmup):
             fn()
@@ -456,6 +458,8 @@ def per_call_us(fns, device, reps, inner, warmup):
     samples = [[] for _ in fns]
     for _ in range(reps):
         for fn, out in zip(fns, samples):
+            fn()
+            _sync(device)
             start = time.perf_counter()
             for _ in range(inner):
                 fn()

@@ -181,8 +181,8 @@ def test_op_table_compares_like_with_like(op):
 
 
 def test_per_call_us_takes_the_samples_in_turn(monkeypatch):
-    """Warm-up calls, then one sample (`inner` calls) of each function per round; each median is
-    of that function's own samples."""
+    """Warm-up calls, then one sample of each function per round (an untimed call, then `inner`
+    timed calls); each median is of that function's own samples."""
     calls, clock = [], [0.0]
     costs = {"a": 1e-6, "b": 3e-6}  # seconds per call, read by the fake clock
 
@@ -194,7 +194,7 @@ def test_per_call_us_takes_the_samples_in_turn(monkeypatch):
 
     monkeypatch.setattr(overhead.time, "perf_counter", lambda: clock[0])
     got = overhead.per_call_us([fn("a"), fn("b")], torch.device("cpu"), reps=3, inner=2, warmup=1)
-    assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 3
+    assert calls == ["a", "b"] + ["a", "a", "a", "b", "b", "b"] * 3
     assert got == pytest.approx([1.0, 3.0])
 
 
