@@ -32,7 +32,9 @@ The reversible variants take the input as both streams. Each variant first runs 
 (the first one timed alone: first_step_ms; for an engine that compiles, such as "compiled",
 compile_s = first step - median step; warm-up is never part of the step time); then the timed steps
 run in rounds, one step of every variant per round, so a change of load on the machine hits all
-variants alike. step_ms is the median over the rounds; the vs_* columns are speed ratios against a
+variants alike, each timed step right after an untimed step of its own variant, so it finds the
+caches (code, weights, allocator) as a training loop repeating that step leaves them, not as the
+previous variant left them. step_ms is the median over the rounds; the vs_* columns are speed ratios against a
 baseline of the same run (baseline ms / variant ms: > 1 is faster). Before timing, reversible_plain's grads are checked against those of revkernels'
 autograd engine (plain autograd through the same reversible blocks) on the same weights: the part
 fails if they differ.
@@ -300,6 +302,7 @@ def measure_config(name, cfg, names, device, warmup, rounds, progress=None):
                 progress.set_postfix_str(f"{name} round {k + 1}/{rounds}")
             for variant in list(models):
                 try:
+                    timed_step(variant)  # untimed: the timed step finds the caches as this variant leaves them
                     times[variant].append(timed_step(variant))
                 except Exception as error:
                     failed[variant] = error

@@ -162,6 +162,22 @@ def test_measure_config_reports_compile_time_and_failures(monkeypatch):
     assert by["standard"]["vs_standard"] == 1.0 and by["reversible_plain"]["vs_reversible_plain"] == 1.0
 
 
+def test_measure_config_times_each_step_after_an_untimed_one_of_its_variant(monkeypatch):
+    """Warm-up per variant, then rounds of (untimed step, timed step) per variant in turn."""
+    order = []
+
+    def make_model(variant, cfg, device, seed=0):
+        model = torch.nn.Linear(2, 2)
+        model.variant = variant
+        return model
+
+    monkeypatch.setattr(overhead, "make_model", make_model)
+    monkeypatch.setattr(overhead, "train_step", lambda model, x, device: order.append(model.variant))
+    rows = overhead.measure_config("small", SMALL, ["standard", "checkpoint"], torch.device("cpu"), warmup=2, rounds=3)
+    assert order == ["standard"] * 2 + ["checkpoint"] * 2 + ["standard", "standard", "checkpoint", "checkpoint"] * 3
+    assert [r["steps"] for r in rows] == [3, 3]
+
+
 @pytest.mark.parametrize("op", overhead.OPS)
 def test_op_table_compares_like_with_like(op):
     """The fused op, its Python entry point and the ATen composition give the same values (and, for
