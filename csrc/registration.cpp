@@ -12,8 +12,19 @@ namespace {
 // or "AVX512_BF16"; picked once per process, see cpu/dispatch.cpp).
 PyObject* cpu_kernel_build(PyObject*, PyObject*) { return PyUnicode_FromString(revkernels::cpu_kernels().name); }
 
+// _C.cpu_kernel_builds(): the CPU kernel builds compiled into this library, whether or not this CPU
+// runs them (the ISA builds exist on x86-64 with GCC, see setup.py).
+PyObject* cpu_kernel_builds(PyObject*, PyObject*) {
+#if defined(REVKERNELS_CPU_ISA_VARIANTS)
+  return Py_BuildValue("(ssss)", "DEFAULT", "AVX2", "AVX512", "AVX512_BF16");
+#else
+  return Py_BuildValue("(s)", "DEFAULT");
+#endif
+}
+
 PyMethodDef methods[] = {
     {"cpu_kernel_build", cpu_kernel_build, METH_NOARGS, "The CPU kernel build the ops run."},
+    {"cpu_kernel_builds", cpu_kernel_builds, METH_NOARGS, "The CPU kernel builds compiled into the library."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

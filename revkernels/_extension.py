@@ -10,6 +10,7 @@ import torch  # noqa: F401  (loads libtorch/libc10, which _C links against)
 try:
     from revkernels import _C  # noqa: F401  (importing registers the C++ ops with torch)
 except ImportError as error:  # not built, or built against another torch
+    _C = None
     HAS_C_EXTENSION = False
     C_EXTENSION_ERROR = error
     warnings.warn(

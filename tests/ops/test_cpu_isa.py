@@ -1,7 +1,8 @@
 """The C++ CPU kernels under each instruction set they are built for (csrc/cpu/vec_kernels.cpp:
 DEFAULT, AVX2, AVX512, picked at run time like ATen's kernels, so ATEN_CPU_CAPABILITY forces one;
 "avx512" runs the AVX512_BF16 build on a CPU with avx512_bf16, which `revkernels.CPU_KERNEL_BUILD`
-must report. csrc/tests/test_cpu_vec_ops.cpp calls all four builds directly).
+must report; a library built without the ISA builds (clang, not x86-64) runs DEFAULT under every
+capability. csrc/tests/test_cpu_vec_ops.cpp calls all four builds directly).
 
 Each ISA runs in a subprocess with ATEN_CPU_CAPABILITY set and checks every CPU op against an fp64
 pure-PyTorch reference: widths that leave vector tails, row-sliced, broadcast and transposed inputs,
@@ -11,14 +12,17 @@ for fp16/bf16 at most 2x the error of the same computation rounded once from fp3
 reference), plus one unit in the last place of the output's scale.
 """
 import os
+import platform
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import revkernels as rk
+from revkernels._extension import _C
 from revkernels.ops.batch_norm import batch_norm_act_bwd_reference, batch_norm_act_reference
 from revkernels.ops.bias_gelu import bias_gelu_bwd_reference, bias_gelu_reference
 from revkernels.ops.coupling import coupling_add_reference, coupling_sub_reference
@@ -161,13 +165,28 @@ def test_cpu_kernels_under_each_isa(isa):
 
 
 def _expected_build(isa):
-    """Our kernel build under ATen capability `isa`: the same ISA, AVX-512 with the bf16 conversion
-    instructions where the CPU has them."""
-    if isa != "avx512":
-        return isa.upper()
-    with open("/proc/cpuinfo") as cpuinfo:
-        flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
-    return "AVX512_BF16" if "avx512_bf16" in flags else "AVX512"
+    """Our kernel build under ATen capability `isa`: the widest build compiled into the library that
+    `isa` allows (AVX-512 with the bf16 conversion instructions where the CPU has them), else the
+    portable one."""
+    wanted = {"default": [], "avx2": ["AVX2"], "avx512": ["AVX512", "AVX2"]}[isa]
+    if isa == "avx512":
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+        wanted = ["AVX512_BF16"] * ("avx512_bf16" in flags) + wanted
+    compiled = _C.cpu_kernel_builds()
+    return next((build for build in wanted if build in compiled), "DEFAULT")
+
+
+def test_cpu_kernel_builds():
+    """Every library has the portable build; setup.py adds the ISA builds on x86-64 unless the
+    compiler is clang (their flags are GCC's)."""
+    if not rk.HAS_C_EXTENSION:
+        pytest.skip("revkernels._C is not built")
+    builds = _C.cpu_kernel_builds()
+    assert builds[0] == "DEFAULT" and rk.CPU_KERNEL_BUILD in builds
+    compiler = os.environ.get("CXX") or sysconfig.get_config_var("CXX") or ""
+    if platform.machine() in ("x86_64", "AMD64") and "clang" not in compiler:
+        assert builds == ("DEFAULT", "AVX2", "AVX512", "AVX512_BF16")
 
 
 def test_cpu_kernel_build_is_none_without_the_c_extension():
