@@ -34,10 +34,10 @@ compile_s = first step - median step; warm-up is never part of the step time); t
 run in rounds, one step of every variant per round, so a change of load on the machine hits all
 variants alike, each timed step right after an untimed step of its own variant, so it finds the
 caches (code, weights, allocator) as a training loop repeating that step leaves them, not as the
-previous variant left them. step_ms is the median over the rounds; the vs_* columns are speed ratios against a
-baseline of the same run (baseline ms / variant ms: > 1 is faster). Before timing, reversible_plain's grads are checked against those of revkernels'
-autograd engine (plain autograd through the same reversible blocks) on the same weights: the part
-fails if they differ.
+previous variant left them. step_ms is the median over the rounds; the vs_* columns are speed
+ratios against a baseline of the same run (baseline ms / variant ms: > 1 is faster). Before
+timing, reversible_plain's grads are checked against those of revkernels' autograd engine (plain
+autograd through the same reversible blocks) on the same weights: the part fails if they differ.
 
 Op table: each fused op (torch.ops.revkernels.*) against what it replaces (the composition in the
 op's reference, in ATen ops): per-call time at 8 x 64 fp32 with 1 thread, without grad (case tiny)
