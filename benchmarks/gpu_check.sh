@@ -17,7 +17,8 @@
 # (bench_train.py, $TRAIN_ARGS appended), train_quick (bench_train.py --quick on the GPU),
 # overhead (bench_overhead.py on the GPU: host-bound and compute-bound steps of every engine, bf16
 # autocast, and the per-call cost of each fused op on its Triton and CUDA C++ paths against ATen),
-# petra_project (python -m revkernels.bench.petra --project: 3 files).
+# petra_project (python -m revkernels.bench.petra --project: 3 files), profile (profile_overhead.py
+# on the GPU's host-bound steps: where each variant's host time goes; 2 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -109,6 +110,13 @@ if wants overhead; then
   mkdir -p "$OUT/cuda_cpp"
   REVKERNELS_CUDA_BACKEND=cuda limit ${OVERHEAD_LIMIT:-150} $PY benchmarks/bench_overhead.py --quick --device cuda \
     --configs host_bound --out "$OUT/cuda_cpp" >> "$log" 2>&1 || status=1
+fi
+
+if wants profile; then
+  step "host-time profile of the host-bound steps on the GPU"
+  limit ${PROFILE_LIMIT:-120} $PY benchmarks/profile_overhead.py --config host_bound --device cuda --steps 10 \
+    --variants standard reversible_plain checkpoint revkernels_sequential revkernels_generic_sequential \
+    revkernels_graphs revkernels_compiled --out "$OUT" >> "$log" 2>&1 || status=1
 fi
 
 if wants petra_project; then

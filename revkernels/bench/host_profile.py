@@ -28,7 +28,9 @@ up to the step):
                       engines' forward walkers, argument handling)
 
 The profiler adds its own cost to every event, so absolute times run above the benchmark's: compare
-shares and differences between variants, and quote step times from the benchmark's CSV.
+shares and differences between variants, and quote step times from the benchmark's CSV. On CUDA the
+categories are the host's time (a GEMM's is its launch; the kernels run asynchronously), what a
+host-bound GPU step is made of; the step still ends with a device synchronisation.
 """
 import argparse
 import os
