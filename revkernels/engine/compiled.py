@@ -141,7 +141,7 @@ class CompiledSteps:
     def call(self, name, block, position, *args):
         """``step(*args)`` compiled for `block` (blocks[`position`] of its run); eagerly (warning
         once) for a block whose compile failed."""
-        if block in self.failed:
+        if self.failed and block in self.failed:  # (the emptiness check spares a weakref per call)
             return _STEPS[name](*args)
         try:
             return self.functions[name](*args)
@@ -160,7 +160,7 @@ class CompiledSteps:
 class _Layout:
     """What the steps need from a block's structure (cached per structure)."""
 
-    __slots__ = ("kind", "params", "f_slots", "g_slots")
+    __slots__ = ("kind", "params", "f_slots", "g_slots", "_grad_plans")
 
     def __init__(self, block):
         self.kind = _coupling_kind(block)
@@ -172,6 +172,20 @@ class _Layout:
                       for m in branches]
         self.f_slots = slot_lists[0]
         self.g_slots = slot_lists[1] if self.kind == "full" else []
+        self._grad_plans = {}
+
+    def grad_plan(self):
+        """``(f_names, g_names, grad_params)`` for the parameters that require grad now: the slot
+        names each branch's step differentiates and the parameters their grads belong to (f's,
+        then g's), built once per requires_grad pattern."""
+        pattern = tuple(p.requires_grad for p in self.params)
+        plan = self._grad_plans.get(pattern)
+        if plan is None:
+            f_names, f_index = _grad_slots(self, self.f_slots)
+            g_names, g_index = _grad_slots(self, self.g_slots)
+            plan = (f_names, g_names, [self.params[i] for i in f_index + g_index])
+            self._grad_plans[pattern] = plan
+        return plan
 
 
 def _coupling_kind(block):
@@ -276,8 +290,7 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
             del rec, grads
             continue
         block_steps = None if submodule_hooked(block, backward=True) else steps
-        f_names, f_index = _grad_slots(layout, layout.f_slots)
-        g_names, g_index = _grad_slots(layout, layout.g_slots)
+        f_names, g_names, grad_params = layout.grad_plan()
         with autocast(), frozen_batchnorm_stats(block):
             if state is None:
                 y1, y2, dy1, dy2, f_grads, g_grads, context_grads = _step(
@@ -301,8 +314,9 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
                 for k, grad in g_context.items():
                     accumulate(leaves[k], grad)
                 y1, y2, dy1, dy2 = x1, x2, dy1_total, dx2
-        for i_param, grad in zip(f_index + g_index, tuple(f_grads) + tuple(g_grads)):
-            accumulate(layout.params[i_param], grad)
+        for p, grad in zip(grad_params, (*f_grads, *g_grads)):
+            k = index[id(p)]
+            param_grads[k] = grad if param_grads[k] is None else param_grads[k] + grad
         for k, grad in context_grads.items():
             accumulate(leaves[k], grad)
     return y1, y2, dy1, dy2, param_grads

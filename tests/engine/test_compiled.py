@@ -108,6 +108,23 @@ def test_eager_steps_revvit_with_drop_path():
     _assert_all_close(got, expected, 1e-5)
 
 
+def test_eager_steps_follow_parameters_frozen_between_runs():
+    """Which parameters the steps differentiate is read at every run: freezing some (in F and in
+    G) after a run gives them no grad and leaves the others' grads those of plain autograd."""
+    seq = _perturbed(make_seq(2, 8))
+    ref = copy.deepcopy(seq)
+    data = _data(6, 8)
+    run_grads(_eager_steps(seq), seq, *data)
+    for model in (seq, ref):
+        for block in model.blocks:
+            next(block.f.parameters()).requires_grad_(False)
+            list(block.g.parameters())[-1].requires_grad_(False)
+    got = run_grads(_eager_steps(seq), seq, *data)
+    expected = run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data)
+    assert [g is None for g in got] == [g is None for g in expected] and any(g is None for g in got)
+    _assert_all_close([g for g in got if g is not None], [g for g in expected if g is not None], 1e-5)
+
+
 def _revnet_grads(model, x):
     model.zero_grad()
     x = x.clone().requires_grad_()
