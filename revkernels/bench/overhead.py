@@ -18,7 +18,7 @@ created in the same order in every variant, so they hold the same weights):
 
     standard                     pre-norm blocks x + F(x), x + G(x), eager autograd
     standard_compile             standard under torch.compile (inductor's defaults); not in --quick runs
-                                 unless named with --variants (its compiles take ~1 min per
+                                 unless named with --variants (its compiles take 15-25 s per
                                  configuration on 2 CPU cores)
     checkpoint                   standard with per-block torch.utils.checkpoint (use_reentrant=False)
     reversible_plain             the minREV-style reversible stack of this module (PlainReversibleStack):
