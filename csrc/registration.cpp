@@ -12,14 +12,21 @@ namespace {
 // or "AVX512_BF16"; picked once per process, see cpu/dispatch.cpp).
 PyObject* cpu_kernel_build(PyObject*, PyObject*) { return PyUnicode_FromString(revkernels::cpu_kernels().name); }
 
-// _C.cpu_kernel_builds(): the CPU kernel builds compiled into this library, whether or not this CPU
-// runs them (the ISA builds exist on x86-64 with GCC, see setup.py).
+// _C.cpu_kernel_builds(): the names of the CPU kernel builds compiled into this library, whether or
+// not this CPU runs them (the ISA builds exist on x86-64 with GCC, see setup.py).
 PyObject* cpu_kernel_builds(PyObject*, PyObject*) {
-#if defined(REVKERNELS_CPU_ISA_VARIANTS)
-  return Py_BuildValue("(ssss)", "DEFAULT", "AVX2", "AVX512", "AVX512_BF16");
-#else
-  return Py_BuildValue("(s)", "DEFAULT");
-#endif
+  const auto builds = revkernels::compiled_cpu_kernels();
+  PyObject* names = PyTuple_New(static_cast<Py_ssize_t>(builds.size()));
+  if (names == nullptr) return nullptr;
+  for (size_t i = 0; i < builds.size(); ++i) {
+    PyObject* name = PyUnicode_FromString(builds[i]->name);
+    if (name == nullptr) {
+      Py_DECREF(names);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(names, static_cast<Py_ssize_t>(i), name);
+  }
+  return names;
 }
 
 PyMethodDef methods[] = {

@@ -50,6 +50,14 @@ const CpuKernels* cpu_kernels_for(CpuIsa isa) {
   }
 }
 
+std::vector<const CpuKernels*> compiled_cpu_kernels() {
+#if defined(REVKERNELS_CPU_ISA_VARIANTS)
+  return {&DEFAULT::kCpuKernels, &AVX2::kCpuKernels, &AVX512::kCpuKernels, &AVX512_BF16::kCpuKernels};
+#else
+  return {&DEFAULT::kCpuKernels};
+#endif
+}
+
 const CpuKernels& cpu_kernels() {
   static const CpuKernels* const chosen = [] {
     // "AVX512", "AVX2" or "DEFAULT" (ATEN_CPU_CAPABILITY=default|avx2|avx512 lowers it).

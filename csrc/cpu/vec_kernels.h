@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "../kernels/batch_norm.h"
 #include "../kernels/bias_gelu.h"
@@ -62,5 +63,8 @@ const CpuKernels& cpu_kernels();
 // The kernels compiled for `isa`, or nullptr when they were not compiled or this CPU lacks the ISA
 // (for tests that run every variant).
 const CpuKernels* cpu_kernels_for(CpuIsa isa);
+
+// Every kernel table compiled into the library, narrowest first, whether or not this CPU runs it.
+std::vector<const CpuKernels*> compiled_cpu_kernels();
 
 }  // namespace revkernels

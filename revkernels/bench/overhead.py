@@ -2,7 +2,7 @@
 and each fused op's per-call cost against the ATen op or composition it replaces.
 
     python -m revkernels.bench.overhead                  # CPU: both configurations and the op table
-    python -m revkernels.bench.overhead --quick          # the same shapes, fewer repetitions (~60 s, 2 cores)
+    python -m revkernels.bench.overhead --quick          # the same shapes, fewer repetitions (~25 s, 2 cores)
     python benchmarks/bench_overhead.py ...              # the same, from a checkout (results in benchmarks/results)
     python -m revkernels.bench --parts overhead          # as a part of the benchmark suite
 
@@ -498,14 +498,14 @@ def measure_op(op, case, dtype, shape, threads, device, reps):
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        fused_us, aten_us, *wrapper_us = per_call_us([fused, aten] + [wrapper] * tiny, device, reps, inner, warmup)
+        times = per_call_us([fused, aten, wrapper] if tiny else [fused, aten], device, reps, inner, warmup)
     finally:
         torch.set_num_threads(previous_threads)
     size = "x".join(map(str, (2, shape[1], 2, 2) if shape == TINY else (16, shape[1], 16, 16))) \
         if op.startswith("batch_norm") else f"{shape[0]}x{shape[1]}"
     return {"op": op, "case": case, "dtype": str(dtype).replace("torch.", ""), "size": size,
-            "fused_us": round(fused_us, 3), "aten_us": round(aten_us, 3), "ratio": round(aten_us / fused_us, 3),
-            "wrapper_us": round(wrapper_us[0], 3) if tiny else "", "threads": threads}
+            "fused_us": round(times[0], 3), "aten_us": round(times[1], 3), "ratio": round(times[1] / times[0], 3),
+            "wrapper_us": round(times[2], 3) if tiny else "", "threads": threads}
 
 
 # --- command line -----------------------------------------------------------------------------------
@@ -515,7 +515,7 @@ def parse_args(argv=None, default_out=DEFAULT_OUT):
                                      epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device to run on (default: cuda if available, else cpu)")
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions, the same shapes (~60 s on 2 CPU cores)")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions, the same shapes (~25 s on 2 CPU cores)")
     parser.add_argument("--configs", nargs="*", choices=list(CONFIGS), default=list(CONFIGS),
                         help="train-step configurations (default: all; none: skip the train steps)")
     parser.add_argument("--variants", nargs="+", metavar="VARIANT",

@@ -141,7 +141,7 @@ class CompiledSteps:
     def call(self, name, block, position, *args):
         """``step(*args)`` compiled for `block` (blocks[`position`] of its run); eagerly (warning
         once) for a block whose compile failed."""
-        if self.failed and block in self.failed:  # (the emptiness check spares a weakref per call)
+        if block in self.failed:
             return _STEPS[name](*args)
         try:
             return self.functions[name](*args)
@@ -315,8 +315,7 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
                     accumulate(leaves[k], grad)
                 y1, y2, dy1, dy2 = x1, x2, dy1_total, dx2
         for p, grad in zip(grad_params, (*f_grads, *g_grads)):
-            k = index[id(p)]
-            param_grads[k] = grad if param_grads[k] is None else param_grads[k] + grad
+            accumulate(p, grad)
         for k, grad in context_grads.items():
             accumulate(leaves[k], grad)
     return y1, y2, dy1, dy2, param_grads
