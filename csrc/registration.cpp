@@ -29,9 +29,15 @@ PyObject* cpu_kernel_builds(PyObject*, PyObject*) {
   return names;
 }
 
+// _C.last_level_cache_bytes(): the cache size above which the streaming ops write their outputs
+// with non-temporal stores (cpu/vec_kernels.h: stream_outputs); 0 where unknown (never).
+PyObject* last_level_cache_bytes(PyObject*, PyObject*) { return PyLong_FromLongLong(revkernels::last_level_cache_bytes()); }
+
 PyMethodDef methods[] = {
     {"cpu_kernel_build", cpu_kernel_build, METH_NOARGS, "The CPU kernel build the ops run."},
     {"cpu_kernel_builds", cpu_kernel_builds, METH_NOARGS, "The CPU kernel builds compiled into the library."},
+    {"last_level_cache_bytes", last_level_cache_bytes, METH_NOARGS,
+     "The CPU's last-level cache in bytes (0: unknown); larger calls stream their outputs."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -2,6 +2,7 @@
 // REVKERNELS_CPU_ISA_VARIANTS: the build linked the AVX2 and AVX512 objects (x86-64, GCC).
 #include <ATen/Version.h>
 
+#include <fstream>
 #include <string>
 
 #include "vec_kernels.h"
@@ -71,6 +72,29 @@ const CpuKernels& cpu_kernels() {
     return kernels != nullptr ? kernels : cpu_kernels_for(CpuIsa::Default);
   }();
   return *chosen;
+}
+
+int64_t last_level_cache_bytes() {
+  static const int64_t bytes = [] {
+    int64_t best_level = 0, best_bytes = 0;
+    for (int index = 0;; ++index) {
+      const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/";
+      std::ifstream level_file(dir + "level"), type_file(dir + "type"), size_file(dir + "size");
+      int64_t level = 0, size = 0;
+      std::string type, unit;
+      if (!(level_file >> level) || !(type_file >> type) || !(size_file >> size)) break;
+      size_file >> unit;  // "32768K": sizes are given in KiB (or MiB)
+      size *= unit == "M" ? int64_t(1) << 20 : unit == "K" ? int64_t(1) << 10 : 1;
+      if (type != "Instruction" && level > best_level) best_level = level, best_bytes = size;
+    }
+    return best_bytes;
+  }();
+  return bytes;
+}
+
+bool stream_outputs(int64_t bytes) {
+  const int64_t cache = last_level_cache_bytes();
+  return cache > 0 && bytes > cache;
 }
 
 }  // namespace revkernels

@@ -170,6 +170,65 @@ C10_ALWAYS_INLINE void store_block(T* p, const Block<acc_t>& v, int64_t count = 
   }
 }
 
+// Whether this build writes streaming (non-temporal) stores; DEFAULT's portable vectors have none.
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+constexpr bool kStreams = true;
+#else
+constexpr bool kStreams = false;
+#endif
+
+// The bytes one vector store of T data covers: the alignment stream_block needs.
+template <typename acc_t, typename T>
+constexpr int64_t kStoreBytes = std::is_same_v<T, acc_t> ? sizeof(Vec<acc_t>) : sizeof(Vec<typename C10Type<T>::type>);
+
+// Stores a whole block, rounded once to T, with streaming stores (kStreams builds; plain stores
+// otherwise); p is aligned to kStoreBytes<acc_t, T>.
+template <typename acc_t, typename T>
+C10_ALWAYS_INLINE void stream_block(T* p, const Block<acc_t>& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_stream_ps(p, v.lo);
+    _mm512_stream_ps(p + kLanes<acc_t>, v.hi);
+  } else if constexpr (std::is_same_v<T, double>) {
+    _mm512_stream_pd(p, v.lo);
+    _mm512_stream_pd(p + kLanes<acc_t>, v.hi);
+  } else {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), to_16bit<typename C10Type<T>::type>(v.lo, v.hi));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) {
+    _mm256_stream_ps(p, v.lo);
+    _mm256_stream_ps(p + kLanes<acc_t>, v.hi);
+  } else if constexpr (std::is_same_v<T, double>) {
+    _mm256_stream_pd(p, v.lo);
+    _mm256_stream_pd(p + kLanes<acc_t>, v.hi);
+  } else {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_16bit<typename C10Type<T>::type>(v.lo, v.hi));
+  }
+#else
+  store_block(p, v);
+#endif
+}
+
+// Stores the first count elements of v at p: whole blocks with streaming stores when `stream`
+// (p aligned: for_blocks_aligned), the rest as store_block does.
+template <typename acc_t, typename T>
+C10_ALWAYS_INLINE void put_block(T* p, const Block<acc_t>& v, int64_t count, bool stream) {
+  if (kStreams && stream && count == kBlock<acc_t>) {
+    stream_block(p, v);
+  } else {
+    store_block(p, v, count);
+  }
+}
+
+// Orders this thread's streaming stores before whatever follows (the join of the parallel_for that
+// hands the outputs to other threads); they are weakly ordered otherwise.
+C10_ALWAYS_INLINE void end_streaming(bool stream) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  if (stream) _mm_sfence();
+#endif
+}
+
 // v rounded to T and back (the value a store to T then a load would give).
 template <typename T, typename acc_t>
 C10_ALWAYS_INLINE Block<acc_t> rounded(const Block<acc_t>& v) {
@@ -213,11 +272,27 @@ C10_ALWAYS_INLINE void for_blocks(int64_t n, Fn&& fn) {
   if (i < n) fn(i, n - i);
 }
 
+// for_blocks over [0, n) with the whole blocks starting where out + i is aligned for stream_block
+// (a first, partial block up to there) when `align`; plain for_blocks otherwise. out's address is a
+// multiple of sizeof(T).
+template <typename acc_t, typename T, typename Fn>
+C10_ALWAYS_INLINE void for_blocks_aligned(const T* out, int64_t n, bool align, Fn&& fn) {
+  int64_t i = 0;
+  if (kStreams && align) {
+    constexpr int64_t bytes = kStoreBytes<acc_t, T>;
+    const int64_t misaligned = static_cast<int64_t>(reinterpret_cast<uintptr_t>(out) % bytes);
+    i = std::min<int64_t>(n, misaligned == 0 ? 0 : (bytes - misaligned) / static_cast<int64_t>(sizeof(T)));
+    if (i > 0) fn(0, i);
+  }
+  for (; i + kBlock<acc_t> <= n; i += kBlock<acc_t>) fn(i, kBlock<acc_t>);
+  if (i < n) fn(i, n - i);
+}
+
 // --- coupling ------------------------------------------------------------------------------------
 
 template <typename acc_t, typename out_t, typename b_t>
 void coupling_axpy_vec(out_t* out, const out_t* a, const b_t* b, acc_t alpha, const CouplingLayout& layout,
-                       int64_t begin, int64_t end) {
+                       int64_t begin, int64_t end, bool stream) {
   const int nd = layout.ndim;  // >= 1, unit-stride innermost dim in a and b (coupling_axpy checks)
   const Block<acc_t> alpha_v(alpha);
   const int64_t inner = layout.sizes[nd - 1];
@@ -234,18 +309,19 @@ void coupling_axpy_vec(out_t* out, const out_t* a, const b_t* b, acc_t alpha, co
     out_t* o = out + linear;
     const out_t* pa = a + a_off;
     const b_t* pb = b + b_off;
-    for_blocks<acc_t>(run, [&](int64_t i, int64_t count) C10_ALWAYS_INLINE_ATTRIBUTE {
-      store_block(o + i, load_block<acc_t>(pa + i, count) + alpha_v * load_block<acc_t>(pb + i, count), count);
+    for_blocks_aligned<acc_t>(o, run, stream, [&](int64_t i, int64_t count) C10_ALWAYS_INLINE_ATTRIBUTE {
+      put_block(o + i, load_block<acc_t>(pa + i, count) + alpha_v * load_block<acc_t>(pb + i, count), count, stream);
     });
     linear += run;
   }
+  end_streaming(stream);
 }
 
 void coupling_axpy(void* out, const void* a, ScalarKind out_kind, const void* b, ScalarKind b_kind, double alpha,
-                   const CouplingLayout& layout, int64_t begin, int64_t end) {
+                   const CouplingLayout& layout, int64_t begin, int64_t end, bool stream_out) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (out_kind == ScalarKind::Float32 && b_kind == ScalarKind::Float32) {  // why: see AVX2's declaration above
-    return AVX2::kCpuKernels.coupling_axpy(out, a, out_kind, b, b_kind, alpha, layout, begin, end);
+    return AVX2::kCpuKernels.coupling_axpy(out, a, out_kind, b, b_kind, alpha, layout, begin, end, stream_out);
   }
 #endif
   dispatch_float_pair(out_kind, b_kind, [&](auto acc_tag, auto out_tag, auto b_tag) {
@@ -258,12 +334,12 @@ void coupling_axpy(void* out, const void* a, ScalarKind out_kind, const void* b,
     const int nd = layout.ndim;
     if constexpr (kVectorised<acc_t, out_t, b_t>) {
       if (nd > 0 && layout.a_strides[nd - 1] == 1 && layout.b_strides[nd - 1] == 1) {
-        coupling_axpy_vec<acc_t>(o, pa, pb, static_cast<acc_t>(alpha), layout, begin, end);
+        coupling_axpy_vec<acc_t>(o, pa, pb, static_cast<acc_t>(alpha), layout, begin, end, stream_out);
         return;
       }
     }
     RK_SCALAR(coupling_axpy, coupling_axpy_cpu<acc_t>(o, pa, pb, static_cast<acc_t>(alpha), layout, begin, end),
-              out, a, out_kind, b, b_kind, alpha, layout, begin, end);
+              out, a, out_kind, b, b_kind, alpha, layout, begin, end, stream_out);
   });
 }
 
@@ -272,28 +348,31 @@ void coupling_axpy(void* out, const void* a, ScalarKind out_kind, const void* b,
 template <typename acc_t, typename x_t, typename g_t>
 void sub_layer_norm_vec(x_t* x, x_t* ln, acc_t* mean, acc_t* rstd, const x_t* y, int64_t y_row_stride, const g_t* g,
                         int64_t g_row_stride, const acc_t* weight, const acc_t* bias, acc_t eps, int64_t n,
-                        int64_t row_begin, int64_t row_end) {
+                        int64_t row_begin, int64_t row_end, bool stream) {
+  // Streaming writes x and ln in the last pass only, both from the same offsets: their rows must be
+  // equally aligned (always so for the op's own fresh outputs).
+  constexpr int64_t align = kStoreBytes<acc_t, x_t>;
+  stream = stream && kStreams && (reinterpret_cast<uintptr_t>(x) - reinterpret_cast<uintptr_t>(ln)) % align == 0;
   // The rounded x row in acc_t, read by the statistics and the normalisation: x itself when x_t is
-  // acc_t, else this scratch row.
-  const std::unique_ptr<acc_t[]> scratch(std::is_same_v<x_t, acc_t> ? nullptr : new acc_t[n]);
+  // acc_t and x is written in the first pass, else this scratch row (cached, where a streamed x is not).
+  const bool x_is_scratch = std::is_same_v<x_t, acc_t> && !stream;
+  const std::unique_ptr<acc_t[]> scratch(x_is_scratch ? nullptr : new acc_t[n]);
   const acc_t count = static_cast<acc_t>(n);
   for (int64_t r = row_begin; r < row_end; ++r) {
     const x_t* yr = y + r * y_row_stride;
     const g_t* gr = g + r * g_row_stride;
     x_t* xr = x + r * n;
     x_t* lr = ln + r * n;
-    acc_t* xs;
+    acc_t* xs = scratch.get();
     if constexpr (std::is_same_v<x_t, acc_t>) {
-      xs = xr;
-    } else {
-      xs = scratch.get();
+      if (x_is_scratch) xs = xr;
     }
     Block<acc_t> sum(acc_t(0));
     for_blocks<acc_t>(n, [&](int64_t i, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
       const Block<acc_t> v = load_block<acc_t>(yr + i, c) - load_block<acc_t>(gr + i, c);
-      store_block(xr + i, v, c);
       const Block<acc_t> xv = rounded<x_t>(v);
-      if constexpr (!std::is_same_v<x_t, acc_t>) store_block(xs + i, xv, c);
+      if (!stream) store_block(xr + i, v, c);
+      if (!x_is_scratch) store_block(xs + i, xv, c);
       sum = sum + first(xv, c);
     });
     const acc_t mu = total(sum) / count;
@@ -305,39 +384,42 @@ void sub_layer_norm_vec(x_t* x, x_t* ln, acc_t* mean, acc_t* rstd, const x_t* y,
     });
     const acc_t rs = acc_t(1) / std::sqrt(total(squares) / count + eps);
     const Block<acc_t> rs_v(rs);
-    for_blocks<acc_t>(n, [&](int64_t i, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
-      store_block(lr + i, (load_block<acc_t>(xs + i, c) - mu_v) * rs_v * load_block<acc_t>(weight + i, c) + load_block<acc_t>(bias + i, c), c);
+    for_blocks_aligned<acc_t>(xr, n, stream, [&](int64_t i, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
+      const Block<acc_t> xv = load_block<acc_t>(xs + i, c);
+      if (stream) put_block(xr + i, xv, c, true);  // xv is x_t-exact: this store rounds nothing
+      put_block(lr + i, (xv - mu_v) * rs_v * load_block<acc_t>(weight + i, c) + load_block<acc_t>(bias + i, c), c, stream);
     });
     mean[r] = mu;
     rstd[r] = rs;
   }
+  end_streaming(stream);
 }
 
 void sub_layer_norm(void* x, void* ln, void* mean, void* rstd, ScalarKind x_kind, const void* y,
                     int64_t y_row_stride, const void* g, ScalarKind g_kind, int64_t g_row_stride,
                     const void* weight, const void* bias, double eps, int64_t n, int64_t row_begin,
-                    int64_t row_end) {
+                    int64_t row_end, bool stream_out) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (x_kind == ScalarKind::Float32 && g_kind == ScalarKind::Float32) {  // why: see AVX2's declaration above
     return AVX2::kCpuKernels.sub_layer_norm(x, ln, mean, rstd, x_kind, y, y_row_stride, g, g_kind, g_row_stride,
-                                            weight, bias, eps, n, row_begin, row_end);
+                                            weight, bias, eps, n, row_begin, row_end, stream_out);
   }
 #endif
   dispatch_float_pair(x_kind, g_kind, [&](auto acc_tag, auto x_tag, auto g_tag) {
     using acc_t = typename decltype(acc_tag)::type;
     using x_t = typename decltype(x_tag)::type;
     using g_t = typename decltype(g_tag)::type;
-    auto args = [&](auto kernel) {
+    auto args = [&](auto kernel, auto... stream) {
       kernel(static_cast<x_t*>(x), static_cast<x_t*>(ln), static_cast<acc_t*>(mean), static_cast<acc_t*>(rstd),
              static_cast<const x_t*>(y), y_row_stride, static_cast<const g_t*>(g), g_row_stride,
              static_cast<const acc_t*>(weight), static_cast<const acc_t*>(bias), static_cast<acc_t>(eps), n,
-             row_begin, row_end);
+             row_begin, row_end, stream...);
     };
     if constexpr (kVectorised<acc_t, x_t, g_t>) {
-      args(sub_layer_norm_vec<acc_t, x_t, g_t>);
+      args(sub_layer_norm_vec<acc_t, x_t, g_t>, stream_out);
     } else {
       RK_SCALAR(sub_layer_norm, args(sub_layer_norm_cpu<acc_t, x_t, g_t>), x, ln, mean, rstd, x_kind, y,
-                y_row_stride, g, g_kind, g_row_stride, weight, bias, eps, n, row_begin, row_end);
+                y_row_stride, g, g_kind, g_row_stride, weight, bias, eps, n, row_begin, row_end, stream_out);
     }
   });
 }

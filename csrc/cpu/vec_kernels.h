@@ -7,6 +7,11 @@
 // `*_kind`; weight, bias, mean, rstd and the partial sums are in the accumulation type (double
 // when a data dtype is double, float otherwise). Mixed dtype pairs involving double run the
 // torch-free scalar kernel (no vector path for converting to double).
+//
+// `stream_out` (coupling_axpy, sub_layer_norm): write the outputs with non-temporal stores, which
+// bypass the caches and skip reading each output line before it is overwritten, for calls whose
+// data the last-level cache cannot hold anyway (stream_outputs). The values are the same either
+// way; the DEFAULT build ignores it.
 #pragma once
 
 #include <cstdint>
@@ -25,12 +30,12 @@ struct CpuKernels {
   const char* name;
   // coupling_axpy_cpu: out = a + alpha * b over elements [begin, end).
   void (*coupling_axpy)(void* out, const void* a, ScalarKind out_kind, const void* b, ScalarKind b_kind,
-                        double alpha, const CouplingLayout& layout, int64_t begin, int64_t end);
+                        double alpha, const CouplingLayout& layout, int64_t begin, int64_t end, bool stream_out);
   // sub_layer_norm_cpu over rows [row_begin, row_end).
   void (*sub_layer_norm)(void* x, void* ln, void* mean, void* rstd, ScalarKind x_kind, const void* y,
                          int64_t y_row_stride, const void* g, ScalarKind g_kind, int64_t g_row_stride,
                          const void* weight, const void* bias, double eps, int64_t n, int64_t row_begin,
-                         int64_t row_end);
+                         int64_t row_end, bool stream_out);
   // layer_norm_bwd_add_cpu over rows [row_begin, row_end) (partials overwritten).
   void (*layer_norm_bwd_add)(void* dx, ScalarKind dres_kind, void* dweight_partial, void* dbias_partial,
                              const void* dln, int64_t dln_row_stride, const void* x, ScalarKind x_kind,
@@ -66,5 +71,14 @@ const CpuKernels* cpu_kernels_for(CpuIsa isa);
 
 // Every kernel table compiled into the library, narrowest first, whether or not this CPU runs it.
 std::vector<const CpuKernels*> compiled_cpu_kernels();
+
+// The size of this CPU's last-level cache in bytes (Linux sysfs: the largest data or unified cache
+// of CPU 0; sysconf's figure can be a whole package's), or 0 where unknown.
+int64_t last_level_cache_bytes();
+
+// Whether a call that reads and writes `bytes` in all should write its outputs with streaming
+// stores: when they exceed the last-level cache, so its outputs would not stay cached for the
+// next op anyway. Never where the cache size is unknown.
+bool stream_outputs(int64_t bytes);
 
 }  // namespace revkernels

@@ -23,9 +23,10 @@ at::Tensor coupling_axpy_cpu_impl(const at::Tensor& a, const char* a_name, const
   }
   const ScalarKind out_kind = scalar_kind(a, a_name), b_kind = scalar_kind(b, b_name);
   const CpuKernels& kernels = cpu_kernels();
+  const bool stream = stream_outputs(out.numel() * (2 * out.element_size() + b.element_size()));
   at::parallel_for(0, out.numel(), kGrainSize, [&](int64_t begin, int64_t end) {
     kernels.coupling_axpy(out.data_ptr(), a.const_data_ptr(), out_kind, b.const_data_ptr(), b_kind, alpha, layout,
-                          begin, end);
+                          begin, end, stream);
   });
   return out;
 }

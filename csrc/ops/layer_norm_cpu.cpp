@@ -103,10 +103,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sub_layer_norm_op(
   const at::Tensor y_rows = as_rows(y, rows, n), g_rows = as_rows(g, rows, n);
   const at::Tensor w = weight.to(acc_options.dtype()).contiguous(), b = bias.to(acc_options.dtype()).contiguous();
   const CpuKernels& kernels = cpu_kernels();
+  const bool stream = stream_outputs(y.numel() * (3 * y.element_size() + g.element_size()));  // y, g in; x, ln out
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrainSize / n), [&](int64_t begin, int64_t end) {
     kernels.sub_layer_norm(x.data_ptr(), ln.data_ptr(), mean.data_ptr(), rstd.data_ptr(), y_kind,
                            y_rows.const_data_ptr(), y_rows.stride(0), g_rows.const_data_ptr(), g_kind, g_rows.stride(0),
-                           w.const_data_ptr(), b.const_data_ptr(), eps, n, begin, end);
+                           w.const_data_ptr(), b.const_data_ptr(), eps, n, begin, end, stream);
   });
   return {x, ln, mean, rstd};
 }

@@ -78,7 +78,10 @@ at::Tensor linear_sub_composite(const at::Tensor& y, const at::Tensor& a, const 
   }
   if (bias) acc = (acc - *bias).to(acc_dtype);
   at::Tensor out;
-  if (acc.scalar_type() == gemm) {
+  if (acc.scalar_type() == gemm && bias) {
+    // acc = y - b is this call's own tensor: the GEMM accumulates into it in place (addmm would copy it first)
+    out = acc.addmm_(a2d, w.t(), /*beta=*/1, /*alpha=*/-1);
+  } else if (acc.scalar_type() == gemm) {
     out = at::addmm(acc, a2d, w.t(), /*beta=*/1, /*alpha=*/-1);
   } else if (acc.is_cuda() && acc.scalar_type() == at::kFloat) {
     // bf16/fp16 GEMM accumulating into the fp32 stream: cuBLAS with an fp32 C matrix.

@@ -55,8 +55,19 @@ void check_coupling(const CpuKernels& k, int64_t rows, int64_t n, bool b_broadca
   layout.b_strides[0] = b_broadcast ? 0 : n, layout.b_strides[1] = 1;
   std::vector<out_t> out(rows * n, sentinel<out_t>());
   const int64_t total = rows * n, split = total / 3 + 1;  // two ranges, as two threads would get
-  k.coupling_axpy(out.data(), a.data(), Traits<out_t>::kind, b.data(), Traits<b_t>::kind, -1.0, layout, 0, split);
-  k.coupling_axpy(out.data(), a.data(), Traits<out_t>::kind, b.data(), Traits<b_t>::kind, -1.0, layout, split, total);
+  auto run = [&](out_t* o, bool stream) {
+    k.coupling_axpy(o, a.data(), Traits<out_t>::kind, b.data(), Traits<b_t>::kind, -1.0, layout, 0, split, stream);
+    k.coupling_axpy(o, a.data(), Traits<out_t>::kind, b.data(), Traits<b_t>::kind, -1.0, layout, split, total, stream);
+  };
+  run(out.data(), false);
+  // Streaming stores from every start alignment (peel, whole blocks, tail) write the same values.
+  std::vector<out_t> streamed(total + 64, sentinel<out_t>());
+  for (int64_t offset : {0, 1, 3}) {
+    run(streamed.data() + offset, true);
+    RK_CHECK(std::equal(out.begin(), out.end(), streamed.begin() + offset, same_bits<out_t>),
+             "%s coupling %s/%s n %lld: streamed output at offset %lld differs", k.name, Traits<out_t>::name,
+             Traits<b_t>::name, (long long)n, (long long)offset);
+  }
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t i = 0; i < n; ++i) {
       const double want = to_double(a[(r * n + i) * a_inner]) - to_double(b[(b_broadcast ? 0 : r * n) + i]);
@@ -81,9 +92,30 @@ void check_layer_norm(const CpuKernels& k, int64_t rows, int64_t n, std::mt19937
   std::vector<acc_t> mean(rows), rstd(rows);
   const double eps = 1e-5;
   const int64_t split = rows / 2;
-  for (auto [r0, r1] : {std::pair<int64_t, int64_t>{0, split}, {split, rows}}) {
-    k.sub_layer_norm(x.data(), ln.data(), mean.data(), rstd.data(), Traits<x_t>::kind, y.data(), y_stride, g.data(),
-                     Traits<g_t>::kind, 0, w.data(), b.data(), eps, n, r0, r1);
+  auto forward = [&](x_t* xo, x_t* lo, acc_t* mo, acc_t* ro, bool stream) {
+    for (auto [r0, r1] : {std::pair<int64_t, int64_t>{0, split}, {split, rows}}) {
+      k.sub_layer_norm(xo, lo, mo, ro, Traits<x_t>::kind, y.data(), y_stride, g.data(), Traits<g_t>::kind, 0, w.data(),
+                       b.data(), eps, n, r0, r1, stream);
+    }
+  };
+  forward(x.data(), ln.data(), mean.data(), rstd.data(), false);
+  // Streamed: x and ln equally aligned in one buffer (a gap of 32 elements' multiple), from several
+  // start alignments, and in two separate buffers (streaming may fall back to plain stores there):
+  // the same values bit for bit.
+  const int64_t gap = (rows * n + 31) / 32 * 32;
+  std::vector<x_t> both(2 * gap + 64, sentinel<x_t>());
+  std::vector<x_t> x2(rows * n), ln2(rows * n);
+  std::vector<acc_t> mean2(rows), rstd2(rows);
+  for (int64_t offset : {-1, 0, 1, 5}) {
+    x_t* xo = offset < 0 ? x2.data() : both.data() + offset;
+    x_t* lo = offset < 0 ? ln2.data() : both.data() + offset + gap;
+    forward(xo, lo, mean2.data(), rstd2.data(), true);
+    const bool same = std::equal(x.begin(), x.end(), xo, same_bits<x_t>) &&
+                      std::equal(ln.begin(), ln.end(), lo, same_bits<x_t>) &&
+                      std::equal(mean.begin(), mean.end(), mean2.begin(), same_bits<acc_t>) &&
+                      std::equal(rstd.begin(), rstd.end(), rstd2.begin(), same_bits<acc_t>);
+    RK_CHECK(same, "%s sub_layer_norm %s/%s n %lld: streamed outputs (offset %lld) differ", k.name, Traits<x_t>::name,
+             Traits<g_t>::name, (long long)n, (long long)offset);
   }
   for (int64_t r = 0; r < rows; ++r) {
     // Reference statistics of the stored x (the op normalises the x it returns).
@@ -250,7 +282,7 @@ void check_bf16_subnormal_output(const CpuKernels& k) {
   CouplingLayout layout;
   layout.ndim = 1;
   layout.sizes[0] = n, layout.a_strides[0] = 1, layout.b_strides[0] = 1;
-  k.coupling_axpy(out.data(), a.data(), Traits<BFloat16>::kind, b.data(), Traits<BFloat16>::kind, -1.0, layout, 0, n);
+  k.coupling_axpy(out.data(), a.data(), Traits<BFloat16>::kind, b.data(), Traits<BFloat16>::kind, -1.0, layout, 0, n, false);
   const double want = k.isa == CpuIsa::Avx512Bf16 ? 0.0 : std::ldexp(1.0, -127);
   for (int64_t i = 0; i < n; ++i) {
     RK_CHECK(to_double(out[i]) == want, "%s bf16 subnormal output %lld: %g, expected %g", k.name, (long long)i,

@@ -32,6 +32,7 @@ template <typename T> uint64_t bits_of(const T& v) {
   std::memcpy(&u, &v, sizeof(T));
   return u;
 }
+template <typename T> bool same_bits(const T& a, const T& b) { return bits_of(a) == bits_of(b); }
 template <typename T> double to_double(const T& v) { return revkernels::load<double>(&v); }
 template <typename T> T from_double(double d) {
   T t;

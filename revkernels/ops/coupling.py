@@ -18,7 +18,8 @@ Both return a new tensor with the dtype and memory layout of the first argument.
 have another float dtype (a bf16 F output against an fp32 residual stream); the result is formed in
 fp32 (fp64 when either input is fp64) and rounded once, so ``coupling_sub(y, f)`` inverts
 ``y = x + f`` to within one rounding of the stream dtype. Inputs may be non-contiguous or expanded.
-Kernels: C++ on CPU (``csrc/kernels/coupling.h``); on CUDA Triton (``revkernels/triton/coupling.py``,
+Kernels: C++ on CPU (``csrc/cpu/vec_kernels.cpp``, semantics ``csrc/kernels/coupling.h``; calls larger
+than the last-level cache write their output with streaming stores); on CUDA Triton (``revkernels/triton/coupling.py``,
 default) or CUDA C++ (``csrc/kernels/coupling.cu``, ``set_cuda_backend("cuda")``); without a
 compiled CPU kernel, the reference below.
 

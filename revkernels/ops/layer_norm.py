@@ -41,7 +41,8 @@ not differentiable), with grads (dx_out, dln) of its outputs (x, ln)::
 
 layer_norm_bwd_add itself has no autograd formula (no double backward through sub_layer_norm).
 
-Kernels: C++ on CPU (``csrc/kernels/layer_norm.h``); Triton on CUDA (``revkernels/triton/layer_norm.py``;
+Kernels: C++ on CPU (``csrc/cpu/vec_kernels.cpp``, semantics ``csrc/kernels/layer_norm.h``;
+sub_layer_norm calls larger than the last-level cache write x and ln with streaming stores); Triton on CUDA (``revkernels/triton/layer_norm.py``;
 there is no CUDA C++ kernel for these ops); without a compiled CPU kernel, the references below.
 Entry points: ``sub_layer_norm`` / ``layer_norm_bwd_add`` are the ops themselves when the compiled
 library is loaded (C++ checks and autograd); without it, Python functions that check the arguments

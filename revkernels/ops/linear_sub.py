@@ -7,6 +7,9 @@ alpha = -1), so the output projection and the subtraction are one kernel::
 
     x = addmm(y - b, a, W^T, beta=1, alpha=-1)        (y - b: the bias folded into the accumulator)
 
+(``y - b`` is a tensor of the op's own, so the GEMM accumulates into it in place: addmm would copy
+it into a new output first.)
+
 except for a 16-bit accumulator with a bias: there ``y - b`` would be rounded to 16 bits before the
 GEMM adds to it, so the op computes ``y - addmm(b, a, W^T)`` instead, F.linear's single rounding of
 ``a @ W^T + b`` followed by the subtraction's (a folded bias could lose more than twice the
@@ -86,7 +89,9 @@ def _linear_sub_impl(y, a, weight, bias=None):
             return out.reshape(y.shape).to(y.dtype)
         if bias is not None:
             acc = (acc - bias).to(acc_dtype)
-        if acc.dtype == gemm_dtype:
+        if acc.dtype == gemm_dtype and bias is not None:
+            out = acc.addmm_(a2d, w.t(), beta=1, alpha=-1)  # acc = y - b is this call's own: no copy
+        elif acc.dtype == gemm_dtype:
             out = torch.addmm(acc, a2d, w.t(), beta=1, alpha=-1)
         elif acc.is_cuda and acc.dtype == torch.float32:
             # bf16/fp16 GEMM accumulating into the fp32 stream: cuBLAS with an fp32 C matrix.

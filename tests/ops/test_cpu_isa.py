@@ -122,6 +122,8 @@ def check_all():
                     exact, once = ref(dln.double(), y.double(), b.double(), approx), ref(dln, y, b, approx)
                     for t, e, o, name in zip(got, exact, once, ("dx", "dbias")):
                         _check(t, e, o, f"bias_gelu_bwd {approx} {name} {what}")
+        if dtype in (torch.float32, torch.bfloat16):
+            _check_streamed(dtype, gen)
         # BatchNorm + ReLU: NCHW, channels_last, (N, C) and a permuted (copied) input.
         for shape, fmt in (((4, 19, 5, 7), "nchw"), ((4, 19, 5, 7), "channels_last"), ((33, 19), "nc"),
                            ((4, 5, 7, 19), "permuted")):
@@ -147,6 +149,44 @@ def check_all():
             for t, e, o, name in zip(got, exact, once, ("dx", "dweight", "dbias")):
                 _check(t, e, o, f"batch_norm_act_bwd {name} {what}")
     print("checked", torch.backends.cpu.get_cpu_capability(), "with the", rk.CPU_KERNEL_BUILD, "kernels")
+
+
+def _check_streamed(dtype, gen):
+    """coupling_sub and sub_layer_norm on data larger than the last-level cache, which they write
+    with streaming stores (rows of an odd width: the rows start at every alignment)."""
+    ops = torch.ops.revkernels
+    n = 769
+    rows = max(_C.last_level_cache_bytes(), 1 << 20) // (6 * n) + 1  # > the cache even for 16-bit coupling
+    y = (torch.randn(rows, n, generator=gen) * 3 + 0.5).to(dtype)
+    g, w, b = torch.randn(rows, n, generator=gen).to(dtype), torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    what = f"{dtype} {rows}x{n} (streamed)"
+    (x,) = _run_threads(lambda: (ops.coupling_sub(y, g),))
+    _check(x, y.double() - g.double(), coupling_sub_reference(y, g), f"coupling_sub {what}")
+    x, ln, mean, rstd = _run_threads(lambda: ops.sub_layer_norm(y, g, w, b, 1e-5))
+    _check(x, y.double() - g.double(), coupling_sub_reference(y, g), f"sub_layer_norm x {what}")
+    exact = sub_layer_norm_reference(x.double(), torch.zeros((), dtype=torch.float64).expand(x.shape), w.double(),
+                                     b.double(), 1e-5)
+    once = sub_layer_norm_reference(x, torch.zeros_like(x), w, b, 1e-5)
+    _check(ln, exact[1], once[1], f"sub_layer_norm ln {what}")
+    _check(mean, exact[2], exact[2], f"sub_layer_norm mean {what}")
+    _check(rstd, exact[3], exact[3], f"sub_layer_norm rstd {what}")
+
+
+def test_last_level_cache_bytes():
+    """The cache size the streaming decision uses: sysfs's largest data/unified cache of CPU 0."""
+    if not rk.HAS_C_EXTENSION:
+        pytest.skip("revkernels._C is not built")
+    caches = []
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    for entry in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        path = os.path.join(root, entry)
+        if not entry.startswith("index"):
+            continue
+        with open(os.path.join(path, "type")) as t, open(os.path.join(path, "level")) as l, open(os.path.join(path, "size")) as z:
+            kind, level, size = t.read().strip(), int(l.read()), z.read().strip()
+        if kind != "Instruction":
+            caches.append((level, int(size[:-1]) * {"K": 1 << 10, "M": 1 << 20}[size[-1]]))
+    assert _C.last_level_cache_bytes() == (max(caches)[1] if caches else 0)
 
 
 @pytest.mark.parametrize("isa", ["default", "avx2", "avx512"])
