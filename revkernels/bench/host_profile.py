@@ -43,7 +43,7 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 from revkernels.bench import overhead as ov
-from revkernels.bench.report import DEFAULT_OUT, provenance, write_csv
+from revkernels.bench.report import DEFAULT_OUT, provenance, synchronize, write_csv
 
 CATEGORIES = ("gemm_attention", "compiled_graphs", "dynamo_entry", "autograd_engine", "python_functions",
               "revkernels_ops", "other_aten", "other", "python_untraced")
@@ -119,12 +119,12 @@ def profile_variant(variant, cfg, device, steps, warmup=3):
 
         for _ in range(warmup):
             step()
-        ov._sync(device)
+        synchronize(device)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             start = time.perf_counter()
             for _ in range(steps):
                 step()
-            ov._sync(device)
+            synchronize(device)
             wall_us = (time.perf_counter() - start) * 1e6
     finally:
         torch.set_num_threads(previous_threads)

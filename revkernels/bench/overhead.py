@@ -82,7 +82,7 @@ from torch import nn
 from tqdm import tqdm
 
 import revkernels as rk
-from revkernels.bench.report import DEFAULT_OUT, provenance, pyplot, save_figure, write_csv
+from revkernels.bench.report import DEFAULT_OUT, provenance, pyplot, save_figure, synchronize, write_csv
 from revkernels.bench.train import ReversibleStack, StandardStack
 from revkernels.nn.revvit import AttentionBranch, MlpBranch, RevViTBlock
 
@@ -227,11 +227,6 @@ def loss_of(y):
     return y.float().pow(2).mean()
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def train_step(model, x, device, autocast=True):
     """forward + backward of the benchmark's loss (grads accumulate into .grad); bf16 autocast on
     CUDA unless autocast=False."""
@@ -277,10 +272,10 @@ def measure_config(name, cfg, names, device, warmup, rounds, progress=None):
             model = models[variant]
             for p in model.parameters():
                 p.grad = None
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             train_step(model, x, device)
-            _sync(device)
+            synchronize(device)
             return (time.perf_counter() - start) * 1e3
 
         for variant in names:
@@ -457,16 +452,16 @@ def per_call_us(fns, device, reps, inner, warmup):
     for fn in fns:
         for _ in range(warmup):
             fn()
-    _sync(device)
+    synchronize(device)
     samples = [[] for _ in fns]
     for _ in range(reps):
         for fn, out in zip(fns, samples):
             fn()
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             for _ in range(inner):
                 fn()
-            _sync(device)
+            synchronize(device)
             out.append((time.perf_counter() - start) / inner * 1e6)
     return [statistics.median(s) for s in samples]
 

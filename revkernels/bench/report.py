@@ -1,4 +1,5 @@
-"""Writing benchmark results: CSV with the run's provenance beside every figure, and PNG plots."""
+"""Writing benchmark results: CSV with the run's provenance beside every figure, and PNG plots; and
+the device synchronisation every timed region starts and ends with."""
 import csv
 import datetime
 import os
@@ -8,6 +9,12 @@ import subprocess
 import torch
 
 DEFAULT_OUT = "revkernels-bench"  # results folder of `python -m revkernels.bench` and its parts, under the cwd
+
+
+def synchronize(device):
+    """Waits for `device`'s queued work (CUDA); nothing to wait for on CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _git_commit():

@@ -49,7 +49,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 import revkernels as rk
-from revkernels.bench.report import DEFAULT_OUT, provenance, pyplot, save_figure, write_csv
+from revkernels.bench.report import DEFAULT_OUT, provenance, pyplot, save_figure, synchronize, write_csv
 from revkernels.nn.revvit import AttentionBranch, MlpBranch, RevViTBlock
 
 MODELS = {"vit_b": dict(depth=12, dim=768, heads=12), "vit_l": dict(depth=24, dim=1024, heads=16)}
@@ -137,11 +137,6 @@ def build(variant, depth, dim, heads):
     return ReversibleStack([RevViTBlock(dim, heads) for _ in range(depth)], engine)
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_steps(model, inputs, loss_of, device, dtype, steps, warmup, graph_whole_model=False):
     """(median ms of a train step, peak MiB of the step, of which MiB above what stays allocated
     between steps): forward under autocast, backward, AdamW step (fused on CUDA). The second is
@@ -163,16 +158,16 @@ def time_steps(model, inputs, loss_of, device, dtype, steps, warmup, graph_whole
 
     for _ in range(warmup):
         step()
-    _sync(device)
+    synchronize(device)
     if device.type == "cuda":
         between_steps = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(steps):
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         step()
-        _sync(device)
+        synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     if device.type != "cuda":
         return statistics.median(times), float("nan"), float("nan")

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import revkernels as rk
+from revkernels.bench.report import synchronize
 
 
 @dataclass(frozen=True)
@@ -63,21 +64,16 @@ def train_step(seq, x1, x2, optimizer, config):
     optimizer.zero_grad(set_to_none=True)
 
 
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def median_step_ms(config):
     seq, x1, x2, optimizer = build(config)
     for _ in range(config.warmup):
         train_step(seq, x1, x2, optimizer, config)
     times = []
     for _ in range(config.steps):
-        _sync(config.device)
+        synchronize(config.device)
         start = time.perf_counter()
         train_step(seq, x1, x2, optimizer, config)
-        _sync(config.device)
+        synchronize(config.device)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
@@ -101,11 +97,11 @@ def peak_bytes(config):
     if torch.device(config.device).type == "cuda":
         seq, x1, x2, optimizer = build(config)
         train_step(seq, x1, x2, optimizer, config)  # grads and optimizer state exist from here on
-        _sync(config.device)
+        synchronize(config.device)
         torch.cuda.reset_peak_memory_stats(config.device)
         base = torch.cuda.memory_allocated(config.device)
         train_step(seq, x1, x2, optimizer, config)
-        _sync(config.device)
+        synchronize(config.device)
         return torch.cuda.max_memory_allocated(config.device) - base
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     out = subprocess.run([sys.executable, "-m", "revkernels.bench.train_step", json.dumps(asdict(config))],

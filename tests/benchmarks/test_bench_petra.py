@@ -19,7 +19,9 @@ def test_bench_petra_quick_writes_its_csv(tmp_path):
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "speed-up of PETRA (2 processes) over reversible backprop" in result.stdout
+    assert "target >= 1.6x (default shapes; this --quick run is a smoke test)" in result.stdout
     rows = list(csv.DictReader(open(tmp_path / "petra_cpu.csv")))
+    assert {r["quick"] for r in rows} == {"True"}
     assert {r["variant"] for r in rows} == {"revbackprop_1thread", "revbackprop_2thread", "petra_distributed"}
     for r in rows:
         assert r["commit"] and r["device"] and r["torch"] and float(r["images_per_s"]) > 0

@@ -71,7 +71,7 @@ def test_suite_summary_from_rows():
             "transient_mib": t} for v, ms, t in (("autograd", 10.0, 800.0), ("graphs", 12.5, 200.0))]
         + [{"kind": "depth_sweep", "model": "sweep", "depth": 48, "batch": 32, "variant": v, "ms": 1.0, "peak_mib": p,
             "transient_mib": p} for v, p in (("standard", 9000.0), ("revkernels_sequential", 3000.0))],
-        "petra": [{"variant": "petra_distributed", "processes": 2, "speedup_vs_revbackprop_best": 1.7,
+        "petra": [{"variant": "petra_distributed", "processes": 2, "quick": False, "speedup_vs_revbackprop_best": 1.7,
                    "speedup_vs_revbackprop_same_cores": 1.9}],
         "extra": RuntimeError("boom"),
     }
@@ -82,8 +82,12 @@ def test_suite_summary_from_rows():
     assert "vit_b batch 32: revkernels_graphs (fastest engine) speed vs standard 0.80x, vs reversible_plain 2.00x" in text
     assert "revnet18_cifar batch 256: graphs engine speed vs autograd 0.80x, transient memory autograd/graphs 4.00x" in text
     assert "depth 48: step peak memory standard/revkernels_sequential 3.00x" in text
-    assert "1.70x over the fastest, 1.90x over the same cores" in text
+    assert "1.70x over the fastest, 1.90x over the same cores (target >= 1.6x)" in text
     assert "extra    FAILED: RuntimeError: boom" in text
+    # A --quick PETRA run's figure is not held against the target of the default shapes.
+    quick = dict(results["petra"][0], quick=True, speedup_vs_revbackprop_same_cores=0.7)
+    assert "0.70x over the same cores (target >= 1.6x (default shapes; this --quick run is a smoke test))" in \
+        "\n".join(suite.summary({"petra": [quick]}))
 
 
 @pytest.mark.parametrize("rows", [[], [{"kind": "throughput", "model": "m", "batch": 1, "variant": "standard",
