@@ -58,6 +58,7 @@ DEFAULT_VARIANTS = {
 }
 HEADINGS = dict(zip(CATEGORIES, ("gemm+attn", "compiled", "dynamo", "autograd", "py_function", "rk_ops",
                                   "other_aten", "other", "py_untraced")))
+WARMUP_STEPS = 3  # unprofiled steps before the profiled ones, per variant
 _BUILTIN_BACKWARD = re.compile(r"^[A-Z][A-Za-z0-9_]*Backward\d+$")  # ATen's nodes: AddmmBackward0, ...
 
 
@@ -104,7 +105,7 @@ def breakdown(events, wall_us, steps, function_names=None):
     return {k: v / steps / 1e3 for k, v in totals.items()}
 
 
-def profile_variant(variant, cfg, device, steps, warmup=3):
+def profile_variant(variant, cfg, device, steps, warmup=WARMUP_STEPS):
     """(ms per profiled step, {category: ms per step}, key_averages) of `variant` on `cfg`."""
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(cfg["threads"])
@@ -154,7 +155,7 @@ def report(config, results, steps, meta, rows=15):
     variants = list(results)
     shape = ", ".join(f"{k} {cfg[k]}" for k in ("depth", "dim", "heads", "tokens", "batch", "threads"))
     lines = [f"Host time of a train step by category: {config} ({shape}), {steps} profiled steps per variant "
-             "after 3 warm-up steps, ms per step (self CPU time; see revkernels/bench/host_profile.py).",
+             f"after {WARMUP_STEPS} warm-up steps, ms per step (self CPU time; see revkernels/bench/host_profile.py).",
              "Profiled times include the profiler's own cost per event: compare shares and differences, quote "
              "step times from the overhead benchmark's CSV.",
              "provenance: " + ", ".join(f"{k} {v}" for k, v in meta.items()), ""]

@@ -7,13 +7,12 @@ alpha = -1), so the output projection and the subtraction are one kernel::
 
     x = addmm(y - b, a, W^T, beta=1, alpha=-1)        (y - b: the bias folded into the accumulator)
 
-(``y - b`` is a tensor of the op's own, so the GEMM accumulates into it in place: addmm would copy
-it into a new output first.)
-
 except for a 16-bit accumulator with a bias: there ``y - b`` would be rounded to 16 bits before the
 GEMM adds to it, so the op computes ``y - addmm(b, a, W^T)`` instead, F.linear's single rounding of
 ``a @ W^T + b`` followed by the subtraction's (a folded bias could lose more than twice the
-composition's error where y and b nearly cancel).
+composition's error where y and b nearly cancel). With a bias, ``y - b`` is a tensor of the op's
+own, so the GEMM accumulates into it in place (``addmm_``; addmm would copy it into a new output
+first); without one the accumulator is y itself, which addmm leaves alone.
 
 Shapes: y (..., N), a (..., K), W (N, K), b (N,) or None; x has y's shape and dtype. Under autocast
 the GEMM runs in the autocast dtype like ``F.linear`` would while an fp32 stream stays the fp32
