@@ -38,10 +38,10 @@ as for `RevNet`: ``stem(image) -> (x1, x2)``, ``stage(x1, x2) -> (y1, y2)``, ``h
 logits``; the reversible stages are the `ReversibleBlock`s the forward's runs hold.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from revkernels.engine.recompute import run_recomputed
+from revkernels.nn.attention import scaled_dot_product_attention
 from revkernels.nn.drop_path import DropPath
 from revkernels.models.staged import StagedModel
 from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential, check_streams
@@ -146,7 +146,7 @@ class WindowAttention(nn.Module):
         bias = self.attention_bias()
         if self.attn_mask is None:
             bias = bias.repeat(n_win, 1, 1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))
+        o = scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))
         o = o.view(batch, n_win, heads, n, -1).transpose(2, 3).reshape(batch, n_win, n, self.dim)
         o = window_reverse(self.proj(o), self.window_size, height, width)
         if s:

@@ -65,6 +65,7 @@ from torch import nn
 
 from revkernels.engine.state import NO_CONTEXT, RngState, cuda_devices_of, maybe_replay
 from revkernels.engine.structure import cached, param_slots, submodule_hooked
+from revkernels.nn.attention import scaled_dot_product_attention
 from revkernels.nn.drop_path import DropPath
 from revkernels.nn.reversible import BlockGrads, BlockState, ReversibleBlock
 from revkernels.ops.coupling import coupling_sub
@@ -149,7 +150,7 @@ class AttentionBranch(nn.Module):
         batch, tokens, dim = h.shape
         q, k, v = self.heads(F.linear(h, qkv_weight, qkv_bias))
         mask, is_causal = attention_mask(attn_mask, q, self.causal)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        out = scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
         return out.transpose(1, 2).reshape(batch, tokens, dim)
 
     def forward(self, x, attn_mask=None, **context):

@@ -52,7 +52,7 @@ def _bench_kernels_module():
     return revkernels.bench.kernels
 
 
-@pytest.mark.parametrize("part", ["kernels", "train", "petra", "overhead"])
+@pytest.mark.parametrize("part", ["kernels", "train", "petra", "overhead", "attention"])
 def test_script_is_a_thin_entry_point(part):
     """benchmarks/bench_<part>.py takes the flags of `python -m revkernels.bench.<part>` (it runs the
     package's main), with benchmarks/results as the default --out."""
@@ -68,6 +68,25 @@ def test_script_is_a_thin_entry_point(part):
     assert "revkernels-bench" in module_help
     source = (ROOT / "benchmarks" / f"bench_{part}.py").read_text()
     assert f"from revkernels.bench.{part} import main" in source and len(source.splitlines()) < 25
+
+
+def test_attention_script_writes_its_csv_and_plot(tmp_path):
+    """bench_attention: a row per point with both timings, their ratio and the kind revkernels takes
+    (math up to MATH_MAX_KEYS keys, flash beyond)."""
+    from revkernels.nn.attention import MATH_MAX_KEYS
+
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_attention.py"), "--reps", "1",
+                             "--tokens", str(MATH_MAX_KEYS + 1), "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "attention_cpu.csv")))
+    assert [int(r["tokens"]) for r in rows] == [8, MATH_MAX_KEYS + 1]
+    assert [r["revkernels_takes"] for r in rows] == ["math", "flash"]
+    for r in rows:
+        assert float(r["flash_us"]) > 0 and float(r["math_us"]) > 0 and r["commit"] and r["torch"]
+        assert math.isclose(float(r["flash_over_math"]), float(r["flash_us"]) / float(r["math_us"]), rel_tol=1e-2)
+    assert (tmp_path / "attention_cpu.png").stat().st_size > 0
+    assert "revkernels takes" in result.stdout
 
 
 def test_kernels_cuda_timing_and_fallback(monkeypatch):
