@@ -8,7 +8,8 @@ engine's steps contain it, the output and its VJP (``torch.func.vjp``) of
 one `revkernels.nn.attention.scaled_dot_product_attention` takes at that length (math up to
 ``MATH_MAX_KEYS`` keys). Rows: the host-bound configuration of the overhead benchmark (batch 2, 4 heads
 of 16, 8 tokens), then ViT-S heads (6 of 64) at 8 to 1024 tokens with batch x tokens ~ 1024.
-Writes attention_cpu.csv and attention_cpu.png (time per call and the ratio against tokens).
+Writes attention_cpu.csv and attention_cpu.png (time per call and the ratio against tokens). As the
+overhead part does, it first tells glibc's malloc to keep freed memory (`keep_freed_memory`).
 """
 import argparse
 import os
@@ -21,7 +22,7 @@ from torch.func import vjp
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
-from revkernels.bench.overhead import per_call_us
+from revkernels.bench.overhead import keep_freed_memory, per_call_us
 from revkernels.bench.report import DEFAULT_OUT, provenance, pyplot, save_figure, write_csv
 from revkernels.nn.attention import MATH_MAX_KEYS
 
@@ -117,6 +118,7 @@ def parse_args(argv=None, default_out=DEFAULT_OUT):
 
 def run(args):
     torch.set_num_threads(args.threads)
+    keep_freed_memory()  # the scores of long sequences would land on fresh pages or not, by the run's history
     meta = provenance("cpu")
     reps = args.reps or (3 if args.quick else 15)
     rows = []
