@@ -8,12 +8,14 @@ made for compiled CPU graphs: inside ``torch.compile`` on CPU, with at most `MAT
 it asks for SDPA's math formula (``SDPBackend.MATH``). Inductor then compiles the scale, the mask,
 the softmax and its backward into its own loops beside two batched GEMMs, fused with the heads'
 permutes around them; the flash kernel it would pick otherwise (and its backward) is an opaque
-call with a cost per call that short sequences do not amortise. From a few hundred keys on, the
-flash kernel's tiling wins (the math formula materialises the keys x queries scores), so longer
-sequences keep it. ``python -m revkernels.bench.attention`` measures both ways of a compiled
-forward + backward across sequence lengths (``benchmarks/results/attention_cpu.csv``). Eager
-code, and every other device, call ``F.scaled_dot_product_attention`` unchanged. Both ways
-compute the same function; they differ by fp32 rounding (~1e-7 relative).
+call with a cost per call that short sequences do not amortise. Beyond the limit the math
+formula's lead shrinks while its scores (batch x heads x queries x keys) grow with the square of
+the length, and each call's scores may land on fresh pages (glibc returns large blocks to the
+system unless told otherwise), so longer sequences keep the flash kernel and its memory linear in
+the length. ``python -m revkernels.bench.attention`` measures both ways of a compiled forward +
+backward across sequence lengths (``benchmarks/results/attention_cpu.csv``). Eager code, and
+every other device, call ``F.scaled_dot_product_attention`` unchanged. Both ways compute the same
+function; they differ by fp32 rounding (~1e-7 relative).
 """
 import torch
 import torch.nn.functional as F
