@@ -1,7 +1,7 @@
 """Attention in compiled CPU graphs: SDPA's flash kernel against its math formula, by sequence length.
 
-Each point compiles (inductor, the compiled engine's CPU options) one attention step as the compiled
-engine's steps contain it, the output and its VJP (``torch.func.vjp``) of
+Each point compiles (inductor with its C++ wrapper, as the compiled engine compiles its CPU steps) one
+attention step as those steps contain it, the output and its VJP (``torch.func.vjp``) of
 ``F.scaled_dot_product_attention`` on (batch, heads, tokens, head_dim) fp32 inputs, twice: once as is
 (inductor calls the flash kernel and its backward) and once under ``sdpa_kernel(SDPBackend.MATH)``
 (inductor compiles the formula). It reports the median time per call of each, their ratio, and which

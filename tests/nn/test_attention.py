@@ -1,5 +1,7 @@
 """revkernels.nn.attention: which SDPA kernel a compiled CPU graph calls, and values and grads of
 both ways against a float64 reference."""
+import types
+
 import pytest
 import torch
 from torch._dynamo.testing import AotEagerAndRecordGraphs
@@ -16,6 +18,13 @@ def _attention_step(q, k, v, mask, d_out, causal):
     """The helper's output and (dq, dk, dv), as the compiled engine's steps take them (torch.func)."""
     out, pull = vjp(lambda a, b, c: scaled_dot_product_attention(a, b, c, attn_mask=mask, is_causal=causal), q, k, v)
     return out, *pull(d_out)
+
+
+def _compiled_step(**compile_kwargs):
+    """`_attention_step` compiled as a code object of its own, so the tests' compiles do not pile up
+    as recompiles of one function against Dynamo's limit."""
+    step = types.FunctionType(_attention_step.__code__.replace(), _attention_step.__globals__)
+    return torch.compile(step, fullgraph=True, dynamic=False, **compile_kwargs)
 
 
 def _reference(q, k, v, mask, d_out, causal):
@@ -41,9 +50,8 @@ def _inputs(tokens, with_mask):
 def _compiled_ops(tokens, causal):
     """The aten ops of the compiled step's graph (aot_eager: the graph inductor would get)."""
     backend = AotEagerAndRecordGraphs()
-    step = torch.compile(_attention_step, backend=backend, fullgraph=True, dynamic=False)
     q, k, v, mask, d_out = _inputs(tokens, with_mask=False)
-    step(q, k, v, mask, d_out, causal)
+    _compiled_step(backend=backend)(q, k, v, mask, d_out, causal)
     return {str(node.target) for graph in backend.fw_graphs for node in graph.graph.nodes if node.op == "call_function"}
 
 
@@ -64,18 +72,17 @@ def test_eager_calls_take_the_default_kernel():
 @pytest.mark.parametrize("tokens,with_mask,causal", [(9, True, False), (9, False, True)])
 def test_compiled_math_formula_matches_float64(tokens, with_mask, causal):
     q, k, v, mask, d_out = _inputs(tokens, with_mask)
-    actual = torch.compile(_attention_step, fullgraph=True, dynamic=False)(q, k, v, mask, d_out, causal)
+    actual = _compiled_step()(q, k, v, mask, d_out, causal)
     for i, (a, e) in enumerate(zip(actual, _reference(q, k, v, mask, d_out, causal))):
         assert_close_rel(a, e, 1e-5, f"output/grad {i}")
 
 
 @pytest.mark.parametrize("tokens", [9, MATH_MAX_KEYS + 1])
-def test_eager_and_long_compiled_calls_match_float64(tokens):
+def test_eager_and_compiled_calls_on_both_sides_of_the_limit_match_float64(tokens):
     q, k, v, mask, d_out = _inputs(tokens, with_mask=True)
     expected = _reference(q, k, v, mask, d_out, False)
     eager = _attention_step(q, k, v, mask, d_out, False)
-    compiled = torch.compile(_attention_step, backend="aot_eager", fullgraph=True, dynamic=False)(
-        q, k, v, mask, d_out, False)
+    compiled = _compiled_step(backend="aot_eager")(q, k, v, mask, d_out, False)
     for name, actual in (("eager", eager), ("compiled", compiled)):
         for i, (a, e) in enumerate(zip(actual, expected)):
             assert_close_rel(a, e, 1e-5, f"{name} output/grad {i}")
