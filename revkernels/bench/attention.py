@@ -14,7 +14,6 @@ overhead part does, it first tells glibc's malloc to keep freed memory (`keep_fr
 import argparse
 import os
 import sys
-import types
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +23,7 @@ from tqdm import tqdm
 
 from revkernels.bench.overhead import keep_freed_memory, per_call_us
 from revkernels.bench.report import DEFAULT_OUT, provenance, pyplot, save_figure, write_csv
+from revkernels.engine.compiled import isolated
 from revkernels.nn.attention import MATH_MAX_KEYS
 
 HOST_BOUND_POINT = (2, 4, 8, 16)
@@ -56,8 +56,7 @@ def _step(attention, q, k, v, d_out):
 def compiled_step(attention):
     """The attention step compiled as the compiled engine compiles its CPU steps (a code object of its
     own per call: a fresh compile, not a recompile counted against Dynamo's limit)."""
-    step = types.FunctionType(_step.__code__.replace(), _step.__globals__, _step.__name__)
-    compiled = torch.compile(step, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
+    compiled = torch.compile(isolated(_step), fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
     return lambda *args: compiled(attention, *args)
 
 

@@ -101,9 +101,10 @@ def block_backward(block, kind, f_names, g_names, y1, y2, dy1, dy2, context, gra
 
 # ---- compilation ----
 
-def _isolated(fn):
+def isolated(fn):
     """A copy of `fn` with its own code object: Dynamo keeps compiled graphs and counts recompiles
-    per code object, so each `CompiledSteps` (set of options) gets its own caches and limits."""
+    per code object, so each `CompiledSteps` (set of options) gets its own caches and limits (and
+    each compile of the attention benchmark and tests its own, not a recompile of a shared one)."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
@@ -134,7 +135,7 @@ class CompiledSteps:
                 inductor.setdefault("cpp_wrapper", True)
             options["options"] = inductor
         self.options = dict(backend=backend, **options)
-        self.functions = {name: torch.compile(_isolated(fn), fullgraph=True, **self.options)
+        self.functions = {name: torch.compile(isolated(fn), fullgraph=True, **self.options)
                           for name, fn in _STEPS.items()}
         self.failed = weakref.WeakSet()  # blocks whose steps run eagerly after a compile failure
 

@@ -1,12 +1,11 @@
 """revkernels.nn.attention: which SDPA kernel a compiled CPU graph calls, and values and grads of
 both ways against a float64 reference."""
-import types
-
 import pytest
 import torch
 from torch._dynamo.testing import AotEagerAndRecordGraphs
 from torch.func import vjp
 
+from revkernels.engine.compiled import isolated
 from revkernels.nn.attention import MATH_MAX_KEYS, scaled_dot_product_attention, uses_math
 from tests.helpers import assert_close_rel
 
@@ -23,8 +22,7 @@ def _attention_step(q, k, v, mask, d_out, causal):
 def _compiled_step(**compile_kwargs):
     """`_attention_step` compiled as a code object of its own, so the tests' compiles do not pile up
     as recompiles of one function against Dynamo's limit."""
-    step = types.FunctionType(_attention_step.__code__.replace(), _attention_step.__globals__)
-    return torch.compile(step, fullgraph=True, dynamic=False, **compile_kwargs)
+    return torch.compile(isolated(_attention_step), fullgraph=True, dynamic=False, **compile_kwargs)
 
 
 def _reference(q, k, v, mask, d_out, causal):
