@@ -91,6 +91,23 @@ def _revnet_cell(row):
     return f"{_num(row['images_per_s']):.0f} img/s, {memory} MiB"
 
 
+def _compiled_lines(throughput):
+    """A line per model and batch with `revkernels_compiled` against standard eager and
+    standard_compile, and both compile times (first step - median), where the run measured them."""
+    lines = []
+    for model, batch in dict.fromkeys((r["model"], r["batch"]) for r in throughput):
+        mine = {r["variant"]: r for r in throughput if r["model"] == model and r["batch"] == batch}
+        ours = mine.get("revkernels_compiled")
+        if ours is None:
+            continue
+        compile_s = ", ".join(f"{v} {_num(mine[v].get('compile_s')):.1f} s" for v in ("revkernels_compiled", "standard_compile")
+                              if v in mine)
+        lines.append(f"- {model} batch {batch}: `revkernels_compiled` {_ratio(mine.get('standard', {}).get('ms'), ours['ms'])} "
+                     f"standard eager, {_ratio(mine.get('standard_compile', {}).get('ms'), ours['ms'])} standard compiled; "
+                     f"compile time (first step - median step): {compile_s}")
+    return ["", "Compiled steps (speed, > 1 is faster):", ""] + lines if lines else []
+
+
 def train_tables(rows):
     lines = []
     throughput = [r for r in rows if r["kind"] == "throughput"]
@@ -107,6 +124,7 @@ def train_tables(rows):
             ratios = [_ratio(mine.get(v, {}).get("ms"), ours) for v in
                       ("standard", "standard_graphs", "standard_compile", "reversible_plain")]
             lines.append(f"| {model} | {batch} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+        lines += _compiled_lines(throughput)
     revnet = [r for r in rows if r["kind"] == "revnet"]
     if revnet:
         engines = list(dict.fromkeys(r["variant"] for r in revnet))

@@ -17,14 +17,18 @@ medians after warm-up):
     peer_revlib         the same F, G modules in RevLib's ReversibleSequential (pip install revlib)
     peer_memcnn         the same F, G modules in memcnn's additive couplings with keep_input=False
                         (pip install memcnn); peers run only where importable
-    revkernels_<engine> RevViTBlock (fused recompute/grads) with each engine
+    revkernels_<engine> RevViTBlock (fused recompute/grads) with each engine ("compiled": each block's
+                        forward and backward step compiled once and shared by all blocks)
 F = attention(LN(x)), G = MLP(LN(x)) with the same modules in every variant; the reversible ones
 run two streams of the full width, as Rev-ViT does, so every variant computes one F and one G per
 block in the forward. Memory, per model on an emptied device: ``peak_mib`` the step's peak
 (parameters, grads, optimizer state, activations, captured graphs' pools) and ``transient_mib`` the
 part of it above what stays allocated between steps (the activations; a captured graph keeps its
 pool, holding its activations, allocated between steps, so for the graphs variants only
-``peak_mib`` is comparable).
+``peak_mib`` is comparable). Compile time: the first warm-up step is timed alone
+(``first_step_ms``); for the variants that compile (standard_compile, revkernels_compiled)
+``compile_s`` = first step - median step, with inductor's cache as the run finds it (point
+TORCHINDUCTOR_CACHE_DIR at an empty folder for a cold compile). Warm-up steps never count in ``ms``.
 
 RevNets (``--revnets name:stem:batch``; on CUDA RevNet-18/50 at 224x224, batch 64 and 256, and
 CIFAR RevNet-18 at 32x32, batch 256): plain autograd against each reversible engine, cross-entropy on
@@ -55,7 +59,8 @@ from revkernels.nn.revvit import AttentionBranch, MlpBranch, RevViTBlock
 MODELS = {"vit_b": dict(depth=12, dim=768, heads=12), "vit_l": dict(depth=24, dim=1024, heads=16)}
 BATCHES = {"vit_b": [8, 32, 128], "vit_l": [8, 32]}
 TOKENS = 197
-ENGINES = ("sequential", "pareprop", "graphs")
+ENGINES = ("sequential", "pareprop", "graphs", "compiled")
+COMPILING = ("standard_compile", "revkernels_compiled")
 
 
 class StandardBlock(nn.Module):
@@ -138,11 +143,12 @@ def build(variant, depth, dim, heads):
 
 
 def time_steps(model, inputs, loss_of, device, dtype, steps, warmup, graph_whole_model=False):
-    """(median ms of a train step, peak MiB of the step, of which MiB above what stays allocated
-    between steps): forward under autocast, backward, AdamW step (fused on CUDA). The second is
-    the step's transient memory (activations); what stays allocated between steps is parameters,
-    optimizer state and, for captured CUDA graphs, their memory pools. graph_whole_model: the model is first replaced
-    by torch.cuda.make_graphed_callables (the standard-backprop-in-a-CUDA-graph baseline)."""
+    """(median ms of a train step, ms of the first warm-up step (it compiles, where anything does),
+    peak MiB of the step, of which MiB above what stays allocated between steps): forward under
+    autocast, backward, AdamW step (fused on CUDA). The last is the step's transient memory
+    (activations); what stays allocated between steps is parameters, optimizer state and, for
+    captured CUDA graphs, their memory pools. graph_whole_model: the model is first replaced by
+    torch.cuda.make_graphed_callables (the standard-backprop-in-a-CUDA-graph baseline)."""
     autocast = lambda **kw: torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32, **kw)  # noqa: E731
     if graph_whole_model:
         with autocast(cache_enabled=False):
@@ -156,7 +162,12 @@ def time_steps(model, inputs, loss_of, device, dtype, steps, warmup, graph_whole
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for _ in range(warmup):
+    synchronize(device)
+    start = time.perf_counter()
+    step()
+    synchronize(device)
+    first = (time.perf_counter() - start) * 1e3
+    for _ in range(warmup - 1):
         step()
     synchronize(device)
     if device.type == "cuda":
@@ -170,9 +181,9 @@ def time_steps(model, inputs, loss_of, device, dtype, steps, warmup, graph_whole
         synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     if device.type != "cuda":
-        return statistics.median(times), float("nan"), float("nan")
+        return statistics.median(times), first, float("nan"), float("nan")
     peak = torch.cuda.max_memory_allocated(device)
-    return statistics.median(times), peak / 2**20, (peak - between_steps) / 2**20
+    return statistics.median(times), first, peak / 2**20, (peak - between_steps) / 2**20
 
 
 def _fresh_device(device):
@@ -215,7 +226,7 @@ def _safely(fn, *args):
         return fn(*args)
     except Exception as error:  # reported in the output and the CSV (nan), never silently
         print(f"    FAILED: {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
-        return float("nan"), float("nan"), float("nan")
+        return float("nan"), float("nan"), float("nan"), float("nan")
 
 
 REVNETS_CUDA = ["revnet18:imagenet:64", "revnet18:imagenet:256", "revnet50:imagenet:64", "revnet50:imagenet:256",
@@ -250,7 +261,7 @@ def run(args):
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    variants = ["standard"] + (["standard_compile", "standard_graphs"] if cuda else []) + \
+    variants = ["standard", "standard_compile"] + (["standard_graphs"] if cuda else []) + \
         ["checkpoint", "reversible_plain"] + [p for p in ("peer_revlib", "peer_memcnn") if peer_available(p)] + \
         [f"revkernels_{e}" for e in ENGINES]
     variants = [v for v in variants if not args.variants or v in args.variants]
@@ -273,34 +284,41 @@ def run(args):
         row = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
         rows.append(row)
         write_csv(csv_path, rows, meta)  # after every row: a run stopped early keeps what it measured
+        compile_s = f"  (compile {row['compile_s']:.1f} s)" if row["compile_s"] != "" else ""
         print(f"{label:<42} {row['ms']:9.2f} ms  peak {row['peak_mib']:8.1f} MiB  transient "
-              f"{row['transient_mib']:8.1f} MiB", flush=True)
+              f"{row['transient_mib']:8.1f} MiB{compile_s}", flush=True)
+
+    def timing(variant, ms, first):
+        # compile time beside the step time, for the variants that compile
+        return {"ms": ms, "first_step_ms": first, "compile_s": (first - ms) / 1e3 if variant in COMPILING else ""}
 
     def transformer(name, batch):
         shape = models[name]
         for variant in variants:
-            ms, peak, transient = _safely(measure, variant, shape["depth"], shape["dim"], shape["heads"], batch,
-                                          tokens, device, dtype, steps, warmup)
+            ms, first, peak, transient = _safely(measure, variant, shape["depth"], shape["dim"], shape["heads"],
+                                                 batch, tokens, device, dtype, steps, warmup)
             record({"kind": "throughput", "model": name, "depth": shape["depth"], "batch": batch, "variant": variant,
-                    "ms": ms, "images_per_s": batch / ms * 1e3, "peak_mib": peak, "transient_mib": transient},
+                    **timing(variant, ms, first), "images_per_s": batch / ms * 1e3, "peak_mib": peak,
+                    "transient_mib": transient},
                    f"{name} batch {batch} {variant}")
 
     def revnet(config):
         name, stem, batch = config.split(":")
         for engine in REVNET_ENGINES:
-            ms, peak, transient = _safely(measure_revnet, name, stem, engine, int(batch), device, dtype,
-                                          max(2, steps // 2), max(1, warmup - 1))
+            ms, first, peak, transient = _safely(measure_revnet, name, stem, engine, int(batch), device, dtype,
+                                                 max(2, steps // 2), max(1, warmup - 1))
             record({"kind": "revnet", "model": f"{name}_{stem}", "depth": "", "batch": int(batch), "variant": engine,
-                    "ms": ms, "images_per_s": int(batch) / ms * 1e3, "peak_mib": peak, "transient_mib": transient},
+                    **timing(engine, ms, first), "images_per_s": int(batch) / ms * 1e3, "peak_mib": peak,
+                    "transient_mib": transient},
                    f"{name}_{stem} batch {batch} {engine}")
 
     def depth_sweep(depth):
         shape, batch = next(iter(models.values())), (2 if args.quick else 32)
         for variant in ("standard", "reversible_plain", "revkernels_sequential"):
-            ms, peak, transient = _safely(measure, variant, depth, shape["dim"], shape["heads"], batch, tokens,
-                                          device, dtype, max(2, steps // 3), 1)
+            ms, first, peak, transient = _safely(measure, variant, depth, shape["dim"], shape["heads"], batch,
+                                                 tokens, device, dtype, max(2, steps // 3), 1)
             record({"kind": "depth_sweep", "model": "sweep", "depth": depth, "batch": batch, "variant": variant,
-                    "ms": ms, "images_per_s": "", "peak_mib": peak, "transient_mib": transient},
+                    **timing(variant, ms, first), "images_per_s": "", "peak_mib": peak, "transient_mib": transient},
                    f"depth {depth} batch {batch} {variant}")
 
     # The issues' target points first (ViT-B 32/128, ViT-L 32, the RevNets, the depth sweep), the
@@ -337,6 +355,18 @@ def run(args):
                 ours = mine["revkernels_graphs"]["ms"]
                 print(f"{name:>6} {batch:>5}  " + "  ".join(f"{_ratio(mine[v]['ms'], ours):>8}" for v in variants
                                                            if v != "revkernels_graphs" and v in mine))
+    if "revkernels_compiled" in variants:
+        print("\nrevkernels_compiled speed vs standard eager and vs standard_compile; compile s (first step - median)")
+        for name in models:
+            for batch in batches[name]:
+                mine = pick("throughput", name, batch)
+                if "revkernels_compiled" not in mine:
+                    continue
+                ours = mine["revkernels_compiled"]
+                compile_s = ", ".join(f"{v} {mine[v]['compile_s']:.1f} s" for v in COMPILING if v in mine)
+                print(f"{name:>6} {batch:>5}  vs standard {_ratio(mine.get('standard', {}).get('ms', float('nan')), ours['ms'])}"
+                      f"  vs standard_compile {_ratio(mine.get('standard_compile', {}).get('ms', float('nan')), ours['ms'])}"
+                      f"  compile: {compile_s}")
     if revnets:
         print("\nRevNet vs autograd: speed, and how many times less step peak / transient (activation) memory")
         for config in revnets:

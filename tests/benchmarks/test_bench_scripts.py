@@ -17,9 +17,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("script,csv_name,kinds", [
     ("bench_kernels.py", "kernels_cpu.csv", {"eager", "cpp"}),
-    ("bench_train.py", "train_cpu.csv", {"standard", "checkpoint", "reversible_plain", "revkernels_sequential",
-                                         "revkernels_pareprop", "revkernels_graphs", "peer_revlib", "peer_memcnn",
-                                         "autograd", "graphs"}),
+    ("bench_train.py", "train_cpu.csv", {"standard", "standard_compile", "checkpoint", "reversible_plain",
+                                         "revkernels_sequential", "revkernels_pareprop", "revkernels_graphs",
+                                         "revkernels_compiled", "peer_revlib", "peer_memcnn", "autograd", "graphs"}),
 ])
 def test_script_writes_its_csv_and_plot(tmp_path, script, csv_name, kinds):
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--device", "cpu", "--quick",
@@ -31,6 +31,17 @@ def test_script_writes_its_csv_and_plot(tmp_path, script, csv_name, kinds):
     assert all(r["commit"] and r["device"] and r["torch"] for r in rows)
     assert all(math.isfinite(float(r["ms"])) for r in rows), "a variant failed"
     assert (tmp_path / csv_name.replace(".csv", ".png")).stat().st_size > 0
+    if script == "bench_train.py":
+        # compile time beside the step time: first step - median step, for the variants that compile only
+        for r in rows:
+            first, ms = float(r["first_step_ms"]), float(r["ms"])
+            assert first > 0
+            if r["variant"] in ("standard_compile", "revkernels_compiled"):
+                assert math.isclose(float(r["compile_s"]), (first - ms) / 1e3, rel_tol=1e-2, abs_tol=1e-3)
+                assert float(r["compile_s"]) > 0.1, r  # a compile takes seconds
+            else:
+                assert r["compile_s"] == ""
+        assert "revkernels_compiled speed vs standard eager and vs standard_compile" in result.stdout
 
 
 def test_kernels_csv_has_both_timings(tmp_path):

@@ -57,6 +57,22 @@ def test_tables_compute_ratios_and_targets_from_the_csvs(tmp_path, readme_tables
     assert "0.75x (graphs) | 4.00x less (graphs) |" in text
 
 
+def test_train_table_has_the_compiled_line_when_measured(tmp_path, readme_tables):
+    """revkernels_compiled against standard eager and standard_compile, with both compile times."""
+    rows = [_train_row("throughput", "vit_b", 32, "standard", 20.0),
+            {**_train_row("throughput", "vit_b", 32, "standard_compile", 16.0), "compile_s": 30.0},
+            {**_train_row("throughput", "vit_b", 32, "revkernels_compiled", 25.0), "compile_s": 12.5},
+            _train_row("throughput", "vit_b", 128, "standard", 80.0)]
+    rows = [{"first_step_ms": 1.0, "compile_s": "", **r} for r in rows]
+    _write(tmp_path / "train_cuda.csv", rows)
+    text = readme_tables.tables(str(tmp_path))
+    assert ("- vit_b batch 32: `revkernels_compiled` 0.80x standard eager, 0.64x standard compiled; compile time "
+            "(first step - median step): revkernels_compiled 12.5 s, standard_compile 30.0 s") in text
+    assert "vit_b batch 128:" not in text  # no compiled row measured there
+    _write(tmp_path / "train_cuda.csv", [_train_row("throughput", "vit_b", 32, "standard", 20.0)])
+    assert "Compiled steps" not in readme_tables.tables(str(tmp_path))
+
+
 def test_rewrite_replaces_only_the_marked_section(tmp_path, readme_tables):
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{readme_tables.BEGIN}\nold\n{readme_tables.END}\noutro\n")
