@@ -164,9 +164,30 @@ def _config_line(rows):
             f"{r['threads']} thread{'s' if r['threads'] != '1' else ''}; median of {r['steps']} steps")
 
 
-def overhead_tables(steps, ops, compiles=()):
+def target_table(steps):
+    """The issues' CPU step targets (`revkernels.bench.overhead.TARGETS`) as this run met them, with
+    the spread of each ratio over the run's rounds."""
+    sys.path.insert(0, ROOT)
+    from revkernels.bench.overhead import target_rows
+
+    targets = target_rows(steps)
+    if not targets:
+        return []
+    lines = ["", "The issues' CPU step targets in this run (speed = baseline ms / variant ms, the ratio of the "
+             "medians above; q1-q3: first and third quartile of the ratio over the run's rounds, each round "
+             "timing every variant once):", "",
+             "| configuration | variant | against | speed | q1-q3 | target | |", "|---|---|---|---|---|---|---|"]
+    for t in targets:
+        spread = f"{t['q1']:.2f}-{t['q3']:.2f}" if t["q1"] == t["q1"] and t["q3"] == t["q3"] else "n/a"
+        lines.append(f"| {t['config']} | `{t['variant']}` | {t['baseline']} | {_ratio(t['speed'], 1.0)} | {spread} | "
+                     f">= {t['target']} | {t['status']} |")
+    return lines
+
+
+def overhead_tables(steps, ops, compiles=(), targets=False):
     """Step time per variant and configuration with speed ratios against the baselines of the same
-    run, the compile times of a ViT-S, and each fused op against its ATen composition."""
+    run (and, with `targets`, the issues' CPU step targets), the compile times of a ViT-S, and each
+    fused op against its ATen composition."""
     lines = []
     if steps:
         configs = list(dict.fromkeys(r["config"] for r in steps))
@@ -195,6 +216,8 @@ def overhead_tables(steps, ops, compiles=()):
                 cells += [cell] + [_ratio(by.get((c, b), {}).get("step_ms"), r["step_ms"])
                                    for b in bases]
             lines.append(f"| `{v}` | " + " | ".join(cells) + " |")
+        if targets:
+            lines += target_table(steps)
     if compiles:
         r = compiles[0]
         lines += (["", ""] if lines else []) + [
@@ -263,7 +286,7 @@ def overhead_section(results=RESULTS):
                  for name in ("overhead", "overhead_ops", "overhead_compile")]
         if any(os.path.exists(path) for path in paths):
             steps, ops, compiles = (read_csv(path) if os.path.exists(path) else [] for path in paths)
-            lines += overhead_tables(steps, ops, compiles) + [""]
+            lines += overhead_tables(steps, ops, compiles, targets=device == "cpu") + [""]
         for config in PROFILE_CONFIGS:
             path = os.path.join(results, f"profile_{config}_{device}.csv")
             if os.path.exists(path):

@@ -35,7 +35,10 @@ run in rounds, one step of every variant per round, so a change of load on the m
 variants alike, each timed step right after an untimed step of its own variant, so it finds the
 caches (code, weights, allocator) as a training loop repeating that step leaves them, not as the
 previous variant left them. step_ms is the median over the rounds; the vs_* columns are speed
-ratios against a baseline of the same run (baseline ms / variant ms: > 1 is faster). Before
+ratios against a baseline of the same run (baseline ms / variant ms: > 1 is faster), and
+vs_<baseline>_q1 / _q3 the first and third quartiles of the per-round ratios (a round's baseline
+step over its variant step): how far the ratio moves through the run. The printout ends with the
+issues' CPU step targets (TARGETS), each with its ratio, quartiles and whether it is met. Before
 timing, reversible_plain's grads are checked against those of revkernels' autograd engine (plain
 autograd through the same reversible blocks) on the same weights: the part fails if they differ.
 
@@ -101,6 +104,20 @@ TINY_THREADS, LARGE_THREADS = 1, 2
 OPS = ("coupling_sub", "coupling_add", "sub_layer_norm", "layer_norm_bwd_add", "bias_gelu", "bias_gelu_bwd",
        "batch_norm_act", "batch_norm_act_bwd", "linear_sub")
 COLORS = {"baseline": "tab:gray", "revvit": "tab:blue", "generic": "tab:orange"}
+# The CPU step targets of the fast-eager-path and compiled-runs issues: (configuration, variant,
+# baseline, least speed = baseline ms / variant ms), each a ratio of medians of one run.
+TARGETS = (
+    ("host_bound", "revkernels_sequential", "reversible_plain", 1.2),
+    ("host_bound", "revkernels_sequential", "standard", 0.65),
+    ("host_bound", "revkernels_sequential", "checkpoint", 1.5),
+    ("host_bound", "revkernels_generic_sequential", "reversible_plain", 1.1),
+    ("host_bound", "revkernels_compiled", "standard", 1.0),
+    ("host_bound", "revkernels_compiled", "reversible_plain", 2.0),
+    ("compute_bound", "revkernels_sequential", "reversible_plain", 1.05),
+    ("compute_bound", "revkernels_sequential", "standard", 0.74),
+    ("compute_bound", "revkernels_compiled", "standard", 0.85),
+    ("compute_bound", "revkernels_compiled", "standard_compile", 0.75),
+)
 GRAD_CHECK_TOL = 1e-4  # max |grad - reference| / max |reference| per parameter (fp32; ~1e-6 seen)
 
 
@@ -321,6 +338,9 @@ def measure_config(name, cfg, names, device, warmup, rounds, progress=None):
                "warmup": warmup}
         for base in BASELINES:
             row[f"vs_{base}"] = _ratio_value(step_ms.get(base, nan), ms)
+        for base in BASELINES:
+            row[f"vs_{base}_q1"], row[f"vs_{base}_q3"] = _round_ratio_quartiles(
+                times.get(base, []) if base not in failed else [], times[variant] if variant not in failed else [])
         rows.append({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
     return rows
 
@@ -350,6 +370,16 @@ def _compile_child(variant, device):
     the times as JSON on the last line."""
     (row,) = measure_config(COMPILE_CONFIG_NAME, COMPILE_CONFIG, [variant], device, warmup=2, rounds=3)
     print(json.dumps({k: row[k] for k in ("dtype", "compile_s", "first_step_ms", "step_ms")}))
+
+
+def _round_ratio_quartiles(base_ms, variant_ms):
+    """First and third quartile of the per-round speed ratios base / variant (each round times every
+    variant once, so a round's ratio pairs steps taken moments apart): the spread of the ratio
+    through the run. nan without two complete rounds of both."""
+    if len(base_ms) != len(variant_ms) or len(base_ms) < 2:
+        return float("nan"), float("nan")
+    q1, _, q3 = statistics.quantiles([b / v for b, v in zip(base_ms, variant_ms)], n=4, method="inclusive")
+    return q1, q3
 
 
 def _ratio_value(a, b):
@@ -618,6 +648,7 @@ def run(args):
     progress.close()
 
     _print_steps(step_rows)
+    _print_targets(step_rows)
     _print_ops(op_rows)
     _print_compile(compile_rows)
     written = []
@@ -632,6 +663,42 @@ def run(args):
         written.append(write_csv(os.path.join(args.out, f"overhead_compile_{tag}.csv"), compile_rows, meta))
     print("\nwrote " + ", ".join(written), flush=True)
     return step_rows + op_rows + compile_rows
+
+
+def target_rows(rows):
+    """The step targets of `TARGETS` that `rows` (run()'s step rows, or those of the CSV) measured
+    (variant and baseline both present): dicts with config, variant, baseline, speed (the ratio of
+    their step_ms medians), q1 and q3 (of the per-round ratios), target and status ("met", "missed",
+    or "failed" where either has no time)."""
+    by = {(r.get("config"), r.get("variant")): r for r in rows}
+    out = []
+    for config, variant, baseline, target in TARGETS:
+        r, base = by.get((config, variant)), by.get((config, baseline))
+        if r is None or base is None:
+            continue
+        speed = _ratio_value(_as_float(base.get("step_ms")), _as_float(r.get("step_ms")))
+        q1, q3 = (_as_float(r.get(f"vs_{baseline}{suffix}")) for suffix in ("_q1", "_q3"))
+        status = "failed" if not math.isfinite(speed) else "met" if speed >= target else "missed"
+        out.append({"config": config, "variant": variant, "baseline": baseline, "speed": speed, "q1": q1, "q3": q3,
+                    "target": target, "status": status})
+    return out
+
+
+def _as_float(value):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _print_targets(rows):
+    targets = target_rows(rows)
+    if not targets:
+        return
+    print("\nstep targets (speed = baseline ms / variant ms, medians; q1-q3: quartiles of the per-round ratios)")
+    for t in targets:
+        print(f"{t['config']:<14} {t['variant']:<30} vs {t['baseline']:<17} {_fmt(t['speed'], '6.2f')}x "
+              f"(q1-q3 {_fmt(t['q1'], '.2f')}-{_fmt(t['q3'], '.2f')})  target >= {t['target']}: {t['status']}")
 
 
 def _print_steps(rows):

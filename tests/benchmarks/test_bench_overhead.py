@@ -6,6 +6,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 
@@ -233,10 +234,11 @@ def test_run_writes_both_csvs_and_the_plot(tmp_path, monkeypatch):
                                 "--compile-variants", "revkernels_compiled"])
     rows = overhead.run(args)
     steps = list(csv.DictReader(open(tmp_path / "overhead_cpu.csv")))
-    assert list(steps[0])[:21] == [
+    assert list(steps[0])[:29] == [
         "config", "depth", "dim", "heads", "tokens", "batch", "threads", "dtype", "variant", "engine", "step_ms",
         "first_step_ms", "compile_s", "steps", "warmup", "vs_standard", "vs_reversible_plain", "vs_checkpoint",
-        "vs_standard_compile", "commit", "device"]
+        "vs_standard_compile", "vs_standard_q1", "vs_standard_q3", "vs_reversible_plain_q1", "vs_reversible_plain_q3",
+        "vs_checkpoint_q1", "vs_checkpoint_q3", "vs_standard_compile_q1", "vs_standard_compile_q3", "commit", "device"]
     assert [r["variant"] for r in steps] == [v for v in overhead.variants() if v != "standard_compile"]  # --quick
     for engine in rk.engine.ENGINES:
         assert {f"revkernels_{engine}", f"revkernels_generic_{engine}"} <= {r["variant"] for r in steps}
@@ -260,6 +262,67 @@ def test_run_writes_both_csvs_and_the_plot(tmp_path, monkeypatch):
     lines = overhead.summary(rows)
     assert any(line.startswith("host_bound: revkernels_sequential") for line in lines)
     assert "ViT-S compile time (empty inductor cache): revkernels_compiled 12.5 s" in lines
+
+
+def test_ratio_quartiles_come_from_the_rounds(monkeypatch):
+    """vs_<base>_q1/_q3: quartiles of the per-round ratios base ms / variant ms (the rounds' own
+    pairs, not ratios of sorted times); nan for a baseline that was not measured."""
+    clock = {"standard": iter([10.0, 20.0, 10.0, 40.0]),  # standard's timed steps, round by round
+             "checkpoint": iter([5.0, 20.0, 2.0, 10.0])}  # checkpoint's: per-round ratios 2, 1, 5, 4
+    calls = {"standard": 0, "checkpoint": 0}
+    now = [0.0]
+
+    def make_model(variant, cfg, device, seed=0):
+        model = torch.nn.Linear(2, 2)
+        model.variant = variant
+        return model
+
+    def train_step(model, x, device):
+        # one warm-up step, then per round an untimed and a timed step of each variant
+        calls[model.variant] += 1
+        timed = calls[model.variant] > 1 and calls[model.variant] % 2 == 1
+        now[0] += next(clock[model.variant]) / 1e3 if timed else 1.0
+
+    monkeypatch.setattr(overhead, "make_model", make_model)
+    monkeypatch.setattr(overhead, "train_step", train_step)
+    monkeypatch.setattr(overhead.time, "perf_counter", lambda: now[0])
+    rows = overhead.measure_config("small", SMALL, ["standard", "checkpoint"], torch.device("cpu"), warmup=1, rounds=4)
+    by = {r["variant"]: r for r in rows}
+    ck = by["checkpoint"]
+    q1, _, q3 = statistics.quantiles([2.0, 1.0, 5.0, 4.0], n=4, method="inclusive")
+    assert (ck["vs_standard_q1"], ck["vs_standard_q3"]) == (round(q1, 4), round(q3, 4))
+    assert ck["vs_standard"] == round(statistics.median([10.0, 20.0, 10.0, 40.0]) / statistics.median([5.0, 20.0, 2.0, 10.0]), 4)
+    assert by["standard"]["vs_standard_q1"] == by["standard"]["vs_standard_q3"] == 1.0
+    assert math.isnan(ck["vs_reversible_plain_q1"]) and math.isnan(ck["vs_reversible_plain_q3"])
+
+
+def test_target_rows_and_their_status(capsys):
+    """Each target of TARGETS whose variant and baseline the rows measured: the ratio of their
+    step_ms medians, the variant's quartile columns and the status, from the run's rows or from the
+    CSV's strings."""
+    def row(config, variant, ms, **quartiles):
+        return {"config": config, "variant": variant, "step_ms": ms, **quartiles}
+
+    rows = [row("host_bound", "reversible_plain", 10.0), row("host_bound", "standard", 6.0),
+            row("host_bound", "checkpoint", float("nan")),
+            row("host_bound", "revkernels_sequential", 8.0, vs_reversible_plain_q1=1.19, vs_reversible_plain_q3=1.3,
+                vs_standard_q1=0.7, vs_standard_q3=0.8),
+            row("compute_bound", "standard_compile", "76.0"),
+            row("compute_bound", "revkernels_compiled", "100.0", vs_standard_compile_q1="0.74",
+                vs_standard_compile_q3="0.77")]
+    targets = overhead.target_rows(rows)
+    got = [(t["config"], t["variant"], t["baseline"], t["speed"], t["target"], t["status"]) for t in targets]
+    assert got[0] == ("host_bound", "revkernels_sequential", "reversible_plain", 1.25, 1.2, "met")
+    assert got[1] == ("host_bound", "revkernels_sequential", "standard", 0.75, 0.65, "met")
+    assert got[2][:3] == ("host_bound", "revkernels_sequential", "checkpoint") and got[2][5] == "failed"
+    assert got[3] == ("compute_bound", "revkernels_compiled", "standard_compile", 0.76, 0.75, "met")
+    assert len(got) == 4  # the other targets lack their variant or baseline
+    assert (targets[0]["q1"], targets[0]["q3"]) == (1.19, 1.3) and (targets[3]["q1"], targets[3]["q3"]) == (0.74, 0.77)
+    rows[3]["step_ms"] = 9.0  # 10 / 9 = 1.11x: below 1.2
+    assert overhead.target_rows(rows)[0]["status"] == "missed"
+    overhead._print_targets(rows)
+    out = capsys.readouterr().out
+    assert "revkernels_sequential" in out and "1.11x (q1-q3 1.19-1.30)  target >= 1.2: missed" in out
 
 
 def test_summary_from_rows():
