@@ -7,11 +7,13 @@ Reads ``benchmarks/results/kernels_cuda.csv`` (bench_kernels.py) and ``train_cud
 (bench_train.py) where present; each table is headed by the commit, GPU, torch and triton versions
 its CSV recorded. Ratios are computed here from the medians in the CSV, against baselines measured
 in the same run. The host-overhead tables (bench_overhead.py: ``overhead_<device>.csv`` and
-``overhead_ops_<device>.csv``, CPU then CUDA where present) go between their own markers, followed
-by the host-time profiles of profile_overhead.py (``profile_<config>_<device>.csv``).
+``overhead_ops_<device>.csv``, CPU then CUDA where present) go between their own markers, with the
+issues' CPU step targets (revkernels/bench/targets.py, read by path: no torch needed) after the CPU
+step table, followed by the host-time profiles of profile_overhead.py (``profile_<config>_<device>.csv``).
 """
 import argparse
 import csv
+import importlib.util
 import os
 import sys
 
@@ -100,11 +102,12 @@ def _compiled_lines(throughput):
         ours = mine.get("revkernels_compiled")
         if ours is None:
             continue
-        compile_s = ", ".join(f"{v} {_num(mine[v].get('compile_s')):.1f} s" for v in ("revkernels_compiled", "standard_compile")
-                              if v in mine)
-        lines.append(f"- {model} batch {batch}: `revkernels_compiled` {_ratio(mine.get('standard', {}).get('ms'), ours['ms'])} "
-                     f"standard eager, {_ratio(mine.get('standard_compile', {}).get('ms'), ours['ms'])} standard compiled; "
-                     f"compile time (first step - median step): {compile_s}")
+        seconds = {v: _num(mine[v].get("compile_s")) for v in ("revkernels_compiled", "standard_compile") if v in mine}
+        compile_s = ", ".join(f"{v} {s:.1f} s" if s == s else f"{v} n/a" for v, s in seconds.items())
+        eager, compiled = (mine.get(v, {}).get("ms") for v in ("standard", "standard_compile"))
+        lines.append(f"- {model} batch {batch}: `revkernels_compiled` {_ratio(eager, ours['ms'])} standard eager, "
+                     f"{_ratio(compiled, ours['ms'])} standard compiled; compile time (first step - median step): "
+                     f"{compile_s}")
     return ["", "Compiled steps (speed, > 1 is faster):", ""] + lines if lines else []
 
 
@@ -164,13 +167,21 @@ def _config_line(rows):
             f"{r['threads']} thread{'s' if r['threads'] != '1' else ''}; median of {r['steps']} steps")
 
 
-def target_table(steps):
-    """The issues' CPU step targets (`revkernels.bench.overhead.TARGETS`) as this run met them, with
-    the spread of each ratio over the run's rounds."""
-    sys.path.insert(0, ROOT)
-    from revkernels.bench.overhead import target_rows
+def _targets_module():
+    """revkernels/bench/targets.py, loaded by path: it needs only the standard library, where
+    importing the revkernels package would load torch."""
+    path = os.path.join(ROOT, "revkernels", "bench", "targets.py")
+    spec = importlib.util.spec_from_file_location("revkernels_targets", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    targets = target_rows(steps)
+
+def target_table(steps):
+    """The issues' CPU step targets (`revkernels.bench.targets`) as this run met them, with the
+    spread of each ratio over the run's rounds."""
+    targets_module = _targets_module()
+    targets = targets_module.target_rows(steps)
     if not targets:
         return []
     lines = ["", "The issues' CPU step targets in this run (speed = baseline ms / variant ms, the ratio of the "
@@ -178,9 +189,9 @@ def target_table(steps):
              "timing every variant once):", "",
              "| configuration | variant | against | speed | q1-q3 | target | |", "|---|---|---|---|---|---|---|"]
     for t in targets:
-        spread = f"{t['q1']:.2f}-{t['q3']:.2f}" if t["q1"] == t["q1"] and t["q3"] == t["q3"] else "n/a"
-        lines.append(f"| {t['config']} | `{t['variant']}` | {t['baseline']} | {_ratio(t['speed'], 1.0)} | {spread} | "
-                     f">= {t['target']} | {t['status']} |")
+        speed, spread = targets_module.format_ratio(t["speed"]), targets_module.format_spread(t["q1"], t["q3"])
+        lines.append(f"| {t['config']} | `{t['variant']}` | {t['baseline']} | {speed} | {spread} | >= {t['target']} | "
+                     f"{t['status']} |")
     return lines
 
 

@@ -30,15 +30,18 @@ created in the same order in every variant, so they hold the same weights):
 
 The reversible variants take the input as both streams. Each variant first runs its warm-up steps
 (the first one timed alone: first_step_ms; for an engine that compiles, such as "compiled",
-compile_s = first step - median step; warm-up is never part of the step time); then the timed steps
+compile_s = first step - median step; warm-up is never part of the step time; each configuration
+starts from reset Dynamo caches, so its compiles are fresh, not recompiles of the previous
+configuration's graphs with dynamic sizes); then the timed steps
 run in rounds, one step of every variant per round, so a change of load on the machine hits all
 variants alike, each timed step right after an untimed step of its own variant, so it finds the
 caches (code, weights, allocator) as a training loop repeating that step leaves them, not as the
 previous variant left them. step_ms is the median over the rounds; the vs_* columns are speed
 ratios against a baseline of the same run (baseline ms / variant ms: > 1 is faster), and
 vs_<baseline>_q1 / _q3 the first and third quartiles of the per-round ratios (a round's baseline
-step over its variant step): how far the ratio moves through the run. The printout ends with the
-issues' CPU step targets (TARGETS), each with its ratio, quartiles and whether it is met. Before
+step over its variant step): how far the ratio moves through the run. On CPU the step table is
+followed by the issues' CPU step targets (`revkernels.bench.targets`), each with its ratio,
+quartiles and whether it is met. Before
 timing, reversible_plain's grads are checked against those of revkernels' autograd engine (plain
 autograd through the same reversible blocks) on the same weights: the part fails if they differ.
 
@@ -86,6 +89,7 @@ from tqdm import tqdm
 
 import revkernels as rk
 from revkernels.bench.report import DEFAULT_OUT, provenance, pyplot, save_figure, synchronize, write_csv
+from revkernels.bench.targets import format_ratio, format_spread, target_rows
 from revkernels.bench.train import ReversibleStack, StandardStack
 from revkernels.nn.revvit import AttentionBranch, MlpBranch, RevViTBlock
 
@@ -104,20 +108,6 @@ TINY_THREADS, LARGE_THREADS = 1, 2
 OPS = ("coupling_sub", "coupling_add", "sub_layer_norm", "layer_norm_bwd_add", "bias_gelu", "bias_gelu_bwd",
        "batch_norm_act", "batch_norm_act_bwd", "linear_sub")
 COLORS = {"baseline": "tab:gray", "revvit": "tab:blue", "generic": "tab:orange"}
-# The CPU step targets of the fast-eager-path and compiled-runs issues: (configuration, variant,
-# baseline, least speed = baseline ms / variant ms), each a ratio of medians of one run.
-TARGETS = (
-    ("host_bound", "revkernels_sequential", "reversible_plain", 1.2),
-    ("host_bound", "revkernels_sequential", "standard", 0.65),
-    ("host_bound", "revkernels_sequential", "checkpoint", 1.5),
-    ("host_bound", "revkernels_generic_sequential", "reversible_plain", 1.1),
-    ("host_bound", "revkernels_compiled", "standard", 1.0),
-    ("host_bound", "revkernels_compiled", "reversible_plain", 2.0),
-    ("compute_bound", "revkernels_sequential", "reversible_plain", 1.05),
-    ("compute_bound", "revkernels_sequential", "standard", 0.74),
-    ("compute_bound", "revkernels_compiled", "standard", 0.85),
-    ("compute_bound", "revkernels_compiled", "standard_compile", 0.75),
-)
 GRAD_CHECK_TOL = 1e-4  # max |grad - reference| / max |reference| per parameter (fp32; ~1e-6 seen)
 
 
@@ -278,7 +268,11 @@ def _error_line(error):
 
 def measure_config(name, cfg, names, device, warmup, rounds, progress=None):
     """Step rows of one configuration: warm-up per variant (the first step timed alone), then
-    `rounds` rounds of one timed step per variant; a variant that fails is printed and gets nan."""
+    `rounds` rounds of one timed step per variant; a variant that fails is printed and gets nan.
+    Dynamo's caches are reset first: the compiling variants compile this configuration afresh, as a
+    training process of these shapes would, not as a recompile of the previous configuration's
+    graphs (which Dynamo would make dynamic in the sizes that changed)."""
+    torch._dynamo.reset()
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(cfg["threads"])
     try:
@@ -648,7 +642,8 @@ def run(args):
     progress.close()
 
     _print_steps(step_rows)
-    _print_targets(step_rows)
+    if tag == "cpu":  # the targets are CPU ones
+        _print_targets(step_rows)
     _print_ops(op_rows)
     _print_compile(compile_rows)
     written = []
@@ -665,40 +660,15 @@ def run(args):
     return step_rows + op_rows + compile_rows
 
 
-def target_rows(rows):
-    """The step targets of `TARGETS` that `rows` (run()'s step rows, or those of the CSV) measured
-    (variant and baseline both present): dicts with config, variant, baseline, speed (the ratio of
-    their step_ms medians), q1 and q3 (of the per-round ratios), target and status ("met", "missed",
-    or "failed" where either has no time)."""
-    by = {(r.get("config"), r.get("variant")): r for r in rows}
-    out = []
-    for config, variant, baseline, target in TARGETS:
-        r, base = by.get((config, variant)), by.get((config, baseline))
-        if r is None or base is None:
-            continue
-        speed = _ratio_value(_as_float(base.get("step_ms")), _as_float(r.get("step_ms")))
-        q1, q3 = (_as_float(r.get(f"vs_{baseline}{suffix}")) for suffix in ("_q1", "_q3"))
-        status = "failed" if not math.isfinite(speed) else "met" if speed >= target else "missed"
-        out.append({"config": config, "variant": variant, "baseline": baseline, "speed": speed, "q1": q1, "q3": q3,
-                    "target": target, "status": status})
-    return out
-
-
-def _as_float(value):
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return float("nan")
-
-
 def _print_targets(rows):
     targets = target_rows(rows)
     if not targets:
         return
-    print("\nstep targets (speed = baseline ms / variant ms, medians; q1-q3: quartiles of the per-round ratios)")
+    print("\nthe issues' CPU step targets (speed = baseline ms / variant ms, medians; q1-q3: quartiles of the "
+          "per-round ratios)")
     for t in targets:
-        print(f"{t['config']:<14} {t['variant']:<30} vs {t['baseline']:<17} {_fmt(t['speed'], '6.2f')}x "
-              f"(q1-q3 {_fmt(t['q1'], '.2f')}-{_fmt(t['q3'], '.2f')})  target >= {t['target']}: {t['status']}")
+        print(f"{t['config']:<14} {t['variant']:<30} vs {t['baseline']:<17} {format_ratio(t['speed']):>7} "
+              f"(q1-q3 {format_spread(t['q1'], t['q3'])})  target >= {t['target']}: {t['status']}")
 
 
 def _print_steps(rows):

@@ -28,7 +28,9 @@ pool, holding its activations, allocated between steps, so for the graphs varian
 ``peak_mib`` is comparable). Compile time: the first warm-up step is timed alone
 (``first_step_ms``); for the variants that compile (standard_compile, revkernels_compiled)
 ``compile_s`` = first step - median step, with inductor's cache as the run finds it (point
-TORCHINDUCTOR_CACHE_DIR at an empty folder for a cold compile). Warm-up steps never count in ``ms``.
+TORCHINDUCTOR_CACHE_DIR at an empty folder for a cold compile) and Dynamo's caches reset before
+each of them (every configuration compiles afresh, with static shapes). Warm-up steps never count
+in ``ms``.
 
 RevNets (``--revnets name:stem:batch``; on CUDA RevNet-18/50 at 224x224, batch 64 and 256, and
 CIFAR RevNet-18 at 32x32, batch 256): plain autograd against each reversible engine, cross-entropy on
@@ -149,6 +151,8 @@ def time_steps(model, inputs, loss_of, device, dtype, steps, warmup, graph_whole
     (activations); what stays allocated between steps is parameters, optimizer state and, for
     captured CUDA graphs, their memory pools. graph_whole_model: the model is first replaced by
     torch.cuda.make_graphed_callables (the standard-backprop-in-a-CUDA-graph baseline)."""
+    if warmup < 1:
+        raise ValueError(f"warmup must be at least 1 (the first step is timed alone), got {warmup}")
     autocast = lambda **kw: torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32, **kw)  # noqa: E731
     if graph_whole_model:
         with autocast(cache_enabled=False):
@@ -195,6 +199,10 @@ def _fresh_device(device):
 
 def measure(variant, depth, dim, heads, batch, tokens, device, dtype, steps, warmup):
     _fresh_device(device)
+    if variant in COMPILING:
+        # A fresh compile of these shapes, as a training process would make, not a recompile of an
+        # earlier configuration's graphs (which Dynamo would make dynamic in the sizes that changed).
+        torch._dynamo.reset()
     torch.manual_seed(0)
     with torch.device(device):
         model = build(variant, depth, dim, heads)
@@ -221,7 +229,8 @@ def measure_revnet(name, stem, engine, batch, device, dtype, steps, warmup):
 
 
 def _safely(fn, *args):
-    """fn(*args), or (nan, nan) with the error printed: one failing variant keeps the others' rows."""
+    """fn(*args), or four nans (time_steps' results) with the error printed: one failing variant
+    keeps the others' rows."""
     try:
         return fn(*args)
     except Exception as error:  # reported in the output and the CSV (nan), never silently
@@ -362,11 +371,11 @@ def run(args):
                 mine = pick("throughput", name, batch)
                 if "revkernels_compiled" not in mine:
                     continue
-                ours = mine["revkernels_compiled"]
+                ours = mine["revkernels_compiled"]["ms"]
+                eager, compiled = (mine.get(v, {}).get("ms", float("nan")) for v in ("standard", "standard_compile"))
                 compile_s = ", ".join(f"{v} {mine[v]['compile_s']:.1f} s" for v in COMPILING if v in mine)
-                print(f"{name:>6} {batch:>5}  vs standard {_ratio(mine.get('standard', {}).get('ms', float('nan')), ours['ms'])}"
-                      f"  vs standard_compile {_ratio(mine.get('standard_compile', {}).get('ms', float('nan')), ours['ms'])}"
-                      f"  compile: {compile_s}")
+                print(f"{name:>6} {batch:>5}  vs standard {_ratio(eager, ours)}  vs standard_compile "
+                      f"{_ratio(compiled, ours)}  compile: {compile_s}")
     if revnets:
         print("\nRevNet vs autograd: speed, and how many times less step peak / transient (activation) memory")
         for config in revnets:

@@ -291,38 +291,22 @@ def test_ratio_quartiles_come_from_the_rounds(monkeypatch):
     ck = by["checkpoint"]
     q1, _, q3 = statistics.quantiles([2.0, 1.0, 5.0, 4.0], n=4, method="inclusive")
     assert (ck["vs_standard_q1"], ck["vs_standard_q3"]) == (round(q1, 4), round(q3, 4))
-    assert ck["vs_standard"] == round(statistics.median([10.0, 20.0, 10.0, 40.0]) / statistics.median([5.0, 20.0, 2.0, 10.0]), 4)
+    medians = statistics.median([10.0, 20.0, 10.0, 40.0]), statistics.median([5.0, 20.0, 2.0, 10.0])
+    assert ck["vs_standard"] == round(medians[0] / medians[1], 4)
     assert by["standard"]["vs_standard_q1"] == by["standard"]["vs_standard_q3"] == 1.0
     assert math.isnan(ck["vs_reversible_plain_q1"]) and math.isnan(ck["vs_reversible_plain_q3"])
 
 
-def test_target_rows_and_their_status(capsys):
-    """Each target of TARGETS whose variant and baseline the rows measured: the ratio of their
-    step_ms medians, the variant's quartile columns and the status, from the run's rows or from the
-    CSV's strings."""
-    def row(config, variant, ms, **quartiles):
-        return {"config": config, "variant": variant, "step_ms": ms, **quartiles}
-
-    rows = [row("host_bound", "reversible_plain", 10.0), row("host_bound", "standard", 6.0),
-            row("host_bound", "checkpoint", float("nan")),
-            row("host_bound", "revkernels_sequential", 8.0, vs_reversible_plain_q1=1.19, vs_reversible_plain_q3=1.3,
-                vs_standard_q1=0.7, vs_standard_q3=0.8),
-            row("compute_bound", "standard_compile", "76.0"),
-            row("compute_bound", "revkernels_compiled", "100.0", vs_standard_compile_q1="0.74",
-                vs_standard_compile_q3="0.77")]
-    targets = overhead.target_rows(rows)
-    got = [(t["config"], t["variant"], t["baseline"], t["speed"], t["target"], t["status"]) for t in targets]
-    assert got[0] == ("host_bound", "revkernels_sequential", "reversible_plain", 1.25, 1.2, "met")
-    assert got[1] == ("host_bound", "revkernels_sequential", "standard", 0.75, 0.65, "met")
-    assert got[2][:3] == ("host_bound", "revkernels_sequential", "checkpoint") and got[2][5] == "failed"
-    assert got[3] == ("compute_bound", "revkernels_compiled", "standard_compile", 0.76, 0.75, "met")
-    assert len(got) == 4  # the other targets lack their variant or baseline
-    assert (targets[0]["q1"], targets[0]["q3"]) == (1.19, 1.3) and (targets[3]["q1"], targets[3]["q3"]) == (0.74, 0.77)
-    rows[3]["step_ms"] = 9.0  # 10 / 9 = 1.11x: below 1.2
-    assert overhead.target_rows(rows)[0]["status"] == "missed"
+def test_targets_are_printed_after_the_step_table_on_cpu(capsys):
+    """run() prints the CPU targets (revkernels.bench.targets) that its rows measured."""
+    rows = [{"config": "host_bound", "variant": "reversible_plain", "step_ms": 10.0},
+            {"config": "host_bound", "variant": "revkernels_sequential", "step_ms": 9.0, "vs_reversible_plain_q1": 1.05,
+             "vs_reversible_plain_q3": 1.3}]
     overhead._print_targets(rows)
     out = capsys.readouterr().out
-    assert "revkernels_sequential" in out and "1.11x (q1-q3 1.19-1.30)  target >= 1.2: missed" in out
+    assert "revkernels_sequential" in out and "1.111x (q1-q3 1.05-1.30)  target >= 1.2: missed" in out
+    overhead._print_targets(rows[:1])
+    assert capsys.readouterr().out == ""  # nothing measured: no table
 
 
 def test_summary_from_rows():

@@ -128,14 +128,14 @@ def test_overhead_section_has_the_cpu_target_table(tmp_path, readme_tables):
     rows = _overhead_rows("host_bound", 1)
     for r in rows:
         sequential = r["variant"] == "revkernels_sequential"
-        r.update({"vs_reversible_plain_q1": 0.62 if sequential else "", "vs_reversible_plain_q3": 0.71 if sequential else ""})
+        r["vs_reversible_plain_q1"], r["vs_reversible_plain_q3"] = (0.62, 0.71) if sequential else ("", "")
     _write(tmp_path / "overhead_cpu.csv", rows)
     text = readme_tables.overhead_section(str(tmp_path))
     assert "| configuration | variant | against | speed | q1-q3 | target | |" in text
-    assert "| host_bound | `revkernels_sequential` | reversible_plain | 0.67x | 0.62-0.71 | >= 1.2 | missed |" in text
-    assert "| host_bound | `revkernels_sequential` | standard | 0.40x | n/a | >= 0.65 | missed |" in text
-    assert "| host_bound | `revkernels_compiled` | standard | 1.20x | n/a | >= 1.0 | met |" in text
-    assert "| host_bound | `revkernels_compiled` | reversible_plain | 2.00x | n/a | >= 2.0 | met |" in text
+    assert "| host_bound | `revkernels_sequential` | reversible_plain | 0.667x | 0.62-0.71 | >= 1.2 | missed |" in text
+    assert "| host_bound | `revkernels_sequential` | standard | 0.400x | n/a | >= 0.65 | missed |" in text
+    assert "| host_bound | `revkernels_compiled` | standard | 1.200x | n/a | >= 1.0 | met |" in text
+    assert "| host_bound | `revkernels_compiled` | reversible_plain | 2.000x | n/a | >= 2.0 | met |" in text
     os.rename(tmp_path / "overhead_cpu.csv", tmp_path / "overhead_cuda.csv")
     assert "| configuration | variant |" not in readme_tables.overhead_section(str(tmp_path))
 
