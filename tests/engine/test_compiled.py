@@ -7,6 +7,8 @@
   generation, which takes tens of seconds per graph on a 2-core machine) does the same for generic
   blocks, a tiny RevNet-18 (HalfCouplingBlocks) and bf16 autocast (the low-precision rule); with
   inductor it is within 1e-4 of the eager steps, dropout included;
+- on a GPU (marked gpu), inductor's CUDA steps of drop-path RevViTBlocks under bf16 autocast keep the
+  low-precision rule and leave the CUDA generator where plain autograd leaves it;
 - 12 identical ViT blocks compile one forward and one backward step;
 - ``torch.compile(fullgraph=True)`` over a memory-saving run saves the same bytes at depth 4 and
   16, and parameter hooks fire once.
@@ -198,19 +200,42 @@ def test_twelve_vit_blocks_compile_one_forward_and_one_backward_step():
     _assert_all_close(got, run_grads(ref, ref, *data), 1e-5)
 
 
-def test_bf16_autocast_follows_the_low_precision_rule():
-    seq = _perturbed(make_seq(3, 8, engine="compiled"))
-    seq.compile_options = AOT
+def _assert_low_precision_rule(seq, data, device_type, seed=None):
+    """Under bf16 autocast, every grad of `seq` (engine "compiled") is within twice the error of
+    plain autograd under the same autocast, both against plain autograd in fp32 (same seed: the
+    same dropout and drop-path draws)."""
     ref = copy.deepcopy(seq)
     ref.engine = "autograd"
-    data = _data(6, 8)
-    exact = run_grads(ref, ref, *data)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        same_dtype = run_grads(ref, ref, *data)
-        ours = run_grads(seq, seq, *data)
+    exact = run_grads(ref, ref, *data, seed=seed)
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        same_dtype = run_grads(ref, ref, *data, seed=seed)
+        ours = run_grads(seq, seq, *data, seed=seed)
     assert ours[0].dtype == ours[1].dtype == torch.float32
     for k in range(2, len(exact)):
         assert rel_err(ours[k], exact[k]) <= 2 * rel_err(same_dtype[k], exact[k]) + 1e-6, k
+
+
+def test_bf16_autocast_follows_the_low_precision_rule():
+    seq = _perturbed(make_seq(3, 8, engine="compiled"))
+    seq.compile_options = AOT
+    _assert_low_precision_rule(seq, _data(6, 8), "cpu")
+
+
+@pytest.mark.gpu
+def test_cuda_inductor_steps_bf16_autocast_with_drop_path():
+    """The GPU training setting: RevViTBlocks with drop-path under bf16 autocast, steps compiled by
+    inductor on CUDA (random blocks: branch steps, the CUDA generator's draws replayed)."""
+    seq = _perturbed(ReversibleSequential(*[RevViTBlock(32, 4, drop_path=0.25) for _ in range(2)],
+                                          engine="compiled")).cuda()
+    data = [t.cuda() for t in _data(4, 5, 32)]
+    _assert_low_precision_rule(seq, data, "cuda", seed=5)
+    torch.manual_seed(5)
+    rng_after_ours = (seq(*(t.detach() for t in data[:2])), torch.rand(4, device="cuda"))[1]
+    torch.manual_seed(5)
+    ref = copy.deepcopy(seq)
+    ref.engine = "autograd"
+    rng_after_ref = (ref(*(t.detach() for t in data[:2])), torch.rand(4, device="cuda"))[1]
+    assert torch.equal(rng_after_ours, rng_after_ref)  # the CUDA RNG stream is left as plain autograd leaves it
 
 
 def test_compile_failure_warns_naming_the_block_and_runs_it_eagerly():
