@@ -58,8 +58,9 @@ def test_reverse_with_fused_blocks():
     assert_close_rel(dx2, a2.grad, 1e-5, "dx2")
 
 
-def test_autocast_bf16_follows_the_low_precision_rule():
-    seq = _stack(2)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_autocast_bf16_follows_the_low_precision_rule(approximate):
+    seq = _stack(2, approximate=approximate)
     data = _data()
     exact = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
