@@ -347,35 +347,32 @@ def run(args):
     def pick(kind, model, batch):
         return {r["variant"]: r for r in rows if r["kind"] == kind and r["model"] == model and r["batch"] == batch}
 
+    def measured(variant):
+        """(model, batch, that configuration's throughput rows by variant) where `variant` was measured."""
+        for name in models:
+            for batch in batches[name]:
+                mine = pick("throughput", name, batch)
+                if variant in mine:
+                    yield name, batch, mine
+
     print(f"\n{'model':>6} {'batch':>5}  " + "  ".join(f"{v:>14}" for v in variants[1:]) + "   (speed vs standard)")
-    for name in models:
-        for batch in batches[name]:
-            mine = pick("throughput", name, batch)
-            if "standard" in mine:
-                print(f"{name:>6} {batch:>5}  " + "  ".join(f"{_ratio(mine['standard']['ms'], mine[v]['ms']):>14}"
-                                                           for v in variants[1:] if v in mine))
+    for name, batch, mine in measured("standard"):
+        print(f"{name:>6} {batch:>5}  " + "  ".join(f"{_ratio(mine['standard']['ms'], mine[v]['ms']):>14}"
+                                                   for v in variants[1:] if v in mine))
     if "revkernels_graphs" in variants:
         print("\nrevkernels_graphs speed vs: " + ", ".join(v for v in variants if v != "revkernels_graphs"))
-        for name in models:
-            for batch in batches[name]:
-                mine = pick("throughput", name, batch)
-                if "revkernels_graphs" not in mine:
-                    continue
-                ours = mine["revkernels_graphs"]["ms"]
-                print(f"{name:>6} {batch:>5}  " + "  ".join(f"{_ratio(mine[v]['ms'], ours):>8}" for v in variants
-                                                           if v != "revkernels_graphs" and v in mine))
+        for name, batch, mine in measured("revkernels_graphs"):
+            ours = mine["revkernels_graphs"]["ms"]
+            print(f"{name:>6} {batch:>5}  " + "  ".join(f"{_ratio(mine[v]['ms'], ours):>8}" for v in variants
+                                                       if v != "revkernels_graphs" and v in mine))
     if "revkernels_compiled" in variants:
         print("\nrevkernels_compiled speed vs standard eager and vs standard_compile; compile s (first step - median)")
-        for name in models:
-            for batch in batches[name]:
-                mine = pick("throughput", name, batch)
-                if "revkernels_compiled" not in mine:
-                    continue
-                ours = mine["revkernels_compiled"]["ms"]
-                eager, compiled = (mine.get(v, {}).get("ms", float("nan")) for v in ("standard", "standard_compile"))
-                compile_s = ", ".join(f"{v} {mine[v]['compile_s']:.1f} s" for v in COMPILING if v in mine)
-                print(f"{name:>6} {batch:>5}  vs standard {_ratio(eager, ours)}  vs standard_compile "
-                      f"{_ratio(compiled, ours)}  compile: {compile_s}")
+        for name, batch, mine in measured("revkernels_compiled"):
+            ours = mine["revkernels_compiled"]["ms"]
+            eager, compiled = (mine.get(v, {}).get("ms", float("nan")) for v in ("standard", "standard_compile"))
+            compile_s = ", ".join(f"{v} {mine[v]['compile_s']:.1f} s" for v in COMPILING if v in mine)
+            print(f"{name:>6} {batch:>5}  vs standard {_ratio(eager, ours)}  vs standard_compile "
+                  f"{_ratio(compiled, ours)}  compile: {compile_s}")
     if revnets:
         print("\nRevNet vs autograd: speed, and how many times less step peak / transient (activation) memory")
         for config in revnets:
