@@ -123,7 +123,7 @@ def test_full_backward_hook_on_the_run_fires_once(engine):
     assert_close_rel(grad_output[1], y2.grad, 0, "grad_output[1]")
 
 
-def _submodule_hooks(seq, x1, x2, w1, w2):
+def _submodule_hooks(seq, x1, x2, w1, w2, run=None):
     log, forward_calls = [], []
     block = seq.blocks[1]
     _hook_log(block, "block", log)
@@ -131,34 +131,44 @@ def _submodule_hooks(seq, x1, x2, w1, w2):
     block.register_forward_hook(lambda m, i, o: forward_calls.append(("block", torch.is_grad_enabled())))
     block.f.register_forward_hook(lambda m, i, o: forward_calls.append(("f", torch.is_grad_enabled())))
     a1, a2 = _leaves(x1, x2)
-    loss_of(*seq(a1, a2), w1, w2).backward()
-    return log, forward_calls
+    loss_of(*(run or seq)(a1, a2), w1, w2).backward()
+    return log, forward_calls, [a1.grad, a2.grad] + [p.grad for p in seq.parameters()]
 
 
-@pytest.mark.parametrize("engine", MEMORY_SAVING)
+# "compiled": the hooked block runs the sequential engine's eager steps, the other one compiled
+# steps (aot_eager: what inductor gets, without its code generation); "torch.compile": a
+# sequential run as the opaque op of a fullgraph-compiled function (its backward kernel records
+# autograd graphs for the hooked block)
+@pytest.mark.parametrize("engine", MEMORY_SAVING + ["compiled", "torch.compile"])
 def test_submodule_hooks_run_in_the_recompute(engine):
     """Generic blocks under a memory-saving engine: F's full backward hook fires once, during the
     backward's recompute, with the grads of plain autograd; F's forward hook fires twice (forward
     without grad, recompute with grad). The block's own forward and backward hooks never fire
-    (the engine calls its forward_with_state/recompute/grads, not the module)."""
+    (the engine calls its forward_with_state/recompute/grads, not the module). All grads are
+    plain autograd's."""
     x1, x2, w1, w2 = _data()
-    seq = make_seq(2, 8, engine=engine)
+    seq = perturb_parameters(make_seq(2, 8, engine="sequential" if engine == "torch.compile" else engine))
+    seq.compile_options = {"backend": "aot_eager"}
     reference = copy.deepcopy(seq)
     reference.engine = "autograd"
-    ref_log, ref_calls = _submodule_hooks(reference, x1, x2, w1, w2)
+    ref_log, ref_calls, ref_grads = _submodule_hooks(reference, x1, x2, w1, w2)
     assert [e[0] for e in ref_log] == ["f", "block"] and ref_calls == [("f", True), ("block", True)]
-    log, calls = _submodule_hooks(seq, x1, x2, w1, w2)
+    torch._dynamo.reset()
+    run = torch.compile(seq, fullgraph=True, backend="aot_eager") if engine == "torch.compile" else None
+    log, calls, grads = _submodule_hooks(seq, x1, x2, w1, w2, run)
     assert [e[0] for e in log] == ["f"]
     assert calls == [("f", False), ("f", True)]
     for got, expected in zip(log[0][1] + log[0][2], ref_log[0][1] + ref_log[0][2]):
         assert_close_rel(got, expected, 1e-5, "F's hook grads")
+    for got, expected in zip(grads, ref_grads, strict=True):
+        assert_close_rel(got, expected, 1e-5, "grads")
 
 
 def test_fused_revvit_block_does_not_call_its_submodules_in_the_backward():
     """RevViTBlock's fused recompute computes F and G from their weights directly: hooks on its
     submodules see the forward only (no backward hook fires) with a memory-saving engine."""
     seq = perturb_parameters(ReversibleSequential(*[RevViTBlock(8, 2) for _ in range(2)], engine="sequential"))
-    log, calls = _submodule_hooks(seq, *_data((2, 3, 8)))
+    log, calls, _ = _submodule_hooks(seq, *_data((2, 3, 8)))
     assert log == [] and calls == [("f", False)]
 
 

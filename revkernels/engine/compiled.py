@@ -35,9 +35,11 @@ bounds the signatures per step; past it Dynamo runs the step eagerly).
   ``fallback_random`` (random ops call ATen on the global generator, as eager does), so the
   recompute draws the forward's numbers and the stream after a step is eager's.
 - A step that fails to compile warns once, naming the block, and that block runs its steps eagerly.
-- Blocks with module hooks run the pure steps eagerly (the hooks fire in the forward and in the
-  recompute, as with the sequential engine); subclasses whose forward is not the plain coupling
-  (other than `RevViTBlock`, whose forward is) run their own eager `recompute`/`grads`.
+- Blocks with module hooks below them, and subclasses whose forward is not the plain coupling
+  (other than `RevViTBlock`, whose forward is), run the sequential engine's eager steps
+  (``forward_with_state``, ``recompute``, ``grads``): hooks fire in the forward and in the
+  recompute as with that engine (a full backward hook, an autograd Function without
+  ``setup_context``, cannot run under ``torch.func.vjp``).
 """
 import contextlib
 import types
@@ -49,7 +51,8 @@ from torch.func import functional_call, vjp
 
 from revkernels.engine.fsdp import block_units, run_sharded_compiled
 from revkernels.engine.sequential import forward_step, recompute_step, save_with_context, saved_with_context
-from revkernels.engine.state import NO_CONTEXT, AutocastState, RngState, cuda_devices_of, grad_tensors, maybe_replay
+from revkernels.engine.state import (NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of,
+                                     grad_tensors, maybe_replay)
 from revkernels.engine.structure import cached, frozen_batchnorm_stats, param_slots, submodule_hooked
 import revkernels.nn.reversible as _reversible  # (a module object: the import is circular)
 
@@ -227,16 +230,23 @@ def forward_blocks(blocks, x1, x2, steps, preserve_rng_state=True, context=NO_CO
     with torch.no_grad():
         for i, block in enumerate(blocks):
             layout = _layout(block)
-            block_steps = None if submodule_hooked(block, backward=True) else steps  # hooks fire in eager steps
-            if layout.kind is None:
+            if _eager_block(block, layout):
                 x1, x2, state = forward_step(block, x1, x2, preserve_rng_state, context)
             elif preserve_rng_state and block.draws_random():
-                x1, x2, state = _random_forward(block, i, layout, x1, x2, block_steps, context)
+                x1, x2, state = _random_forward(block, i, layout, x1, x2, steps, context)
             else:
-                x1, x2 = _step(block_steps, "block_forward", block, i, block, layout.kind, x1, x2, context)
+                x1, x2 = _step(steps, "block_forward", block, i, block, layout.kind, x1, x2, context)
                 state = None
             states.append(state)
     return x1, x2, states
+
+
+def _eager_block(block, layout):
+    """Whether `block` runs the sequential engine's eager steps (``forward_with_state``,
+    ``recompute``, ``grads``) instead of the pure ones: a subclass with a forward of its own, or a
+    block with module hooks below it (they fire in the forward and the recompute as with the
+    sequential engine; a full backward hook cannot run under ``torch.func.vjp``)."""
+    return layout.kind is None or submodule_hooked(block, backward=True)
 
 
 def _detached(context):
@@ -280,37 +290,38 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
     for i in reversed(range(len(blocks))):
         block, state = blocks[i], None if states is None else states[i]
         layout = _layout(block)
-        if layout.kind is None:
-            with torch.enable_grad(), autocast():
-                rec = recompute_step(block, y1, y2, state, context)
-            grads = block.grads(rec, dy1, dy2)
+        if _eager_block(block, layout):
+            # autograd_recording: inside the opaque op's backward kernel (torch.compile) too
+            with autograd_recording():
+                with torch.enable_grad(), autocast():
+                    rec = recompute_step(block, y1, y2, state, context)
+                grads = block.grads(rec, dy1, dy2)
             for p, grad in zip(grads.params, grads.param_grads):
                 if grad is not None:
                     accumulate(p, grad)
             y1, y2, dy1, dy2 = rec.x1.detach(), rec.x2.detach(), grads.dx1, grads.dx2
             del rec, grads
             continue
-        block_steps = None if submodule_hooked(block, backward=True) else steps
         f_names, g_names, grad_params = layout.grad_plan()
         with autocast(), frozen_batchnorm_stats(block):
             if state is None:
                 y1, y2, dy1, dy2, f_grads, g_grads, context_grads = _step(
-                    block_steps, "block_backward", block, i, block, layout.kind, f_names, g_names,
+                    steps, "block_backward", block, i, block, layout.kind, f_names, g_names,
                     y1, y2, dy1, dy2, plain_context, grad_context)
             elif layout.kind == "half":
                 with maybe_replay(state.rng_f):
                     x1, dx2, f_grads, context_grads = _step(
-                        block_steps, "branch_backward", block, i, block.f, f_names, y1, y2, dy1, dy2,
+                        steps, "branch_backward", block, i, block.f, f_names, y1, y2, dy1, dy2,
                         plain_context, grad_context)
                 y1, y2, dy1, dy2, g_grads = x1, y1, dy2, dx2, ()
             else:
                 with maybe_replay(state.rng_g):
                     x2, dy1_total, g_grads, g_context = _step(
-                        block_steps, "branch_backward", block, i, block.g, g_names, y1, y2, dy1, dy2,
+                        steps, "branch_backward", block, i, block.g, g_names, y1, y2, dy1, dy2,
                         plain_context, grad_context)
                 with maybe_replay(state.rng_f):
                     x1, dx2, f_grads, context_grads = _step(
-                        block_steps, "branch_backward", block, i, block.f, f_names, x2, y1, dy2, dy1_total,
+                        steps, "branch_backward", block, i, block.f, f_names, x2, y1, dy2, dy1_total,
                         plain_context, grad_context)
                 for k, grad in g_context.items():
                     accumulate(leaves[k], grad)

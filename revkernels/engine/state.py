@@ -46,6 +46,13 @@ def grad_tensors(context):
     return [v for v in context.values() if isinstance(v, torch.Tensor) and v.requires_grad] if context else []
 
 
+def autograd_recording():
+    """A context in which operations record autograd graphs again inside a custom op's kernel
+    (the dispatcher excludes the Autograd keys below an op's own autograd; grad mode alone does not
+    bring them back). Outside such a kernel it changes nothing."""
+    return torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality, False)
+
+
 def cuda_devices_of(*tensors):
     """The CUDA device indices of `tensors` (whose generators a forward may draw from)."""
     return tuple(sorted({t.device.index for t in tensors if t.is_cuda}))

@@ -13,9 +13,10 @@ import warnings
 import pytest
 import torch
 
-from revkernels.nn.reversible import ReversibleSequential
+from revkernels.engine.state import NO_CONTEXT
+from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential
 from revkernels.nn.revvit import RevViTBlock
-from tests.helpers import assert_close_rel, make_seq, perturb_parameters, plain_forward, run_grads
+from tests.helpers import assert_close_rel, make_seq, perturb_parameters, plain_forward, residual_fn, run_grads
 
 # Under torch.compile every memory-saving engine is the same opaque op running the sequential
 # schedule on CPU, so "sequential" stands for pareprop and graphs too (compiled steps: test_compiled.py).
@@ -61,6 +62,19 @@ def test_fullgraph_compile_every_engine_matches_eager_autograd(engine):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         _compiled_vs_eager(seq, _data(4, 8), backend="aot_eager")
+
+
+class _OwnForward(ReversibleBlock):
+    """A subclass with a forward of its own: the engines step it by its eager recompute/grads,
+    which under torch.compile run inside the opaque op's kernels."""
+
+    def forward_with_state(self, x1, x2, preserve_rng_state=True, context=NO_CONTEXT):
+        return super().forward_with_state(x1, x2, preserve_rng_state, context)
+
+
+def test_fullgraph_compile_block_with_a_forward_of_its_own():
+    seq = perturb_parameters(ReversibleSequential(*[_OwnForward(residual_fn(8), residual_fn(8)) for _ in range(2)]))
+    _compiled_vs_eager(seq, _data(4, 8), backend="aot_eager")
 
 
 def test_fullgraph_compile_revvit_blocks():
