@@ -90,7 +90,7 @@ def saved_with_context(ctx, count):
     those leaves in context order (what the walker differentiates like parameters)."""
     saved = ctx.saved_tensors
     if not ctx.context_names:
-        return saved[:count], NO_CONTEXT, []
+        return saved[:count], ctx.context_values or NO_CONTEXT, []
     context, leaves = dict(ctx.context_values), []
     for name, t, grad in zip(ctx.context_names, saved[count:], ctx.context_grad):
         context[name] = t.detach().requires_grad_() if grad else t.detach()

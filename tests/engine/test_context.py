@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import revkernels as rk
-from tests.helpers import CountingBackend, assert_close_rel, compiled_saved_bytes, grads_of, loss_of, rel_err
+from tests.helpers import CountingBackend, assert_close_rel, compiled_saved_bytes, grads_of, loss_of, rel_err, run_grads
 
 WIDTH, BATCH, TOKENS, HEADS = 8, 3, 5, 2
 AOT = {"backend": "aot_eager"}
@@ -105,6 +105,31 @@ def _assert_grads_equal_plain(seq, fn, tol=1e-5, context=None, seed=11):
 def test_context_grads_equal_plain_autograd(engine, depth):
     seq = _seq(depth, engine)
     _assert_grads_equal_plain(seq, lambda a, b, c: seq(a, b, **c))
+
+
+class ScaledMlp(nn.Module):
+    """F and G taking one plain keyword: ``scale * tanh(linear(x))`` (scale 1 by default)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, scale=1.0):
+        return scale * torch.tanh(self.linear(x))
+
+
+@pytest.mark.parametrize("engine", ["sequential", "pareprop", "graphs", "compiled"])
+def test_context_of_plain_values_only_reaches_the_recompute(engine):
+    """``seq(x1, x2, scale=0.3)``: no context tensor, yet the recompute calls F and G with the
+    forward's keywords (not their defaults), so the grads are plain autograd's."""
+    seq = rk.nn.ReversibleSequential(*[rk.nn.ReversibleBlock(ScaledMlp(), ScaledMlp()) for _ in range(2)],
+                                     engine=engine)
+    seq.compile_options = AOT
+    x1, x2, w1, w2 = (torch.randn(BATCH, WIDTH) for _ in range(4))
+    expected = run_grads(lambda a, b: _plain(seq, a, b, {"scale": 0.3}), seq, x1, x2, w1, w2)
+    actual = run_grads(lambda a, b: seq(a, b, scale=0.3), seq, x1, x2, w1, w2)
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        assert_close_rel(a, e, 1e-5, f"output/grad {i}")
 
 
 @pytest.mark.slow  # inductor code generation of four step graphs: ~45 s on 2 cores
