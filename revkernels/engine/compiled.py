@@ -356,7 +356,6 @@ class CompiledRun(torch.autograd.Function):
         (y1, y2), context, leaves = saved_with_context(ctx, 2)
         _, _, dx1, dx2, grads = backward_blocks(ctx.blocks, ctx.states, y1, y2, dy1, dy2, ctx.params + leaves,
                                                 ctx.steps, ctx.autocast_state, context)
-        ctx.states = None
         return (None, None, None, dx1, dx2, *grads)
 
 

@@ -135,7 +135,8 @@ class ReversibleRun(torch.autograd.Function):
             ctx.blocks, ctx.states, y1, y2, dy1, dy2, ctx.params + leaves, ctx.autocast_state, monitor=ctx.monitor,
             context=context
         )
-        ctx.states = ctx.monitor = None
+        # The states stay: a second backward (retain_graph=True) replays the same randomness.
+        ctx.monitor = None  # its samples are compared once
         return (None, None, None, None, dx1, dx2, *grads)
 
 

@@ -169,6 +169,26 @@ def test_two_backward_calls_accumulate(engine):
         assert_close_rel(p.grad, ref_a[i] + ref_b[i], 1e-5, f"accumulated grad of param {i}")
 
 
+@pytest.mark.parametrize("engine", ["sequential", "compiled"])
+def test_second_backward_with_retain_graph_replays_the_same_dropout(engine):
+    """``backward(retain_graph=True)`` then ``backward()`` through dropout: plain autograd adds the
+    same grads twice; so must the rebuild, replaying the forward's masks both times."""
+    seq = perturb_parameters(make_seq(2, WIDTH, engine=engine, dropout=0.5))
+    seq.compile_options = {"backend": "aot_eager"}
+    x1, x2, w1, w2 = _inputs()
+    expected = _reference_grads(seq, x1, x2, w1, w2, seed=5)
+    for p in seq.parameters():
+        p.grad = None
+    a1, a2 = x1.detach().clone().requires_grad_(), x2.detach().clone().requires_grad_()
+    torch.manual_seed(5)
+    loss = loss_of(*seq(a1, a2), w1, w2)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    for name, a, e in zip(["dx1", "dx2"] + [f"param {i}" for i in range(len(expected) - 4)],
+                          [a1.grad, a2.grad, *(p.grad for p in seq.parameters())], expected[2:], strict=True):
+        assert_close_rel(a, 2 * e, 1e-5, name + " after two backward calls")
+
+
 def test_autocast_is_reentered_for_the_recompute():
     seq = make_seq(3, WIDTH)
     dtypes = {"forward": [], "backward": []}
