@@ -404,11 +404,18 @@ class ReversibleSequential(nn.Module):
             x1, x2, dx1, dx2, grads = reverse_blocks(self.blocks, None, y1, y2, dy1, dy2,
                                                      params + list(leaves.values()), context={**context, **leaves})
             context_grads = dict(zip(leaves, grads[len(params):]))
+            # A parameter's grad may be dy1/dy2 themselves, a returned grad or another
+            # parameter's grad (e.g. an additive table's): such a grad is stored as a copy, so
+            # that nothing written to .grad later reaches the caller's tensors or another .grad.
+            taken = {t.untyped_storage().data_ptr() for t in (dy1, dy2, dx1, dx2, *context_grads.values())
+                     if t is not None}
             for p, grad in zip(params, grads):
                 if grad is None:
                     continue
                 if p.grad is None:
-                    p.grad = grad
+                    storage = grad.untyped_storage().data_ptr()
+                    p.grad = grad.clone() if storage in taken else grad
+                    taken.add(storage)
                 else:
                     p.grad.add_(grad)
         return ReverseResult(x1.detach(), x2.detach(), dx1.detach(), dx2.detach(), context_grads)

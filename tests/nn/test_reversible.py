@@ -57,6 +57,36 @@ def test_reverse_gives_inputs_input_grads_and_accumulates_param_grads():
         assert_close_rel(p.grad - before, e, 1e-5, f"param {i} grad added by reverse")
 
 
+class _AddTable(nn.Module):
+    """``tanh(x) + table``: the table's grad is the incoming grad itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(5, WIDTH))
+
+    def forward(self, x):
+        return torch.tanh(x) + self.table
+
+
+def test_reverse_stores_no_grad_that_aliases_the_callers_tensors():
+    """The tables' grads are dy2 and dy1 + ... themselves: writing to ``.grad`` afterwards (clipping,
+    a second reverse) must change neither the caller's dy1/dy2 nor the returned grads."""
+    seq = rk.nn.ReversibleSequential(rk.nn.ReversibleBlock(_AddTable(), _AddTable()))
+    x1, x2 = _streams()
+    y1, y2 = plain_forward(seq, x1, x2)
+    dy1, dy2 = torch.randn(5, WIDTH), torch.randn(5, WIDTH)
+    caller = [dy1.clone(), dy2.clone()]
+    _, _, dx1, dx2 = seq.reverse(y1.detach(), y2.detach(), dy1, dy2)
+    returned = [dx1.clone(), dx2.clone()]
+    assert torch.equal(seq.blocks[0].g.table.grad, dy2)  # the case: a grad equal to dy2
+    for p in seq.parameters():
+        p.grad.mul_(0.5)
+    seq.reverse(y1.detach(), y2.detach(), dy1, dy2)
+    assert torch.equal(dy1, caller[0]) and torch.equal(dy2, caller[1])
+    assert torch.equal(dx1, returned[0]) and torch.equal(dx2, returned[1])
+    assert_close_rel(seq.blocks[0].g.table.grad, 1.5 * dy2, 1e-6, "g.table grad after two reverse calls")
+
+
 def test_check_reversibility_reports_per_block_errors_and_changes_no_state():
     seq = make_seq(4, WIDTH, norm="batch", dropout=0.2)
     x1, x2 = _streams(batch=8)
