@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import _engine_run_backward
 from torch.func import functional_call
+from torch.utils._pytree import tree_leaves
 
 from revkernels.engine.state import NO_CONTEXT, RngState, cuda_devices_of, maybe_replay
 from revkernels.engine.structure import cached, detached_aliases, draws_random, frozen_batchnorm_stats, param_slots
@@ -71,6 +72,18 @@ def check_context(owner, blocks, context, label=None):
     problem = cached(owner, ("context", keys), lambda _: _context_problem(blocks, keys, label))
     if problem is not None:
         raise TypeError(problem)
+
+
+def check_context_grads(context):
+    """Raises TypeError for a context value that holds tensors requiring grad inside a container
+    (a tuple, list or dict): the memory-saving engines differentiate the context's top-level
+    tensors only, so such a tensor would get no grad."""
+    for name, value in context.items():
+        if isinstance(value, (tuple, list, dict)) and any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(value)):
+            raise TypeError(f"revkernels: context {name!r} holds tensors that require grad inside a "
+                            f"{type(value).__name__}; a memory-saving engine differentiates only tensors "
+                            "passed as keywords of their own: pass each one as its own keyword")
 
 
 def _context_problem(blocks, keys, label):
@@ -360,6 +373,8 @@ class ReversibleSequential(nn.Module):
             return run_opaque(self, x1, x2, context)
         if context:
             check_context(self, self.blocks, context)
+            if self._engine_name != "autograd" and torch.is_grad_enabled():
+                check_context_grads(context)
             return self._engine_fn(self, x1, x2, context)
         return self._engine_fn(self, x1, x2)
 
@@ -388,6 +403,7 @@ class ReversibleSequential(nn.Module):
         check_streams(y1, y2, ("y1", "y2"))
         if context:
             check_context(self, self.blocks, context)
+            check_context_grads(context)
         for grad, out, name in ((dy1, y1, "dy1"), (dy2, y2, "dy2")):
             if not isinstance(grad, torch.Tensor):
                 raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(grad).__name__}")

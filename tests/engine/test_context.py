@@ -132,6 +132,36 @@ def test_context_of_plain_values_only_reaches_the_recompute(engine):
         assert_close_rel(a, e, 1e-5, f"output/grad {i}")
 
 
+class TableScaled(nn.Module):
+    """F and G taking a pair of tensors in one keyword: ``tanh(linear(x)) * pair[0] + pair[1]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, pair):
+        return torch.tanh(self.linear(x)) * pair[0] + pair[1]
+
+
+@pytest.mark.parametrize("engine", ["sequential", "pareprop", "graphs", "compiled"])
+def test_tensors_requiring_grad_inside_a_context_container_raise(engine):
+    """Only top-level context tensors are differentiated by the memory-saving engines: a pair that
+    requires grad raises, naming the keyword (plain autograd's engine and a pair without grad run)."""
+    seq = rk.nn.ReversibleSequential(*[rk.nn.ReversibleBlock(TableScaled(), TableScaled()) for _ in range(2)],
+                                     engine=engine)
+    seq.compile_options = AOT
+    x1, x2 = torch.randn(BATCH, WIDTH, requires_grad=True), torch.randn(BATCH, WIDTH)
+    pair = (torch.randn(WIDTH, requires_grad=True), torch.randn(WIDTH))
+    with pytest.raises(TypeError, match="context 'pair' holds tensors that require grad inside a tuple"):
+        seq(x1, x2, pair=pair)
+    with pytest.raises(TypeError, match="context 'pair' holds tensors that require grad inside a list"):
+        seq.reverse(x1.detach(), x2, x1.detach(), x2, pair=list(pair))
+    loss_of(*seq(x1, x2, pair=tuple(t.detach() for t in pair)), 1.0, 1.0).backward()
+    seq.engine = "autograd"
+    loss_of(*seq(x1, x2, pair=pair), 1.0, 1.0).backward()
+    assert pair[0].grad is not None
+
+
 @pytest.mark.slow  # inductor code generation of four step graphs: ~45 s on 2 cores
 def test_compiled_engine_with_inductor_and_context():
     # Compiled steps are within 1e-4 of eager (the mask and the float are inputs and guards, not
