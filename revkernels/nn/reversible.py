@@ -57,6 +57,8 @@ def _check_residual(out, stream, name, stream_name):
             f"revkernels: {name} must preserve the shape of its input {tuple(stream.shape)} "
             f"(a reversible coupling needs shape-preserving F and G), got {tuple(out.shape)}"
         )
+    if not out.is_floating_point():
+        raise TypeError(f"revkernels: {name} must return a floating-point tensor, got {out.dtype}")
     if torch.promote_types(out.dtype, stream.dtype) != stream.dtype:
         raise ValueError(
             f"revkernels: {name} returned {out.dtype}, which would promote the {stream_name} stream "

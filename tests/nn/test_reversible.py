@@ -179,6 +179,16 @@ def test_f_that_promotes_the_stream_dtype():
         block(*_streams())
 
 
+def test_f_that_returns_integers():
+    class Rounded(nn.Module):
+        def forward(self, x):
+            return x.long()
+
+    block = rk.nn.ReversibleBlock(Rounded(), residual_fn(WIDTH))
+    with pytest.raises(TypeError, match="f must return a floating-point tensor, got torch.int64"):
+        block(*_streams())
+
+
 @pytest.mark.parametrize("bad", ["f", "g"])
 def test_f_or_g_that_is_not_a_module(bad):
     with pytest.raises(TypeError, match=f"{bad} must be a torch.nn.Module"):
