@@ -4,9 +4,10 @@ REVKERNELS_BUILD_CUDA=1 forces the CUDA kernels (failing if they cannot be built
 REVKERNELS_SKIP_EXTENSION=1 installs the pure-PyTorch package without compiling anything.
 
 CPU kernels: csrc/cpu/vec_kernels.cpp is compiled once per instruction set, as ATen compiles its
-own (see that file): with the other sources for DEFAULT, and on x86-64 with GCC twice more with the
-AVX2 and AVX512 flags below (build_ext compiles those objects itself: an Extension applies one
-flag set to all its sources). cpu/dispatch.cpp picks one at run time.
+own (see that file): with the other sources for DEFAULT, and on x86-64 with GCC three times more,
+once per entry of ISA_VARIANTS below (AVX2, AVX512, and AVX512 with the CPU's bf16 conversion;
+build_ext compiles those objects itself: an Extension applies one flag set to all its sources).
+cpu/dispatch.cpp picks one at run time.
 """
 import glob
 import os

@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import revkernels as rk  # noqa: E402
+from revkernels.bench.helptext import description  # noqa: E402
 from revkernels.bench.report import provenance, write_csv  # noqa: E402
 from revkernels.nn.revvit import RevViTBlock  # noqa: E402
 
@@ -51,7 +52,7 @@ def measure(depth, mode, seed, dim, heads, tokens, batch, device):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=description(__doc__))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true", help="tiny stacks, one seed (smoke run)")
     parser.add_argument("--depths", type=int, nargs="+", default=[1, 4, 16, 64])

@@ -1,5 +1,5 @@
 """A real text run, offline: a byte-level causal LM (`revtext("gpt2_small", ...)` at small size) on the
-Python standard library's own source files, at two depths, three ways from the same seed:
+Python standard library's own source files, at two depths, trained three ways from the same seed.
 
     autograd     the reversible model, ordinary autograd (stores every activation)
     sequential   the reversible model, the sequential engine (rebuilds activations; same math, so
@@ -31,6 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import revkernels as rk  # noqa: E402
+from revkernels.bench.helptext import description  # noqa: E402
 from revkernels.bench.report import provenance, pyplot, save_figure, write_csv  # noqa: E402
 
 # A fixed subset of the standard library (top-level modules present in Python 3.9-3.13).
@@ -154,7 +155,7 @@ def plot(path, rows, curves, meta, args):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=description(__doc__))
     parser.add_argument("--quick", action="store_true", help="small sizes and few steps (under ~2 min on 2 CPU cores)")
     parser.add_argument("--depths", type=int, nargs=2, help="the two depths (default 2 4 with --quick, 4 12)")
     parser.add_argument("--steps", type=int, help="train steps per model (default 30 with --quick, 300)")

@@ -17,11 +17,12 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from revkernels.bench.helptext import description  # noqa: E402
 from revkernels.bench.train import MODELS, TOKENS, build  # noqa: E402
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=description(__doc__))
     parser.add_argument("--variant", default="revkernels_sequential")
     parser.add_argument("--model", default="vit_b", choices=list(MODELS))
     parser.add_argument("--batch", type=int, default=32)

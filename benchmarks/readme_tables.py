@@ -167,11 +167,11 @@ def _config_line(rows):
             f"{r['threads']} thread{'s' if r['threads'] != '1' else ''}; median of {r['steps']} steps")
 
 
-def _targets_module():
-    """revkernels/bench/targets.py, loaded by path: it needs only the standard library, where
-    importing the revkernels package would load torch."""
-    path = os.path.join(ROOT, "revkernels", "bench", "targets.py")
-    spec = importlib.util.spec_from_file_location("revkernels_targets", path)
+def _bench_module(name):
+    """revkernels/bench/<name>.py (targets, helptext), loaded by path: those need only the standard
+    library, where importing the revkernels package would load torch."""
+    path = os.path.join(ROOT, "revkernels", "bench", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"revkernels_bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -180,7 +180,7 @@ def _targets_module():
 def target_table(steps):
     """The issues' CPU step targets (`revkernels.bench.targets`) as this run met them, with the
     spread of each ratio over the run's rounds."""
-    targets_module = _targets_module()
+    targets_module = _bench_module("targets")
     targets = targets_module.target_rows(steps)
     if not targets:
         return []
@@ -332,7 +332,7 @@ def rewrite(readme, text, begin=BEGIN, end=END):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=_bench_module("helptext").description(__doc__))
     parser.add_argument("--print", action="store_true", help="print the tables instead of rewriting README.md")
     parser.add_argument("--results", default=RESULTS)
     parser.add_argument("--readme", default=os.path.join(ROOT, "README.md"))

@@ -4,7 +4,9 @@
     seq = rk.nn.ReversibleSequential(*[rk.nn.ReversibleBlock(f, g) for f, g in pairs])
     y1, y2 = seq(x1, x2)          # saves only (y1, y2) for backward
 
-See README.md and DESIGN.md for the API contract and the math.
+The API contract is the project README (sections Usage and Support and limits). The math is in
+the module docstrings: the coupling and each fused op in `revkernels.ops.<family>`, the engines'
+schedules in `revkernels.engine.<engine>`, PETRA in `revkernels.petra`.
 """
 from revkernels import _extension, engine, models, nn, ops, petra
 from revkernels._extension import CPU_KERNEL_BUILD, HAS_C_EXTENSION

@@ -43,6 +43,7 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 from revkernels.bench import overhead as ov
+from revkernels.bench.helptext import description
 from revkernels.bench.report import DEFAULT_OUT, provenance, synchronize, write_csv
 
 CATEGORIES = ("gemm_attention", "compiled_graphs", "dynamo_entry", "autograd_engine", "python_functions",
@@ -175,7 +176,7 @@ def report(config, results, steps, meta, rows=15):
 
 def main(argv=None, default_out=DEFAULT_OUT):
     parser = argparse.ArgumentParser(prog="python -m revkernels.bench.host_profile",
-                                     description=__doc__.split("\n\n")[0])
+                                     description=description(__doc__))
     parser.add_argument("--config", default="host_bound", choices=list(ov.CONFIGS))
     parser.add_argument("--variants", nargs="+", metavar="VARIANT", choices=ov.variants(),
                         help="variants to profile (default: the configuration's baselines and main engines)")

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from tqdm import tqdm
 
+from revkernels.bench.helptext import description
 from revkernels.bench.report import DEFAULT_OUT, provenance, pyplot, save_figure, write_csv
 from revkernels.ops import get_cuda_backend, set_cuda_backend
 
@@ -141,7 +142,7 @@ def _copy_bandwidth(device, dtype, reps):
 
 
 def parse_args(argv=None, default_out=DEFAULT_OUT):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=description(__doc__))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")

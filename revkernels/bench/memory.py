@@ -14,6 +14,7 @@ import sys
 import torch
 from tqdm import tqdm
 
+from revkernels.bench.helptext import description
 from revkernels.bench.report import DEFAULT_OUT, plot_train_step, provenance, write_csv
 from revkernels.bench.train_step import TrainStepConfig, median_step_ms, peak_bytes, saved_bytes
 
@@ -21,7 +22,7 @@ ENGINES = ("autograd", "sequential")
 
 
 def parse_args(argv=None, default_out=DEFAULT_OUT):
-    parser = argparse.ArgumentParser(prog="python -m revkernels.bench.memory", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m revkernels.bench.memory", description=description(__doc__))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device to run on (default: cuda if available, else cpu)")
     parser.add_argument("--quick", action="store_true", help="fewer depths, rows and steps (about 20 s on a 2-core CPU)")

@@ -18,8 +18,9 @@ created in the same order in every variant, so they hold the same weights):
 
     standard                     pre-norm blocks x + F(x), x + G(x), eager autograd
     standard_compile             standard under torch.compile (inductor's defaults); not in --quick runs
-                                 unless named with --variants (its compiles take 15-25 s per
-                                 configuration on 2 CPU cores)
+                                 unless named with --variants (its first step compiled for 28.7 s
+                                 (host_bound) and 15.4 s (compute_bound) on 2 CPU cores:
+                                 compile_s in benchmarks/results/overhead_cpu.csv)
     checkpoint                   standard with per-block torch.utils.checkpoint (use_reentrant=False)
     reversible_plain             the minREV-style reversible stack of this module (PlainReversibleStack):
                                  one autograd Function over the plain F and G modules, no

@@ -83,6 +83,7 @@ import torch
 
 from tqdm import tqdm
 
+from revkernels.bench.helptext import description
 from revkernels.bench.report import DEFAULT_OUT, provenance, synchronize, write_csv
 from revkernels.petra import Trainer, balanced_sizes, stage_costs
 from revkernels.petra.distributed import PipelineRank, init, launch
@@ -136,7 +137,7 @@ def _bench_revbackprop(cfg, threads):
 
 
 def parse_args(argv=None, default_out=DEFAULT_OUT):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=description(__doc__))
     p.add_argument("--quick", action="store_true", help="tiny shapes and few steps (smoke run)")
     p.add_argument("--model", default="revnet18", choices=["revnet18", "revnet34", "revnet50"])
     p.add_argument("--stem", default="cifar", choices=["cifar", "imagenet"])

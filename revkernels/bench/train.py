@@ -55,6 +55,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 import revkernels as rk
+from revkernels.bench.helptext import description
 from revkernels.bench.report import DEFAULT_OUT, provenance, pyplot, save_figure, synchronize, write_csv
 from revkernels.nn.revvit import AttentionBranch, MlpBranch, RevViTBlock
 
@@ -248,7 +249,7 @@ def _ratio(a, b):
 
 
 def parse_args(argv=None, default_out=DEFAULT_OUT):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=description(__doc__))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="tiny shapes and few steps (smoke run)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))

@@ -7,7 +7,9 @@
                 overlaps block i's gradients (sequential schedule on CPU)
     graphs      the run's forward and backward (pareprop schedule) captured as CUDA graphs per
                 input signature and replayed: no launch overhead; eager pareprop where a graph
-                cannot be used (CPU, dropout/drop-path to replay, capture failure), with a warning
+                cannot be used: silently on CPU inputs or with grad disabled, with a warning (once
+                per run and reason) otherwise (dropout/drop-path to replay, capture failure, ...;
+                see `revkernels.engine.graphs`)
     compiled    the sequential schedule with each block's forward and backward step as a pure
                 function (torch.func), compiled once per block signature and shared by every block
                 with that signature (see `revkernels.engine.compiled`)

@@ -1,10 +1,12 @@
 """The graphs engine: a reversible run's forward and backward replayed from CUDA graphs.
 
 Eager reversible training is bound by the host on a fast GPU: every block's rebuild and gradient
-step is dozens of small launches plus Python (measured on an H200, bf16 ViT-B at batch 32: 79 ms
-per step with the sequential engine while the GPU was busy for well under half of it). This
-engine captures the whole run once per input signature and replays it, so a step costs two graph
-launches and a few copies:
+step is dozens of small launches plus Python. On an H200, bf16 ViT-B at batch 32, a step with the
+sequential engine took 111.03 ms under torch.profiler (its own host cost included), of which the
+GPU was busy for 41.21 ms (benchmarks/results/h200_profile_vit_b32_revkernels_sequential.txt);
+unprofiled it took 57.7 ms, and 19.9 ms with this engine (benchmarks/results/train_cuda.csv).
+This engine captures the whole run once per input signature and replays it, so a step costs two
+graph launches and a few copies:
 
 - capture (first call with a signature): two warm-up iterations of forward + backward on a side
   stream (lazy initialisation, Triton compilation and cuBLAS/cuDNN plan choice stay out of the
@@ -24,10 +26,9 @@ is captured (the last ``MAX_GRAPHS`` are kept). The parameters are read in place
 so optimizer steps are seen; replacing a parameter's storage triggers a new capture.
 
 Where a graph cannot be used the call runs the pareprop engine eagerly (the sequential schedule
-on CPU), warning once per run and reason:
+on CPU): without a warning when the inputs are not on a CUDA device or grad is disabled (a plain
+forward), and otherwise with a warning, once per run and reason:
 
-- inputs not on a CUDA device (no warning) or grad disabled (a plain forward); under
-  torch.compile `ReversibleSequential` checkpoints each block instead of calling any engine;
 - active randomness (dropout or drop-path with p > 0 in training mode) with
   ``preserve_rng_state``: a captured recompute cannot redraw the forward's random numbers;
 - the previous forward of the same signature still awaits its backward (its static buffers are
@@ -40,6 +41,10 @@ on CPU), warning once per run and reason:
 - context keywords (``seq(x1, x2, **context)``): runs are captured without context only;
 - blocks sharded by FSDP2 one by one (`revkernels.engine.fsdp`): FSDP's collectives cannot be
   captured.
+
+Under torch.compile no engine is called: `ReversibleSequential` runs as the opaque op
+``revkernels::reversible_run`` (`revkernels.engine.opaque`), whose backward op runs the sequential
+schedule eagerly; no graph is captured there.
 
 Forward hooks of the blocks run during warm-up and capture only, not at replay.
 """

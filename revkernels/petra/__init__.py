@@ -15,7 +15,11 @@ checkpoint the whole in-flight pipeline), `distributed` (one process per worker 
 bit-identical to the simulator, petra and delayed, with per-rank checkpoints that resume it exactly and
 convert to and from the simulator's: ``torchrun --nproc-per-node R -m revkernels.petra.train
 --runtime distributed``, or ``--nproc R``), `data` (digits, synthetic, image folders, CIFAR-10 batches).
-See /PETRA.md.
+
+The algorithm: "PETRA: Parallel End-to-end Training with Reversible Architectures" (Rivaud et al.,
+ICLR 2025, arXiv:2406.02052). The tick-by-tick timing implemented here is written out in the
+docstring of `revkernels.petra.simulate`; usage in the README section "Models, and a RevNet
+trained with PETRA".
 """
 from revkernels.petra import simulate
 from revkernels.petra.partition import Stage, balanced_sizes, group_sizes, partition, stage_costs

@@ -3,6 +3,8 @@
 The implementations are `revkernels.bench.kernels` / `.train` / `.petra` / `.overhead`; `benchmarks/bench_*.py`
 are thin entry points over them (same flags, results under benchmarks/results by default)."""
 import csv
+import importlib
+import importlib.util
 import math
 import pathlib
 import subprocess
@@ -148,3 +150,33 @@ def test_config_sweep_needs_a_gpu_and_says_so():
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sweep_triton_configs.py")],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "no CUDA device" in result.stderr
+
+
+HELP_ENTRY_POINTS = [f"revkernels.bench.{part}" for part in
+                     ("memory", "kernels", "train", "petra", "overhead", "attention", "host_profile", "__main__")] + [
+    f"benchmarks/{script}.py" for script in
+    ("bench_drift", "bench_text", "profile_train", "readme_tables", "bench_petra_accuracy")]
+
+
+def _entry_point(name):
+    if name.endswith(".py"):  # a script of benchmarks/, loaded by path (its main is guarded)
+        spec = importlib.util.spec_from_file_location(f"script_{pathlib.Path(name).stem}", ROOT / name)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return importlib.import_module(name)
+
+
+@pytest.mark.parametrize("name", HELP_ENTRY_POINTS)
+def test_help_description_is_the_docstrings_first_paragraph(name, monkeypatch, capsys):
+    """Each bench part's and script's --help opens with its module docstring's whole first paragraph,
+    which ends with a full sentence (not its first line, cut mid-sentence)."""
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps at the terminal width (and splits at hyphens)
+    module = _entry_point(name)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split("\n\n")[1].split())  # usage, blank line, description
+    paragraph = " ".join(module.__doc__.strip().split("\n\n")[0].split())
+    assert shown == paragraph
+    assert shown.endswith("."), shown
