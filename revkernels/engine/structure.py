@@ -79,19 +79,23 @@ class ParamSlots:
     the slots without a registration; `refresh` then re-reads them (in place: holders of `params`
     see the current tensors)."""
 
-    __slots__ = ("params", "names", "slots", "parametrized", "managed", "_by_name")
+    __slots__ = ("params", "names", "slots", "parametrized", "managed", "_qualified", "_by_name")
 
     def __init__(self, module):
-        by_id = {}
+        by_id, index = {}, {}
         self.params, self.names = [], []
+        self._qualified = {}  # every qualified name of a parameter (a shared one has several) -> index in params
         for owner_name, owner in module.named_modules(remove_duplicate=False):
             for name, p in owner._parameters.items():
                 if p is None:
                     continue
+                qualified = f"{owner_name}.{name}" if owner_name else name
                 if id(p) not in by_id:
                     by_id[id(p)] = []
+                    index[id(p)] = len(self.params)
                     self.params.append(p)
-                    self.names.append(f"{owner_name}.{name}" if owner_name else name)
+                    self.names.append(qualified)
+                self._qualified.setdefault(qualified, index[id(p)])
                 if (owner, name) not in by_id[id(p)]:
                     by_id[id(p)].append((owner, name))
         self.slots = [[(weakref.ref(owner), name) for owner, name in by_id[id(p)]] for p in self.params]
@@ -113,9 +117,9 @@ class ParamSlots:
                 self._by_name = None
 
     def by_name(self):
-        """{qualified name: parameter}."""
+        """{qualified name: parameter}, under every name of a shared parameter."""
         if self._by_name is None:
-            self._by_name = dict(zip(self.names, self.params))
+            self._by_name = {name: self.params[i] for name, i in self._qualified.items()}
         return self._by_name
 
     @contextlib.contextmanager

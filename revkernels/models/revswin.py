@@ -42,7 +42,7 @@ from torch import nn
 
 from revkernels.engine.recompute import run_recomputed
 from revkernels.nn.attention import scaled_dot_product_attention
-from revkernels.nn.drop_path import DropPath
+from revkernels.nn.drop_path import DropPath, check_drop_probability
 from revkernels.models.staged import StagedModel
 from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential, check_streams
 from revkernels.nn.revvit import MlpBranch
@@ -259,8 +259,7 @@ class RevSwin(StagedModel, nn.Module):
         for i, (d, h) in enumerate(zip(depths, num_heads)):
             _positive_int(d, f"depths[{i}]")
             _positive_int(h, f"num_heads[{i}]")
-        if not 0.0 <= drop_path_rate < 1.0:
-            raise ValueError(f"revkernels: drop_path_rate must be in [0, 1), got {drop_path_rate!r}")
+        check_drop_probability(drop_path_rate, "drop_path_rate")
         if img_size % patch_size:
             raise ValueError(f"revkernels: img_size ({img_size}) must be a multiple of patch_size ({patch_size})")
         side = img_size // patch_size

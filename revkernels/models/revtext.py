@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from revkernels.nn.drop_path import check_drop_probability
 from revkernels.nn.reversible import ReversibleSequential
 from revkernels.nn.revvit import RevTransformerBlock
 
@@ -38,6 +39,7 @@ class RevText(nn.Module):
     def __init__(self, vocab_size, max_len, dim, depth, heads, causal, lm_head, embed_norm, mlp_ratio=4.0,
                  dropout=0.1, drop_path_rate=0.0, eps=1e-5, approximate="none", engine="sequential"):
         super().__init__()
+        check_drop_probability(drop_path_rate, "drop_path_rate")
         self.max_len, self.lm_head = max_len, lm_head
         self.tok_embed = nn.Embedding(vocab_size, dim)
         self.pos_embed = nn.Embedding(max_len, dim)

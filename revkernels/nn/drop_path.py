@@ -3,6 +3,14 @@ import torch
 from torch import nn
 
 
+def check_drop_probability(value, name):
+    """`value` as a float when it is a drop probability in [0, 1); otherwise a ValueError naming
+    `name` (the caller's argument) and the value given."""
+    if not 0.0 <= value < 1.0:  # NaN fails too
+        raise ValueError(f"revkernels: {name} must be in [0, 1), got {value!r}")
+    return float(value)
+
+
 class DropPath(nn.Module):
     """Multiplies each sample (dim 0) by 0 with probability `p`, else by 1 / (1 - p).
 
@@ -12,9 +20,7 @@ class DropPath(nn.Module):
 
     def __init__(self, p=0.0):
         super().__init__()
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"revkernels: drop_path must be in [0, 1), got {p}")
-        self.p = float(p)
+        self.p = check_drop_probability(p, "DropPath's p")
 
     def draws_random(self):
         """Whether a forward now draws a mask (the engines replay randomness only then)."""

@@ -67,7 +67,7 @@ from torch import nn
 from revkernels.engine.state import NO_CONTEXT, RngState, cuda_devices_of, maybe_replay
 from revkernels.engine.structure import cached, param_slots, submodule_hooked
 from revkernels.nn.attention import scaled_dot_product_attention
-from revkernels.nn.drop_path import DropPath
+from revkernels.nn.drop_path import DropPath, check_drop_probability
 from revkernels.nn.reversible import BlockGrads, BlockState, ReversibleBlock
 from revkernels.ops.bias_gelu import bias_gelu_bwd
 from revkernels.ops.coupling import coupling_sub
@@ -131,6 +131,8 @@ class AttentionBranch(nn.Module):
 
     def __init__(self, dim, num_heads, qkv_bias=True, drop_path=0.0, eps=1e-6, causal=False, dropout=0.0):
         super().__init__()
+        if not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"revkernels: num_heads must be a positive int, got {num_heads!r}")
         if dim % num_heads:
             raise ValueError(f"revkernels: dim ({dim}) must be divisible by num_heads ({num_heads})")
         self.num_heads = num_heads
@@ -139,7 +141,7 @@ class AttentionBranch(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
         self.dropout = ResidualDropout(dropout)
-        self.drop_path = DropPath(drop_path)
+        self.drop_path = DropPath(check_drop_probability(drop_path, "drop_path"))
 
     def heads(self, qkv):
         """q, k, v of shape (batch, heads, tokens, head_dim) from the qkv projection (batch, tokens, 3 dim)."""
@@ -172,7 +174,7 @@ class MlpBranch(nn.Module):
         self.fc1 = nn.Linear(dim, hidden_dim)
         self.fc2 = nn.Linear(hidden_dim, dim)
         self.dropout = ResidualDropout(dropout)
-        self.drop_path = DropPath(drop_path)
+        self.drop_path = DropPath(check_drop_probability(drop_path, "drop_path"))
         self.approximate = approximate
 
     def forward(self, x, **context):
@@ -273,7 +275,7 @@ class RevTransformerBlock(ReversibleBlock):
             x2, ln1, mean1, rstd1 = sub_layer_norm(y2, g_out, P["f.norm.weight"], P["f.norm.bias"], m.f_norm.eps)
             with maybe_replay(None if state is None else state.rng_f):
                 # AttentionBranch.forward's ops, attention with what its backward needs kept.
-                q, k, v = m.f.heads(F.linear(ln1, P["f.qkv.weight"], P.get("f.qkv.bias")).view(batch, tokens, -1))
+                q, k, v = m.f.heads(F.linear(ln1, P["f.qkv.weight"], P.get("f.qkv.bias")).view(batch, tokens, 3 * dim))
                 out, attention = _attention_with_saved(q, k, v, *attention_mask(context.get("attn_mask"), q, m.f.causal))
                 o = out.transpose(1, 2).reshape(-1, dim)
                 f_out, f_keep, f_scale = _residual_noise(
@@ -341,11 +343,13 @@ class RevTransformerBlock(ReversibleBlock):
                                                            self._parts().f_dropout.scale())
         proj_w, qkv_w = P["f.proj.weight"], P["f.qkv.weight"]
         named["f.proj.weight"] = lambda: _to(torch.mm(dproj.t(), o), proj_w.dtype)
-        named["f.proj.bias"] = lambda: _to(_to(dproj, torch.float32).sum(0), P["f.proj.bias"].dtype)
+        named["f.proj.bias"] = lambda: _to(dproj.sum(0, dtype=torch.promote_types(dproj.dtype, torch.float32)),
+                                           P["f.proj.bias"].dtype)
         d_out = torch.mm(dproj, _to(proj_w, o.dtype)).view(batch, tokens, heads, head_dim).transpose(1, 2)
         dq, dk, dv = _attention_vjp(rec.attention, d_out)
         # back to the qkv projection's layout (batch, tokens, 3, heads, head_dim) in one copy
-        dqkv = torch.stack((dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)), dim=2).view(batch * tokens, -1)
+        dqkv = torch.stack((dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)), dim=2)
+        dqkv = dqkv.view(batch * tokens, 3 * heads * head_dim)
         ln1 = rec.ln1
         named["f.qkv.weight"] = lambda: _to(torch.mm(dqkv.t(), _to(ln1, dqkv.dtype)), qkv_w.dtype)
         if "f.qkv.bias" in P:

@@ -34,6 +34,37 @@ def test_fused_grads_equal_plain_autograd(depth, options):
         assert_close_rel(a, e, 1e-5, f"output/grad {i}")
 
 
+def test_fused_grads_equal_plain_autograd_in_float64():
+    """fp64 parameters and streams: every grad (f.proj's bias too) is summed in fp64."""
+    seq = _stack(2).double()
+    data = [t.double() for t in _data()]
+    expected = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data)
+    actual = run_grads(seq, seq, *data)
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        assert_close_rel(a, e, 1e-10, f"output/grad {i}")
+
+
+def test_fused_steps_with_an_empty_batch():
+    seq = _stack(2)
+    data = [t[:0] for t in _data()]
+    expected = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data)
+    actual = run_grads(seq, seq, *data)
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        assert a.shape == e.shape and torch.equal(a, e), f"output/grad {i}"
+
+
+def test_fused_steps_with_a_norm_shared_by_f_and_g():
+    """G's LayerNorm is F's: the shared parameters get the sum of both branches' grads."""
+    seq = _stack(2)
+    for block in seq.blocks:
+        block.g.norm = block.f.norm
+    data = _data()
+    expected = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data)
+    actual = run_grads(seq, seq, *data)
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        assert_close_rel(a, e, 1e-5, f"output/grad {i}")
+
+
 def test_fused_steps_agree_with_the_generic_block_on_the_same_modules():
     seq = _stack(2, drop_path=0.2)
     generic = rk.nn.ReversibleSequential(*[rk.nn.ReversibleBlock(b.f, b.g) for b in seq.blocks])
@@ -102,6 +133,8 @@ def test_recompute_under_autocast_bf16_rebuilds_to_fp32_rounding(drop_path):
 def test_bad_input():
     with pytest.raises(ValueError, match="must be divisible by num_heads"):
         RevViTBlock(30, 4)
+    with pytest.raises(ValueError, match="num_heads must be a positive int, got 0"):
+        RevViTBlock(DIM, 0)
     with pytest.raises(ValueError, match=r"\(batch, tokens, dim\)"):
         RevViTBlock(DIM, HEADS)(torch.randn(4, DIM), torch.randn(4, DIM))
     with pytest.raises(ValueError, match="drop_path must be in"):
