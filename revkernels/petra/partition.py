@@ -75,7 +75,8 @@ class Stage:
 
     Attributes:
         module: the stage's module (shared with the model: same parameters).
-        index: position in the stage list (0-based; PETRA.md's j is ``index + 1``).
+        index: position in the stage list (0-based; the stage number j of the timing in
+            `revkernels.petra.simulate` is ``index + 1``).
         kind: "stem" | "reversible" | "down" | "head" (the module's ``kind`` if it has one).
         reversible: True for a `ReversibleBlock` stage (rebuilds its input, stores nothing).
         is_first, is_last: position flags; the last stage computes the loss.

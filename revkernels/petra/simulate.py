@@ -1,7 +1,8 @@
 r"""PETRA's exact tick-by-tick simulator (one process) and its baselines, with one optimizer recipe.
 
-Timing (PETRA.md, worker view). Stages j = 1..J (0-based index i = j - 1). Messages sent at tick t
-are received at tick t + 1. At every tick, every stage j < J
+Timing (the worker view of PETRA: Rivaud et al., ICLR 2025, arXiv:2406.02052). Stages j = 1..J
+(0-based index i = j - 1). Messages sent at tick t are received at tick t + 1. At every tick,
+every stage j < J
 
     forward:  x_in <- image (j = 1) or the output j-1 sent last tick   [non-reversible: fifo.push(x_in)]
               x_out = F_j(x_in; theta_j)            (latest parameters; sent to j+1)
@@ -224,8 +225,8 @@ def _contiguous(xs):
 class Worker:
     """A pipeline worker: consecutive stages (one by default) run as one stage, with their optimizers.
 
-    `step` is one tick of PETRA.md's worker view, shared by every runtime. ``index`` is the worker's
-    position (0-based), ``stages`` its `Stage`s, ``optimizers`` one `_StageOptimizer` per stage.
+    `step` is one tick of the worker view (module docstring), shared by every runtime. ``index``
+    is the worker's position (0-based), ``stages`` its `Stage`s, ``optimizers`` one `_StageOptimizer` per stage.
     """
 
     def __init__(self, index, stages, optimizers):
