@@ -50,10 +50,11 @@ import torch
 from torch.func import functional_call, vjp
 
 from revkernels.engine.fsdp import block_units, run_sharded_compiled
-from revkernels.engine.sequential import forward_step, recompute_step, save_with_context, saved_with_context
+from revkernels.engine.sequential import (forward_step, output_grads, recompute_step, save_with_context,
+                                          saved_with_context, without_unused)
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of,
                                      grad_tensors, maybe_replay)
-from revkernels.engine.structure import cached, frozen_batchnorm_stats, param_slots, submodule_hooked
+from revkernels.engine.structure import cached, coupling_kind, frozen_batchnorm_stats, param_slots, submodule_hooked
 import revkernels.nn.reversible as _reversible  # (a module object: the import is circular)
 
 
@@ -167,7 +168,7 @@ class _Layout:
     __slots__ = ("kind", "params", "f_slots", "g_slots", "_grad_plans")
 
     def __init__(self, block):
-        self.kind = _coupling_kind(block)
+        self.kind = coupling_kind(block)
         slots = param_slots(block)
         self.params = slots.params
         index = {id(p): i for i, p in enumerate(slots.params)}
@@ -190,18 +191,6 @@ class _Layout:
             plan = (f_names, g_names, [self.params[i] for i in f_index + g_index])
             self._grad_plans[pattern] = plan
         return plan
-
-
-def _coupling_kind(block):
-    """"full" (ReversibleBlock's coupling), "half" (HalfCouplingBlock's) or None (a subclass with a
-    forward of its own: stepped by its eager recompute/grads)."""
-    from revkernels.nn.revvit import RevViTBlock
-
-    forward = type(block).forward_with_state
-    if isinstance(block, _reversible.HalfCouplingBlock):
-        return "half" if forward is _reversible.HalfCouplingBlock.forward_with_state else None
-    generic = (_reversible.ReversibleBlock.forward_with_state, RevViTBlock.forward_with_state)
-    return "full" if forward in generic else None
 
 
 def _layout(block):
@@ -348,15 +337,17 @@ class CompiledRun(torch.autograd.Function):
         ctx.blocks, ctx.params, ctx.steps = list(seq.blocks), params, steps
         ctx.autocast_state = AutocastState.capture(x1.device.type)
         save_with_context(ctx, context, y1, y2)
+        ctx.set_materialize_grads(False)  # see output_grads
         return y1, y2
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy1, dy2):
         (y1, y2), context, leaves = saved_with_context(ctx, 2)
+        dy1, dy2, unused = output_grads(ctx.blocks, y1, y2, dy1, dy2)
         _, _, dx1, dx2, grads = backward_blocks(ctx.blocks, ctx.states, y1, y2, dy1, dy2, ctx.params + leaves,
                                                 ctx.steps, ctx.autocast_state, context)
-        return (None, None, None, dx1, dx2, *grads)
+        return (None, None, None, dx1, dx2, *without_unused(ctx.params, grads, unused))
 
 
 def compiled_steps(seq, device_type):

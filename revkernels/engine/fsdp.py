@@ -146,21 +146,23 @@ class BlockStep(torch.autograd.Function):
         ctx.run, ctx.index, ctx.params = run, index, list(tensors[:n_params])
         ctx.last = index == len(run.blocks) - 1
         save_with_context(ctx, context, *((y1, y2) if ctx.last else ()))
+        ctx.set_materialize_grads(False)  # see revkernels.engine.sequential.output_grads
         return y1, y2
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy1, dy2):
-        from revkernels.engine.sequential import saved_with_context
+        from revkernels.engine.sequential import output_grads, saved_with_context, without_unused
 
         run, index = ctx.run, ctx.index
         outputs, context, leaves = saved_with_context(ctx, 2 if ctx.last else 0)
         y1, y2 = outputs if ctx.last else run.take(index)
         block = run.blocks[index]
+        dy1, dy2, unused = output_grads([block], y1, y2, dy1, dy2)
         param_slots(block)  # the current (unsharded) parameters, for steps that read them from their cache
         x1, x2, dx1, dx2, grads = run.walker([block], [ctx.state], y1, y2, dy1, dy2, ctx.params + leaves,
                                              run.autocast_state, context=context)
-        ctx.state = None
+        grads = without_unused(ctx.params, grads, unused)
         if run.monitor is not None:
             run.errors[index] = run.monitor.error(run.samples[index], x1, x2)
             if index == 0:

@@ -21,6 +21,7 @@ import torch
 
 from revkernels.engine.fsdp import block_units, run_sharded
 from revkernels.engine.state import NO_CONTEXT, AutocastState, grad_tensors
+from revkernels.engine.structure import y2_only_params
 
 
 def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None, monitor=None, context=NO_CONTEXT):
@@ -74,6 +75,22 @@ def recompute_step(block, y1, y2, state, context=NO_CONTEXT):
     return block.recompute(y1, y2, state)
 
 
+def output_grads(blocks, y1, y2, dy1, dy2):
+    """``(dy1, dy2, unused)``: the run's output grads, zeros for one the loss did not use (the
+    engines' Functions leave it None), and the ids of the parameters that then get no grad at all
+    (`revkernels.engine.structure.y2_only_params`)."""
+    unused = y2_only_params(blocks) if dy2 is None else frozenset()
+    return (torch.zeros_like(y1) if dy1 is None else dy1), (torch.zeros_like(y2) if dy2 is None else dy2), unused
+
+
+def without_unused(params, grads, unused):
+    """`grads` (aligned to `params`, then to the context leaves) with None for the parameters whose
+    ids are in `unused`."""
+    if not unused:
+        return grads
+    return [None if k < len(params) and id(params[k]) in unused else g for k, g in enumerate(grads)]
+
+
 def save_with_context(ctx, context, *tensors):
     """``ctx.save_for_backward(*tensors)`` plus the context's tensors (each once); its plain
     values stay on `ctx`. Undone by `saved_with_context`."""
@@ -125,16 +142,19 @@ class ReversibleRun(torch.autograd.Function):
         ctx.walker = walker
         ctx.autocast_state = AutocastState.capture(x1.device.type)
         save_with_context(ctx, context, x1, x2)
+        ctx.set_materialize_grads(False)  # see output_grads
         return x1, x2
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy1, dy2):
         (y1, y2), context, leaves = saved_with_context(ctx, 2)
+        dy1, dy2, unused = output_grads(ctx.blocks, y1, y2, dy1, dy2)
         _, _, dx1, dx2, grads = ctx.walker(
             ctx.blocks, ctx.states, y1, y2, dy1, dy2, ctx.params + leaves, ctx.autocast_state, monitor=ctx.monitor,
             context=context
         )
+        grads = without_unused(ctx.params, grads, unused)
         # The states stay: a second backward (retain_graph=True) replays the same randomness.
         ctx.monitor = None  # its samples are compared once
         return (None, None, None, None, dx1, dx2, *grads)

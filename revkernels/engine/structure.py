@@ -144,6 +144,36 @@ def param_slots(module):
     return slots
 
 
+def coupling_kind(block):
+    """"full" (ReversibleBlock's coupling), "half" (HalfCouplingBlock's) or None (a subclass with a
+    forward of its own)."""
+    from revkernels.nn.reversible import HalfCouplingBlock, ReversibleBlock
+    from revkernels.nn.revvit import RevViTBlock
+
+    forward = type(block).forward_with_state
+    if isinstance(block, HalfCouplingBlock):
+        return "half" if forward is HalfCouplingBlock.forward_with_state else None
+    return "full" if forward in (ReversibleBlock.forward_with_state, RevViTBlock.forward_with_state) else None
+
+
+def y2_only_params(blocks):
+    """Ids of the parameters only the last block's y2 depends on: those of its G (of its F for a
+    half block) that no other F or G of `blocks` holds. When a loss does not use y2, plain autograd
+    leaves their ``.grad`` None, and so do the engines (a zero grad would still move them under
+    momentum or weight decay). Empty for a last block with a forward of its own."""
+    kind = coupling_kind(blocks[-1])
+    if kind is None:
+        return frozenset()
+    last = len(blocks) - 1
+    branch = blocks[-1].g if kind == "full" else blocks[-1].f
+    only = {id(p) for p in param_slots(branch).params}
+    for i, block in enumerate(blocks):
+        for module in block.children():
+            if not (i == last and module is branch):
+                only.difference_update(id(p) for p in param_slots(module).params)
+    return frozenset(only)
+
+
 def submodule_hooked(module, backward=False):
     """Whether a forward hook (with `backward`, also a backward hook) is registered globally or on a
     submodule of `module` (its own hooks aside: the engines never call the block module itself)."""

@@ -54,6 +54,7 @@ CASES = {
     "generic-block-compiled": ("generic", "block", True, "compiled-dynamo", False),
     "mlp-block-bf16": ("mlp", "block", True, "sequential", True),
     "mlp-block-bf16-autograd": ("mlp", "block", True, "autograd", True),
+    "generic-block-y1": ("generic", "block", True, "sequential", False),  # a loss of y1 only: G's of the last block get no grad
 }
 SLOW_CASES = {"revnet18-stage-raf": ("revnet18", "block", True, "sequential", False),
               "vit-block-inductor": ("vit", "block", True, "compiled", False)}
@@ -143,16 +144,17 @@ def _batch(kind):
     return tuple(torch.randn(shape) for _ in range(5 if kind == "context" else 4))
 
 
-def _loss(model, kind, batch):
-    """The rank's mean loss (FSDP's reduce-scatter averages the ranks' grads) and the input (or
-    context tensor) whose grad is checked (None: none requires grad)."""
+def _loss(model, kind, batch, y1_only=False):
+    """The rank's mean loss (FSDP's reduce-scatter averages the ranks' grads; `y1_only`: of the
+    output y1 alone) and the input (or context tensor) whose grad is checked (None: none requires
+    grad)."""
     if kind in ("revnet18", "staged"):
         x, w = batch
         return (model(x) * w).sum() / x.shape[0], None
     x1, x2, w1, w2, *cond = batch
     leaf = (cond[0] if cond else x1).detach().requires_grad_()  # FSDP hooks the grad-requiring inputs
     y1, y2 = model(x1, x2, cond=leaf) if cond else model(leaf, x2)
-    return loss_of(y1, y2, w1, w2) / x1.shape[0], leaf
+    return (y1 * w1).sum() / x1.shape[0] if y1_only else loss_of(y1, y2, w1, w2) / x1.shape[0], leaf
 
 
 def _shard(model, kind, units, raf, mixed):
@@ -206,7 +208,7 @@ def _run_case(name, case, data, shard):
         if name.endswith("-nosync"):
             model.set_requires_gradient_sync(step == len(data["batches"]) - 1)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
-            loss, leaf = _loss(model, kind, tuple(t[shard] for t in batch))
+            loss, leaf = _loss(model, kind, tuple(t[shard] for t in batch), name.endswith("-y1"))
         if step == 0 and units == "block" and kind in ("generic", "vit"):
             after_forward = [_is_sharded(b) for b in model.blocks]
         loss.backward()
@@ -217,8 +219,8 @@ def _run_case(name, case, data, shard):
     result = {
         # the last step's input grad, scaled from the rank's mean loss to the whole batch's
         "input_grad": None if leaf is None else leaf.grad * (shard.stop - shard.start) / BATCH,
-        "grads": [p.grad.full_tensor() for p in params],
-        "grad_dtypes": {p.grad.dtype for p in params},
+        "grads": [None if p.grad is None else p.grad.full_tensor() for p in params],
+        "grad_dtypes": {p.grad.dtype for p in params if p.grad is not None},
         "local": sum(p.to_local().numel() for p in params), "total": sum(p.numel() for p in params),
         "resharded": all(isinstance(p, torch.distributed.tensor.DTensor) for p in params),
         "after_forward": after_forward, "observed": observed,
@@ -274,20 +276,22 @@ def two_ranks(tmp_path_factory):
     return _two_ranks(tmp_path_factory.mktemp("fsdp"), CASES)
 
 
-def _one_process_grads(kind, data):
+def _one_process_grads(kind, data, y1_only=False):
     """The parameter grads after the steps and the last step's input grad, in one process."""
     model = _model(kind)
     model.load_state_dict(data["state"])
     for batch in data["batches"]:
-        loss, leaf = _loss(model, kind, batch)
+        loss, leaf = _loss(model, kind, batch, y1_only)
         loss.backward()
     return [p.grad for p in model.parameters()], leaf
 
 
 def _check_case(name, case, data, result):
-    grads, leaf = _one_process_grads(case[0], data)
+    grads, leaf = _one_process_grads(case[0], data, name.endswith("-y1"))
+    assert [g is None for g in result["grads"]] == [g is None for g in grads], f"{name}: which params have grads"
     for i, (g, ref) in enumerate(zip(result["grads"], grads, strict=True)):
-        assert_close_rel(g, ref, 1e-5, f"{name}: FSDP2 grad of param {i}")
+        if ref is not None:
+            assert_close_rel(g, ref, 1e-5, f"{name}: FSDP2 grad of param {i}")
     if leaf is not None:  # rank 0's input grad: its half of the batch
         assert_close_rel(result["input_grad"], leaf.grad[:BATCH // 2], 1e-5, f"{name}: input grad")
     # Each rank keeps half the parameters (dim-0 shards; every dim here is even) and, after the

@@ -3,7 +3,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import CPU_ENGINES, assert_close_rel, loss_of, make_seq, perturb_parameters, plain_forward, rel_err, run_grads
+import revkernels as rk
+from tests.helpers import (CPU_ENGINES, assert_close_rel, loss_of, make_seq, perturb_parameters, plain_forward, rel_err,
+                           residual_fn, run_grads)
 
 WIDTH = 16
 ENGINES = CPU_ENGINES  # pareprop/graphs run this file's sequential code on CPU (see tests/helpers.py)
@@ -189,6 +191,43 @@ def test_second_backward_with_retain_graph_replays_the_same_dropout(engine):
         assert_close_rel(a, 2 * e, 1e-5, name + " after two backward calls")
 
 
+def _half_coupling_seq(depth, engine):
+    return rk.nn.ReversibleSequential(*[rk.nn.HalfCouplingBlock(residual_fn(WIDTH)) for _ in range(depth)],
+                                      engine=engine)
+
+
+@pytest.mark.parametrize("engine", ["sequential", "pareprop", "compiled"])
+@pytest.mark.parametrize("kind", ["full", "half", "shared"])
+def test_loss_of_y1_alone_leaves_the_grads_plain_autograd_leaves_none(engine, kind):
+    """y2 unused: the last block's G (F of a half block) gets no grad at all, as with plain
+    autograd (not a zero grad, which weight decay or momentum would still act on); a parameter it
+    shares with another block still gets that block's grad."""
+    seq = perturb_parameters(make_seq(2, WIDTH, engine=engine) if kind != "half" else _half_coupling_seq(3, engine))
+    if kind == "shared":
+        seq.blocks[1].g[1].weight = seq.blocks[0].f[1].weight
+    seq.compile_options = {"backend": "aot_eager"}
+    x1, x2, w1, _ = _inputs()
+
+    def grads(fn):
+        seq.zero_grad(set_to_none=True)
+        (fn(x1, x2)[0] * w1).sum().backward()
+        return [p.grad for p in seq.parameters()]
+
+    def plain(a, b):  # plain autograd through the same modules
+        if kind != "half":
+            return plain_forward(seq, a, b)
+        for block in seq.blocks:
+            a, b = b, a + block.f(b)
+        return a, b
+
+    expected, actual = grads(plain), grads(seq)
+    assert [g is None for g in actual] == [g is None for g in expected]
+    assert any(g is None for g in expected) and not all(g is None for g in expected)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        if e is not None:
+            assert_close_rel(a, e, 1e-5, f"param {i} grad")
+
+
 def test_autocast_is_reentered_for_the_recompute():
     seq = make_seq(3, WIDTH)
     dtypes = {"forward": [], "backward": []}
@@ -259,7 +298,8 @@ def test_frozen_parameters_and_inputs_without_grad():
     y1, y2 = seq(x1, x2)
     y1.sum().backward()
     assert frozen.grad is None
-    assert seq.blocks[1].g[1].weight.grad is not None
+    assert seq.blocks[0].g[1].weight.grad is not None
+    assert seq.blocks[1].g[1].weight.grad is None  # only y2 depends on it (as with plain autograd)
 
 
 def test_no_grad_forward_keeps_nothing():
