@@ -40,7 +40,7 @@ _NEXT = itertools.count()
 def run_handle(seq):
     """The integer naming `seq` to the kernels (a constant of the traced graph)."""
     handle = getattr(seq, "_opaque_handle", None)
-    if handle is None:
+    if handle is None or _RUNS.get(handle) is not seq:  # (a copy of a run carries its original's handle)
         handle = next(_NEXT)
         seq._opaque_handle = handle
         _RUNS[handle] = seq
@@ -150,11 +150,25 @@ def _random_rows(seq):
     return sum((1 if isinstance(b, HalfCouplingBlock) else 2) for b, r in zip(seq.blocks, _random_flags(seq)) if r)
 
 
-def _unaliased(outputs, inputs):
-    """`outputs`, each one that is also an input cloned: an op's output may not be one of its
-    inputs (a single HalfCouplingBlock passes x2 through, and dy2 back as dx1)."""
-    storages = {x.untyped_storage().data_ptr() for x in inputs}
-    return tuple(t.clone() if t.untyped_storage().data_ptr() in storages else t for t in outputs)
+def _outputs(outputs, layouts, inputs):
+    """`outputs` as the fake kernels describe them: each in the layout of its entry of `layouts`
+    (a tensor to match, or None: contiguous) and a copy where it shares memory with an input or an
+    earlier output (an op's outputs may alias neither: a HalfCouplingBlock passes x2 through and dy2
+    back as dx1, and a parameter's grad can be an output grad itself, e.g. an additive table's)."""
+    taken = {x.untyped_storage().data_ptr() for x in inputs}
+    result = []
+    for t, like in zip(outputs, layouts, strict=True):
+        storage = t.untyped_storage().data_ptr()
+        if like is None:
+            t = t.clone(memory_format=torch.contiguous_format) if storage in taken else t.contiguous()
+        elif storage in taken or t.stride() != like.stride():
+            t = torch.empty_like(like, dtype=t.dtype).copy_(t)
+        taken.add(t.untyped_storage().data_ptr())
+        result.append(t)
+    return result
+
+def _contiguous_like(t):
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("revkernels::reversible_run", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
@@ -179,15 +193,16 @@ def reversible_run(handle: int, x1: torch.Tensor, x2: torch.Tensor, params: list
                     states.append(state)
         else:
             x1, x2, states = compiled.forward_blocks(list(seq.blocks), x1, x2, steps, seq.preserve_rng_state, context)
-    y1, y2 = _unaliased((x1, x2), inputs)
+    y1, y2 = _outputs((x1, x2), (None, None), inputs)
     return y1, y2, _pack(states, devices)
 
 
 @reversible_run.register_fake
 def _(handle, x1, x2, params, context, context_tensors, context_numbers, autocast_dtype, training):
     rows = _random_rows(_run(handle))
-    return torch.empty_like(x1), torch.empty_like(x2), \
+    return _contiguous_like(x1), _contiguous_like(x2), \
         torch.empty(rows, _state_bytes(cuda_devices_of(x1, x2)), dtype=torch.uint8)
+
 
 
 @torch.library.custom_op("revkernels::reversible_run_backward", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
@@ -207,16 +222,16 @@ def reversible_run_backward(handle: int, y1: torch.Tensor, y2: torch.Tensor, dy1
     context, leaves = _context(context, context_tensors, context_numbers, leaves=True)
     _, _, dx1, dx2, grads = compiled.backward_blocks(blocks, states, y1, y2, dy1, dy2, run_params + leaves,
                                                      _steps(seq, y1.device.type), autocast_state, context)
-    inputs = (y1, y2, dy1, dy2, *context_tensors)
-    dx1, dx2, *context_grads = _unaliased((dx1, dx2, *(torch.zeros_like(t) if g is None else g
-                                                        for t, g in zip(leaves, grads[len(run_params):]))), inputs)
-    return dx1, dx2, [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)], context_grads
+    inputs = (y1, y2, dy1, dy2, *params, *context_tensors)
+    grad_tensors = [torch.zeros_like(t) if g is None else g for t, g in zip(params + leaves, grads, strict=True)]
+    dx1, dx2, *grad_tensors = _outputs((dx1, dx2, *grad_tensors), (None, None, *params, *leaves), inputs)
+    return dx1, dx2, grad_tensors[:len(params)], grad_tensors[len(params):]
 
 
 @reversible_run_backward.register_fake
 def _(handle, y1, y2, dy1, dy2, rng, params, context, context_tensors, context_numbers, autocast_dtype):
     requires_grad = _CONTEXT_SPECS[context][1]
-    return torch.empty_like(y1), torch.empty_like(y2), [torch.empty_like(p) for p in params], \
+    return _contiguous_like(y1), _contiguous_like(y2), [torch.empty_like(p) for p in params], \
         [torch.empty_like(t) for t, grad in zip(context_tensors, requires_grad) if grad]
 
 

@@ -12,9 +12,13 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves, tree_map
 
+from revkernels.engine import opaque
 from revkernels.engine.state import NO_CONTEXT
-from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential
+from revkernels.nn.reversible import HalfCouplingBlock, ReversibleBlock, ReversibleSequential
 from revkernels.nn.revvit import RevViTBlock
 from tests.helpers import assert_close_rel, make_seq, perturb_parameters, plain_forward, residual_fn, run_grads
 
@@ -75,6 +79,64 @@ class _OwnForward(ReversibleBlock):
 def test_fullgraph_compile_block_with_a_forward_of_its_own():
     seq = perturb_parameters(ReversibleSequential(*[_OwnForward(residual_fn(8), residual_fn(8)) for _ in range(2)]))
     _compiled_vs_eager(seq, _data(4, 8), backend="aot_eager")
+
+
+class _AddTable(nn.Module):
+    """``0.5 x + table`` with a table of the stream's shape: the table's grad is an output grad itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x):
+        return 0.5 * x + self.table
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_fullgraph_compile_parameter_grad_that_is_an_output_grad(half):
+    """The backward op's outputs may alias neither its inputs nor each other: the tables' grads are
+    dy1/dy2 or dx1 themselves (and a half block passes dy2 back as dx1)."""
+    blocks = ([HalfCouplingBlock(_AddTable()) for _ in range(2)] if half
+              else [ReversibleBlock(_AddTable(), _AddTable())])
+    _compiled_vs_eager(ReversibleSequential(*blocks), _data(4, 8), backend="aot_eager")
+
+
+def _real_and_fake_layouts(op, args):
+    real = op(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = op(*tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, args))
+    return [(t.shape, t.stride()) for t in tree_leaves(real)], [(t.shape, t.stride()) for t in tree_leaves(fake)], real
+
+
+def test_opaque_ops_give_the_layouts_of_their_fake_kernels_and_alias_nothing():
+    """Inductor compiles against the fake kernels' strides: a half block over a transposed x1 (and a
+    transposed dy1) must return what the fakes say (contiguous streams, grads laid out like their
+    parameters), with no output sharing memory with an input or another output."""
+    seq = ReversibleSequential(HalfCouplingBlock(_AddTable()))
+    x1, x2 = torch.randn(8, 4).t(), torch.randn(4, 8)
+    params = list(seq.parameters())
+    handle, context = opaque.run_handle(seq), opaque.context_handle(seq, (), (), (), ())
+    real, fake, (y1, y2, rng) = _real_and_fake_layouts(torch.ops.revkernels.reversible_run.default,
+                                                       (handle, x1, x2, params, context, [], [], None, True))
+    assert real == fake
+    dy1, dy2 = torch.randn(8, 4).t(), torch.randn(4, 8)
+    real, fake, grads = _real_and_fake_layouts(torch.ops.revkernels.reversible_run_backward.default,
+                                               (handle, y1, y2, dy1, dy2, rng, params, context, [], [], None))
+    assert real == fake
+    storages = [t.untyped_storage().data_ptr() for t in tree_leaves(grads)]
+    assert len(set(storages)) == len(storages)
+    assert not set(storages) & {t.untyped_storage().data_ptr() for t in (y1, y2, dy1, dy2, *params)}
+
+
+def test_fullgraph_compile_of_a_deep_copy_runs_the_copys_blocks():
+    """A copy (an EMA or teacher model) carries its original's attributes: compiled, it must run its
+    own blocks, also after the original is gone."""
+    original = make_seq(2, 8, engine="sequential")
+    data = _data(4, 8)
+    torch.compile(lambda a, b: original(a, b), fullgraph=True, backend="aot_eager")(*data[:2])
+    copy_ = perturb_parameters(copy.deepcopy(original))
+    del original
+    _compiled_vs_eager(copy_, data, backend="aot_eager")
 
 
 def test_fullgraph_compile_revvit_blocks():
