@@ -127,6 +127,9 @@ class CompiledSteps:
             raise ValueError("revkernels: compile_options accepts backend, mode, dynamic and options, "
                              f"got {sorted(unknown)}")
         backend = options.pop("backend", "inductor")
+        # Static shapes unless asked: a new shape compiles its own graph (a step recompiled with a
+        # symbolic batch size cannot differentiate dropout under torch.func.vjp)
+        options.setdefault("dynamic", False)
         if backend == "inductor":
             # fallback_random: random ops draw from the global generator as in eager (see module doc)
             mode = options.pop("mode", None)
@@ -271,7 +274,9 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
 
     autocast_state = autocast_state or AutocastState.capture(y1.device.type)
     autocast = contextlib.nullcontext if autocast_state.off_then_and_now() else autocast_state.enter
-    y1, y2, dy1, dy2 = (t.detach() for t in (y1, y2, dy1, dy2))
+    # Contiguous grads: a loss like y.sum() hands down expanded (stride-0) ones, which would be a
+    # signature of their own
+    y1, y2, dy1, dy2 = y1.detach(), y2.detach(), dy1.detach().contiguous(), dy2.detach().contiguous()
     # The steps take detached tensors; which context tensors they differentiate is the dict they are in.
     leaves = {k: v for k, v in context.items() if isinstance(v, torch.Tensor) and v.requires_grad}
     grad_context = {k: v.detach() for k, v in leaves.items()}

@@ -16,8 +16,8 @@ the kernels enter it explicitly. BatchNorm running statistics are updated by the
 
 Context (``seq(x1, x2, **context)``): its tensors are inputs of both ops (saved once per run, as
 with the eager engines), and the backward op returns the grads of those that require grad,
-summed over the blocks. Its numbers (int, float, bool) are op arguments too (a float input of the
-compiled function may be symbolic). Its structure (names, which tensors require grad) and its
+summed over the blocks. Its numbers (int, float, bool) are op arguments too (Dynamo specializes a
+float there: a new value traces again). Its structure (names, which tensors require grad) and its
 other values reach the kernels through a second integer handle, `context_handle`, a constant of
 the traced graph; those other values (strings, None, tuples) must be hashable constants of the
 traced code.
@@ -27,10 +27,11 @@ import weakref
 from collections.abc import Sequence
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from revkernels.engine import compiled
 from revkernels.engine.sequential import forward_step
-from revkernels.engine.state import NO_CONTEXT, AutocastState, RngState, cuda_devices_of
+from revkernels.engine.state import NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of
 
 _RUNS = weakref.WeakValueDictionary()
 _NEXT = itertools.count()
@@ -78,6 +79,13 @@ def context_handle(seq, names, requires_grad, number_names, values):
         handle = _CONTEXT_HANDLES[spec] = len(_CONTEXT_SPECS)
         _CONTEXT_SPECS.append(spec)
     return handle
+
+
+@torch.compiler.assume_constant_result
+def _raise_nested_tensors(names):
+    # (raised from a function run at trace time, so the message reaches the caller as it is)
+    raise TypeError(f"revkernels: under torch.compile the context's tensors must be keywords of their own, got "
+                    f"tensors inside a container for {', '.join(map(repr, names))}")
 
 
 def _context(handle, tensors, numbers, leaves=False):
@@ -183,7 +191,9 @@ def reversible_run(handle: int, x1: torch.Tensor, x2: torch.Tensor, params: list
     devices = cuda_devices_of(x1, x2)
     inputs = (x1, x2)
     context, _ = _context(context, context_tensors, context_numbers)
-    with _autocast(x1.device.type, autocast_dtype):
+    # autograd_recording: the dispatch keys of an eager call, so that compiled steps called here and
+    # eagerly share their graphs (the keys are guarded on); nothing records under no_grad
+    with autograd_recording(), _autocast(x1.device.type, autocast_dtype):
         steps = _steps(seq, x1.device.type)
         if steps is None:
             states = []
@@ -220,8 +230,9 @@ def reversible_run_backward(handle: int, y1: torch.Tensor, y2: torch.Tensor, dy1
     autocast_state = AutocastState(y1.device.type, autocast_dtype is not None, autocast_dtype or torch.float32, True)
     run_params = _grad_params(seq)
     context, leaves = _context(context, context_tensors, context_numbers, leaves=True)
-    _, _, dx1, dx2, grads = compiled.backward_blocks(blocks, states, y1, y2, dy1, dy2, run_params + leaves,
-                                                     _steps(seq, y1.device.type), autocast_state, context)
+    with autograd_recording():  # as in the forward kernel
+        _, _, dx1, dx2, grads = compiled.backward_blocks(blocks, states, y1, y2, dy1, dy2, run_params + leaves,
+                                                         _steps(seq, y1.device.type), autocast_state, context)
     inputs = (y1, y2, dy1, dy2, *params, *context_tensors)
     grad_tensors = [torch.zeros_like(t) if g is None else g for t, g in zip(params + leaves, grads, strict=True)]
     dx1, dx2, *grad_tensors = _outputs((dx1, dx2, *grad_tensors), (None, None, *params, *leaves), inputs)
@@ -266,6 +277,10 @@ def run_opaque(seq, x1, x2, context=NO_CONTEXT):
     names = tuple(k for k, v in context.items() if isinstance(v, torch.Tensor))
     number_names = tuple(k for k, v in context.items() if isinstance(v, (int, float, bool)))
     values = tuple((k, v) for k, v in context.items() if k not in names and k not in number_names)
+    nested = tuple(name for name, value in values if isinstance(value, (tuple, list, dict))
+                   and any(isinstance(t, torch.Tensor) for t in tree_leaves(value)))
+    if nested:
+        _raise_nested_tensors(nested)
     tensors, numbers = [context[k] for k in names], [context[k] for k in number_names]
     handle = context_handle(seq, names, tuple(t.requires_grad for t in tensors), number_names, values)
     y1, y2, _ = reversible_run(run_handle(seq), x1, x2, _grad_params(seq), handle, tensors, numbers, autocast_dtype,

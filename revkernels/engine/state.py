@@ -46,11 +46,16 @@ def grad_tensors(context):
     return [v for v in context.values() if isinstance(v, torch.Tensor) and v.requires_grad] if context else []
 
 
+@contextlib.contextmanager
 def autograd_recording():
     """A context in which operations record autograd graphs again inside a custom op's kernel
-    (the dispatcher excludes the Autograd keys below an op's own autograd; grad mode alone does not
-    bring them back). Outside such a kernel it changes nothing."""
-    return torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality, False)
+    (the dispatcher excludes the Autograd and ADInplaceOrView keys below an op's own autograd; grad
+    mode alone does not bring them back), with the dispatch keys of an eager call. Outside such a
+    kernel it changes nothing."""
+    keys = torch._C.DispatchKey
+    with torch._C._SetExcludeDispatchKeyGuard(keys.AutogradFunctionality, False), \
+            torch._C._SetExcludeDispatchKeyGuard(keys.ADInplaceOrView, False):
+        yield
 
 
 def cuda_devices_of(*tensors):

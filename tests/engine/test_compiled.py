@@ -201,6 +201,39 @@ def test_twelve_vit_blocks_compile_one_forward_and_one_backward_step():
     _assert_all_close(got, run_grads(ref, ref, *data), 1e-5)
 
 
+def test_steps_are_shared_by_stride_0_grads_and_by_calls_from_the_opaque_op():
+    """A loss like y.sum() hands down expanded grads, and under torch.compile the steps run inside
+    the opaque op's kernels: neither is a signature of its own (one forward and one backward graph)."""
+    backend = CountingBackend()
+    seq = make_seq(2, 8, engine="compiled")
+    seq.compile_options = {"backend": backend}
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+    y1, y2 = seq(x, x)
+    ((y1 * w).sum() + (y2 * w).sum()).backward()
+    assert backend.graphs == 2
+    y1, y2 = seq(x, x)
+    (y1.sum() + y2.sum()).backward()
+    assert backend.graphs == 2
+    y1, y2 = torch.compile(lambda a, b: seq(a, b), fullgraph=True, backend="aot_eager")(x, x)
+    ((y1 * w).sum() + (y2 * w).sum()).backward()
+    assert backend.graphs == 2
+
+
+def test_a_new_batch_size_with_dropout_compiles_static_steps():
+    """Static shapes by default: an odd batch (an epoch's last) compiles graphs of its own instead of
+    a symbolic-size recompile, which cannot differentiate dropout under torch.func.vjp (every block
+    then ran eagerly for good, with a warning); the grads are plain autograd's throughout."""
+    seq = make_seq(2, 8, engine="compiled", dropout=0.3)
+    seq.compile_options = AOT
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for batch in (6, 6, 5, 6):
+            data = _data(batch, 8)
+            expected = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=batch)
+            _assert_all_close(run_grads(seq, seq, *data, seed=batch), expected, 1e-5, f"batch {batch}")
+    assert not any(block in compiled_steps(seq, "cpu").failed for block in seq.blocks)
+
+
 def _assert_low_precision_rule(seq, data, device_type, seed=None):
     """Under bf16 autocast, every grad of `seq` (engine "compiled") is within twice the error of
     plain autograd under the same autocast, both against plain autograd in fp32 (same seed: the

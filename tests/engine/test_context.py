@@ -132,6 +132,21 @@ def test_context_of_plain_values_only_reaches_the_recompute(engine):
         assert_close_rel(a, e, 1e-5, f"output/grad {i}")
 
 
+def test_fullgraph_compile_takes_a_changing_scalar_as_a_0d_tensor_without_tracing_again():
+    """The README's advice for a value that changes every step (a float is specialized)."""
+    seq = rk.nn.ReversibleSequential(*[rk.nn.ReversibleBlock(ScaledMlp(), ScaledMlp()) for _ in range(2)])
+    backend = CountingBackend()
+    fn = torch.compile(lambda a, b, s: seq(a, b, scale=s), fullgraph=True, backend=backend)
+    x1, x2, w1, w2 = (torch.randn(BATCH, WIDTH) for _ in range(4))
+    for value in (0.3, 0.7, 1.9):
+        scale = torch.tensor(value)
+        expected = run_grads(lambda a, b: _plain(seq, a, b, {"scale": value}), seq, x1, x2, w1, w2)
+        actual = run_grads(lambda a, b: fn(a, b, scale), seq, x1, x2, w1, w2)
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_close_rel(a, e, 1e-5, f"scale {value}: output/grad {i}")
+    assert backend.graphs == 1
+
+
 class TableScaled(nn.Module):
     """F and G taking a pair of tensors in one keyword: ``tanh(linear(x)) * pair[0] + pair[1]``."""
 
@@ -234,6 +249,9 @@ def test_fullgraph_compile_context_errors_name_the_problem():
     with pytest.raises(Exception, match=r"context values that are not tensors or numbers must be hashable, "
                                         r"got \{'shift': \[1, 2\]\}"):
         torch.compile(lambda a, b: seq(a, b, shift=[1, 2]), fullgraph=True, backend="aot_eager")(x, x)
+    with pytest.raises(Exception, match=r"context's tensors must be keywords of their own, got tensors inside a "
+                                        r"container for 'shift'"):
+        torch.compile(lambda a, b: seq(a, b, shift=(x[0], x[1])), fullgraph=True, backend="aot_eager")(x, x)
     y1, _ = torch.compile(lambda a, b: seq(a, b, shift=(1, 2)), fullgraph=True, backend="aot_eager")(x, x)
     assert_close_rel(y1, 3 * x, 1e-6)
 
