@@ -645,8 +645,9 @@ void bias_gelu_bwd(void* dx, const void* dy, int64_t dy_row_stride, const void* 
 // --- BatchNorm -----------------------------------------------------------------------------------
 // Two layouts have a vector path: spatially contiguous (NCHW; s_stride 1), vectorised along each
 // sample's S elements of one channel, and channel-contiguous (channels_last, (N, C) or S = 1;
-// c_stride 1), vectorised across a block of adjacent channels at each position. A channel's sum is
-// formed per sample and the per-sample sums added in sample order, as in the scalar kernels.
+// c_stride 1), vectorised across a block of adjacent channels at each position. Sums are chunked
+// as in the scalar kernels (kernels/batch_norm.h): a chunk's blocks are summed lane-wise in a local
+// acc_t accumulator (at most kBnChunk blocks), whose sum is then added in fp64.
 
 enum class BnPath { Spatial, Channels, Scalar };
 
@@ -666,31 +667,80 @@ struct Lanes {
   explicit Lanes(const Block<acc_t>& b) { store_block(v, b); }
 };
 
+// Spatial path: fn(i, j, k) over the blocks of each sample i's S elements (j the offset, k the
+// count), in chunks of at most kBnChunk blocks; done() after each chunk.
+template <typename acc_t, typename Fn, typename Done>
+C10_ALWAYS_INLINE void for_spatial_chunks(const BnView& v, Fn&& fn, Done&& done) {
+  constexpr int64_t chunk = kBnChunk * kBlock<acc_t>;
+  for (int64_t i = 0; i < v.n; ++i) {
+    for (int64_t j0 = 0; j0 < v.s; j0 += chunk) {
+      for_blocks<acc_t>(std::min(chunk, v.s - j0),
+                        [&](int64_t j, int64_t k) C10_ALWAYS_INLINE_ATTRIBUTE { fn(i, j0 + j, k); });
+      done();
+    }
+  }
+}
+
+// Channels path: fn(i, j) over the positions (sample i, position j) in memory order, in chunks of
+// at most kBnChunk positions (crossing samples when S is small); done() after each chunk.
+template <typename Fn, typename Done>
+C10_ALWAYS_INLINE void for_position_chunks(const BnView& v, Fn&& fn, Done&& done) {
+  int64_t room = kBnChunk;
+  for (int64_t i = 0; i < v.n; ++i) {
+    for (int64_t j = 0; j < v.s;) {
+      const int64_t end = std::min(v.s, j + room);
+      room -= end - j;
+      for (; j < end; ++j) fn(i, j);
+      if (room == 0) {
+        done();
+        room = kBnChunk;
+      }
+    }
+  }
+  if (room < kBnChunk) done();
+}
+
+// totals[l] += part's lane l, in fp64; part reset to zero.
+template <typename acc_t>
+C10_ALWAYS_INLINE void add_lanes(double* totals, Block<acc_t>& part) {
+  const Lanes<acc_t> p(part);
+  for (int64_t l = 0; l < kBlock<acc_t>; ++l) totals[l] += p.v[l];
+  part = Block<acc_t>(acc_t(0));
+}
+
+// sum += the sum of part's lanes (folded pairwise), in fp64; part reset to zero.
+template <typename acc_t>
+C10_ALWAYS_INLINE void add_total(double& sum, Block<acc_t>& part) {
+  sum += total(part);
+  part = Block<acc_t>(acc_t(0));
+}
+
 template <typename acc_t, typename x_t>
 void batch_norm_act_vec(x_t* out, acc_t* mean, acc_t* rstd, const x_t* x, const BnView& xv, const BnView& ov,
                         const acc_t* weight, const acc_t* bias, acc_t eps, bool relu, int64_t c_begin, int64_t c_end,
                         BnPath path) {
-  const acc_t count = static_cast<acc_t>(xv.n * xv.s);
+  const double count = static_cast<double>(xv.n * xv.s);
   if (path == BnPath::Spatial) {
     for (int64_t c = c_begin; c < c_end; ++c) {
       const x_t* xc = x + c * xv.c_stride;
-      acc_t sum = 0, squares = 0;
-      for (int64_t i = 0; i < xv.n; ++i) {
-        Block<acc_t> part(acc_t(0));
-        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) C10_ALWAYS_INLINE_ATTRIBUTE { part = part + first(load_block<acc_t>(xc + i * xv.n_stride + j, k), k); });
-        sum += total(part);
-      }
-      const Block<acc_t> mu(sum / count);
-      for (int64_t i = 0; i < xv.n; ++i) {
-        Block<acc_t> part(acc_t(0));
-        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) C10_ALWAYS_INLINE_ATTRIBUTE {
-          const Block<acc_t> d = first(load_block<acc_t>(xc + i * xv.n_stride + j, k) - mu, k);
-          part = part + d * d;
-        });
-        squares += total(part);
-      }
-      mean[c] = sum / count;
-      rstd[c] = acc_t(1) / std::sqrt(squares / count + eps);
+      Block<acc_t> part(acc_t(0));
+      double sum = 0, squares = 0;
+      for_spatial_chunks<acc_t>(
+          xv,
+          [&](int64_t i, int64_t j, int64_t k) C10_ALWAYS_INLINE_ATTRIBUTE {
+            part = part + first(load_block<acc_t>(xc + i * xv.n_stride + j, k), k);
+          },
+          [&] { add_total(sum, part); });
+      mean[c] = static_cast<acc_t>(sum / count);
+      const Block<acc_t> mu(mean[c]);
+      for_spatial_chunks<acc_t>(
+          xv,
+          [&](int64_t i, int64_t j, int64_t k) C10_ALWAYS_INLINE_ATTRIBUTE {
+            const Block<acc_t> d = first(load_block<acc_t>(xc + i * xv.n_stride + j, k) - mu, k);
+            part = part + d * d;
+          },
+          [&] { add_total(squares, part); });
+      rstd[c] = acc_t(1) / std::sqrt(static_cast<acc_t>(squares / count) + eps);
       const Block<acc_t> rs(rstd[c]), w(weight[c]), b(bias[c]);
       x_t* oc = out + c * ov.c_stride;
       for (int64_t i = 0; i < xv.n; ++i) {
@@ -705,25 +755,23 @@ void batch_norm_act_vec(x_t* out, acc_t* mean, acc_t* rstd, const x_t* x, const 
   for (int64_t c0 = c_begin; c0 < c_end; c0 += kBlock<acc_t>) {  // BnPath::Channels
     const int64_t k = std::min(kBlock<acc_t>, c_end - c0);
     auto at = [&](int64_t i, int64_t j) { return load_block<acc_t>(x + i * xv.n_stride + j * xv.s_stride + c0, k); };
-    Block<acc_t> sum(acc_t(0)), squares(acc_t(0));
-    for (int64_t i = 0; i < xv.n; ++i) {
-      Block<acc_t> part(acc_t(0));
-      for (int64_t j = 0; j < xv.s; ++j) part = part + at(i, j);
-      sum = sum + part;
-    }
-    const Lanes<acc_t> sums(sum);
-    for (int64_t l = 0; l < k; ++l) mean[c0 + l] = sums.v[l] / count;
+    Block<acc_t> part(acc_t(0));
+    double sums[kBlock<acc_t>] = {}, squares[kBlock<acc_t>] = {};
+    for_position_chunks(
+        xv, [&](int64_t i, int64_t j) C10_ALWAYS_INLINE_ATTRIBUTE { part = part + at(i, j); },
+        [&] { add_lanes(sums, part); });
+    for (int64_t l = 0; l < k; ++l) mean[c0 + l] = static_cast<acc_t>(sums[l] / count);
     const Block<acc_t> mu = load_block<acc_t>(mean + c0, k);
-    for (int64_t i = 0; i < xv.n; ++i) {
-      Block<acc_t> part(acc_t(0));
-      for (int64_t j = 0; j < xv.s; ++j) {
-        const Block<acc_t> d = at(i, j) - mu;
-        part = part + d * d;
-      }
-      squares = squares + part;
+    for_position_chunks(
+        xv,
+        [&](int64_t i, int64_t j) C10_ALWAYS_INLINE_ATTRIBUTE {
+          const Block<acc_t> d = at(i, j) - mu;
+          part = part + d * d;
+        },
+        [&] { add_lanes(squares, part); });
+    for (int64_t l = 0; l < k; ++l) {
+      rstd[c0 + l] = acc_t(1) / std::sqrt(static_cast<acc_t>(squares[l] / count) + eps);
     }
-    const Lanes<acc_t> squared(squares);
-    for (int64_t l = 0; l < k; ++l) rstd[c0 + l] = acc_t(1) / std::sqrt(squared.v[l] / count + eps);
     const Block<acc_t> rs = load_block<acc_t>(rstd + c0, k), w = load_block<acc_t>(weight + c0, k),
                        b = load_block<acc_t>(bias + c0, k);
     for (int64_t i = 0; i < xv.n; ++i) {
@@ -740,7 +788,7 @@ void batch_norm_act_bwd_vec(x_t* dx, acc_t* dweight, acc_t* dbias, const x_t* do
                             const BnView& xv, const BnView& dxv, const acc_t* weight, const acc_t* bias,
                             const acc_t* mean, const acc_t* rstd, bool relu, int64_t c_begin, int64_t c_end,
                             BnPath path) {
-  const acc_t count = static_cast<acc_t>(xv.n * xv.s);
+  const double count = static_cast<double>(xv.n * xv.s);
   // dy (dout masked by the recomputed pre-activation) and xhat of a block at x offset xo, dout offset do_.
   auto dy_xhat = [&](int64_t xo, int64_t do_, int64_t k, const Block<acc_t>& mu, const Block<acc_t>& rs,
                      const Block<acc_t>& w, const Block<acc_t>& b, Block<acc_t>* dy, Block<acc_t>* xhat) {
@@ -752,19 +800,22 @@ void batch_norm_act_bwd_vec(x_t* dx, acc_t* dweight, acc_t* dbias, const x_t* do
   if (path == BnPath::Spatial) {
     for (int64_t c = c_begin; c < c_end; ++c) {
       const Block<acc_t> mu(mean[c]), rs(rstd[c]), w(weight[c]), b(bias[c]);
-      acc_t sum_dy = 0, sum_dy_xhat = 0;
-      for (int64_t i = 0; i < xv.n; ++i) {
-        Block<acc_t> part_dy(acc_t(0)), part_dy_xhat(acc_t(0));
-        for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) C10_ALWAYS_INLINE_ATTRIBUTE {
-          Block<acc_t> dy, xhat;
-          dy_xhat(c * xv.c_stride + i * xv.n_stride + j, c * dv.c_stride + i * dv.n_stride + j, k, mu, rs, w, b, &dy, &xhat);
-          part_dy = part_dy + first(dy, k);
-          part_dy_xhat = part_dy_xhat + first(dy * xhat, k);
-        });
-        sum_dy += total(part_dy);
-        sum_dy_xhat += total(part_dy_xhat);
-      }
-      const Block<acc_t> mean_dy(sum_dy / count), mean_dy_xhat(sum_dy_xhat / count), scale(rstd[c] * weight[c]);
+      Block<acc_t> part_dy(acc_t(0)), part_dy_xhat(acc_t(0));
+      double sum_dy = 0, sum_dy_xhat = 0;
+      for_spatial_chunks<acc_t>(
+          xv,
+          [&](int64_t i, int64_t j, int64_t k) C10_ALWAYS_INLINE_ATTRIBUTE {
+            Block<acc_t> dy, xhat;
+            dy_xhat(c * xv.c_stride + i * xv.n_stride + j, c * dv.c_stride + i * dv.n_stride + j, k, mu, rs, w, b, &dy, &xhat);
+            part_dy = part_dy + first(dy, k);
+            part_dy_xhat = part_dy_xhat + first(dy * xhat, k);
+          },
+          [&] {
+            add_total(sum_dy, part_dy);
+            add_total(sum_dy_xhat, part_dy_xhat);
+          });
+      const Block<acc_t> mean_dy(static_cast<acc_t>(sum_dy / count));
+      const Block<acc_t> mean_dy_xhat(static_cast<acc_t>(sum_dy_xhat / count)), scale(rstd[c] * weight[c]);
       for (int64_t i = 0; i < xv.n; ++i) {
         for_blocks<acc_t>(xv.s, [&](int64_t j, int64_t k) C10_ALWAYS_INLINE_ATTRIBUTE {
           Block<acc_t> dy, xhat;
@@ -772,8 +823,8 @@ void batch_norm_act_bwd_vec(x_t* dx, acc_t* dweight, acc_t* dbias, const x_t* do
           store_block(dx + c * dxv.c_stride + i * dxv.n_stride + j, scale * (dy - mean_dy - xhat * mean_dy_xhat), k);
         });
       }
-      dweight[c] = sum_dy_xhat;
-      dbias[c] = sum_dy;
+      dweight[c] = static_cast<acc_t>(sum_dy_xhat);
+      dbias[c] = static_cast<acc_t>(sum_dy);
     }
     return;
   }
@@ -781,22 +832,29 @@ void batch_norm_act_bwd_vec(x_t* dx, acc_t* dweight, acc_t* dbias, const x_t* do
     const int64_t k = std::min(kBlock<acc_t>, c_end - c0);
     const Block<acc_t> mu = load_block<acc_t>(mean + c0, k), rs = load_block<acc_t>(rstd + c0, k),
                        w = load_block<acc_t>(weight + c0, k), b = load_block<acc_t>(bias + c0, k);
-    Block<acc_t> sum_dy(acc_t(0)), sum_dy_xhat(acc_t(0));
-    for (int64_t i = 0; i < xv.n; ++i) {
-      Block<acc_t> part_dy(acc_t(0)), part_dy_xhat(acc_t(0));
-      for (int64_t j = 0; j < xv.s; ++j) {
-        Block<acc_t> dy, xhat;
-        dy_xhat(i * xv.n_stride + j * xv.s_stride + c0, i * dv.n_stride + j * dv.s_stride + c0, k, mu, rs, w, b, &dy, &xhat);
-        part_dy = part_dy + dy;
-        part_dy_xhat = part_dy_xhat + dy * xhat;
-      }
-      sum_dy = sum_dy + part_dy;
-      sum_dy_xhat = sum_dy_xhat + part_dy_xhat;
+    Block<acc_t> part_dy(acc_t(0)), part_dy_xhat(acc_t(0));
+    double sum_dy[kBlock<acc_t>] = {}, sum_dy_xhat[kBlock<acc_t>] = {};
+    for_position_chunks(
+        xv,
+        [&](int64_t i, int64_t j) C10_ALWAYS_INLINE_ATTRIBUTE {
+          Block<acc_t> dy, xhat;
+          dy_xhat(i * xv.n_stride + j * xv.s_stride + c0, i * dv.n_stride + j * dv.s_stride + c0, k, mu, rs, w, b, &dy, &xhat);
+          part_dy = part_dy + dy;
+          part_dy_xhat = part_dy_xhat + dy * xhat;
+        },
+        [&] {
+          add_lanes(sum_dy, part_dy);
+          add_lanes(sum_dy_xhat, part_dy_xhat);
+        });
+    __at_align__ acc_t means[2][kBlock<acc_t>];  // of dy and dy * xhat, per channel
+    for (int64_t l = 0; l < k; ++l) {
+      dbias[c0 + l] = static_cast<acc_t>(sum_dy[l]);
+      dweight[c0 + l] = static_cast<acc_t>(sum_dy_xhat[l]);
+      means[0][l] = static_cast<acc_t>(sum_dy[l] / count);
+      means[1][l] = static_cast<acc_t>(sum_dy_xhat[l] / count);
     }
-    store_block(dweight + c0, sum_dy_xhat, k);
-    store_block(dbias + c0, sum_dy, k);
-    const Block<acc_t> inv_count(acc_t(1) / count);
-    const Block<acc_t> mean_dy = sum_dy * inv_count, mean_dy_xhat = sum_dy_xhat * inv_count, scale = rs * w;
+    const Block<acc_t> mean_dy = load_block<acc_t>(means[0], k), mean_dy_xhat = load_block<acc_t>(means[1], k),
+                       scale = rs * w;
     for (int64_t i = 0; i < xv.n; ++i) {
       for (int64_t j = 0; j < xv.s; ++j) {
         Block<acc_t> dy, xhat;

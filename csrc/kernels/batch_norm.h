@@ -24,25 +24,38 @@ struct BnView {
   int64_t n_stride = 0, c_stride = 0, s_stride = 0;    // element strides of the (N, C, S) view
 };
 
-// Channel sums are carried in kBnLanes independent partial sums (over s), folded pairwise per
-// sample and summed over samples: error grows with M / kBnLanes, not M.
+// Channel sums are carried in kBnLanes independent partial sums (over the elements in memory order),
+// folded pairwise and added into an fp64 total every kBnChunk terms per lane: no acc_t running sum
+// takes more than kBnChunk terms, so the error does not grow with M (the vector kernels in
+// cpu/vec_kernels.cpp chunk their lanes alike).
 constexpr int64_t kBnLanes = 8;
+constexpr int64_t kBnChunk = 64;
 
 template <typename acc_t, typename Fn>
-inline acc_t bn_channel_sum(const BnView& v, Fn&& term) {
-  acc_t total = acc_t(0);
-  for (int64_t i = 0; i < v.n; ++i) {
-    acc_t lanes[kBnLanes] = {};
-    int64_t j = 0;
-    for (; j + kBnLanes <= v.s; j += kBnLanes) {
-      for (int64_t lane = 0; lane < kBnLanes; ++lane) lanes[lane] += term(i, j + lane);
-    }
-    for (int64_t lane = 0; j < v.s; ++j, ++lane) lanes[lane] += term(i, j);
+inline double bn_channel_sum(const BnView& v, Fn&& term) {
+  double total = 0.0;
+  acc_t lanes[kBnLanes] = {};
+  int64_t terms = 0;  // per lane, since the last flush
+  auto flush = [&] {
     for (int64_t width = kBnLanes / 2; width > 0; width /= 2) {
       for (int64_t lane = 0; lane < width; ++lane) lanes[lane] += lanes[lane + width];
     }
     total += lanes[0];
+    for (acc_t& lane : lanes) lane = acc_t(0);
+    terms = 0;
+  };
+  for (int64_t i = 0; i < v.n; ++i) {
+    int64_t j = 0;
+    for (; j + kBnLanes <= v.s; j += kBnLanes) {
+      for (int64_t lane = 0; lane < kBnLanes; ++lane) lanes[lane] += term(i, j + lane);
+      if (++terms == kBnChunk) flush();
+    }
+    if (j < v.s) {
+      for (int64_t lane = 0; j < v.s; ++j, ++lane) lanes[lane] += term(i, j);
+      if (++terms == kBnChunk) flush();
+    }
   }
+  flush();
   return total;
 }
 
@@ -58,15 +71,15 @@ template <typename acc_t, typename x_t>
 void batch_norm_act_cpu(x_t* out, acc_t* mean, acc_t* rstd, const x_t* x, const BnView& xv, const BnView& ov,
                         const acc_t* weight, const acc_t* bias, acc_t eps, bool relu, int64_t c_begin,
                         int64_t c_end) {
-  const acc_t count = static_cast<acc_t>(xv.n * xv.s);
+  const double count = static_cast<double>(xv.n * xv.s);
   for (int64_t c = c_begin; c < c_end; ++c) {
     const x_t* xc = x + c * xv.c_stride;
     auto at = [&](int64_t i, int64_t j) { return load<acc_t>(xc + i * xv.n_stride + j * xv.s_stride); };
-    const acc_t mu = bn_channel_sum<acc_t>(xv, at) / count;
-    const acc_t var = bn_channel_sum<acc_t>(xv, [&](int64_t i, int64_t j) {
-                        const acc_t d = at(i, j) - mu;
-                        return d * d;
-                      }) / count;
+    const acc_t mu = static_cast<acc_t>(bn_channel_sum<acc_t>(xv, at) / count);
+    const acc_t var = static_cast<acc_t>(bn_channel_sum<acc_t>(xv, [&](int64_t i, int64_t j) {
+                                           const acc_t d = at(i, j) - mu;
+                                           return d * d;
+                                         }) / count);
     const acc_t rs = acc_t(1) / std::sqrt(var + eps);
     const acc_t w = weight[c], b = bias[c];
     x_t* oc = out + c * ov.c_stride;
@@ -90,7 +103,7 @@ void batch_norm_act_bwd_cpu(x_t* dx, acc_t* dweight, acc_t* dbias, const x_t* do
                             const x_t* x, const BnView& xv, const BnView& dxv, const acc_t* weight,
                             const acc_t* bias, const acc_t* mean, const acc_t* rstd, bool relu, int64_t c_begin,
                             int64_t c_end) {
-  const acc_t count = static_cast<acc_t>(xv.n * xv.s);
+  const double count = static_cast<double>(xv.n * xv.s);
   for (int64_t c = c_begin; c < c_end; ++c) {
     const x_t* xc = x + c * xv.c_stride;
     const x_t* dc = dout + c * dv.c_stride;
@@ -102,9 +115,11 @@ void batch_norm_act_bwd_cpu(x_t* dx, acc_t* dweight, acc_t* dbias, const x_t* do
       const acc_t y = bn_affine(load<acc_t>(xc + i * xv.n_stride + j * xv.s_stride), mu, rs, w, b);
       return y > acc_t(0) ? d : acc_t(0);
     };
-    const acc_t sum_dy = bn_channel_sum<acc_t>(xv, dy_at);
-    const acc_t sum_dy_xhat = bn_channel_sum<acc_t>(xv, [&](int64_t i, int64_t j) { return dy_at(i, j) * xhat_at(i, j); });
-    const acc_t mean_dy = sum_dy / count, mean_dy_xhat = sum_dy_xhat / count;
+    const double sum_dy = bn_channel_sum<acc_t>(xv, dy_at);
+    const double sum_dy_xhat =
+        bn_channel_sum<acc_t>(xv, [&](int64_t i, int64_t j) { return dy_at(i, j) * xhat_at(i, j); });
+    const acc_t mean_dy = static_cast<acc_t>(sum_dy / count);
+    const acc_t mean_dy_xhat = static_cast<acc_t>(sum_dy_xhat / count);
     const acc_t scale = rs * w;
     x_t* oc = dx + c * dxv.c_stride;
     for (int64_t i = 0; i < xv.n; ++i) {
@@ -113,8 +128,8 @@ void batch_norm_act_bwd_cpu(x_t* dx, acc_t* dweight, acc_t* dbias, const x_t* do
                      scale * (dy_at(i, j) - mean_dy - xhat_at(i, j) * mean_dy_xhat));
       }
     }
-    dweight[c] = sum_dy_xhat;
-    dbias[c] = sum_dy;
+    dweight[c] = static_cast<acc_t>(sum_dy_xhat);
+    dbias[c] = static_cast<acc_t>(sum_dy);
   }
 }
 

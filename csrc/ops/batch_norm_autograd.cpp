@@ -1,7 +1,7 @@
 // Autograd kernel of revkernels::batch_norm_act; its VJP is batch_norm_act_bwd (which itself has no
 // autograd formula). mean and rstd are not differentiable; with grad dout of out:
 //   (dx, dweight, dbias) = batch_norm_act_bwd(dout in x's dtype, x, weight, bias, mean, rstd, relu)
-//   d x = dx,   d weight = dweight,   d bias = dbias in bias's dtype.
+//   d x = dx,   d weight = dweight,   d bias = dbias.
 #include <torch/library.h>
 
 #include <tuple>
@@ -38,7 +38,7 @@ struct BatchNormAct : torch::autograd::Function<BatchNormAct> {
     auto [dx, dweight, dbias] = bwd.call(grads[0].to(x.scalar_type()), x, s[1], bias, s[3], s[4],
                                          ctx->saved_data["relu"].toBool());
     return {ctx->needs_input_grad(0) ? dx : at::Tensor(), ctx->needs_input_grad(1) ? dweight : at::Tensor(),
-            ctx->needs_input_grad(2) ? dbias.to(bias.scalar_type()) : at::Tensor(), at::Tensor(), at::Tensor()};
+            ctx->needs_input_grad(2) ? dbias : at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 

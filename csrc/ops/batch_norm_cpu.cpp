@@ -125,7 +125,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_bwd_op(
                                xl.const_data_ptr(), x_kind, xv, dxv, w.const_data_ptr(), b.const_data_ptr(),
                                mu.const_data_ptr(), rs.const_data_ptr(), relu, begin, end);
   });
-  return {dx, dweight_acc.to(weight.scalar_type()), dbias_acc.to(weight.scalar_type())};
+  return {dx, dweight_acc.to(weight.scalar_type()), dbias_acc.to(bias.scalar_type())};
 }
 
 }  // namespace

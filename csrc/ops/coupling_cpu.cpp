@@ -18,8 +18,10 @@ at::Tensor coupling_axpy_cpu_impl(const at::Tensor& a, const char* a_name, const
   at::Tensor out = at::empty_like(a);
   if (out.numel() == 0) return out;
   CouplingLayout layout;
-  if (!make_coupling_layout(out, a, b, &layout)) {  // too many strided dims: densify first
-    return coupling_axpy_cpu_impl(a.contiguous(), a_name, b.contiguous(), b_name, alpha);
+  if (!make_coupling_layout(out, a, b, &layout)) {
+    // Too many strided dims: copies of a and b in out's dense layout (a's), where all dims merge.
+    return coupling_axpy_cpu_impl(at::empty_like(out).copy_(a), a_name, at::empty_like(out, b.options()).copy_(b),
+                                  b_name, alpha);
   }
   const ScalarKind out_kind = scalar_kind(a, a_name), b_kind = scalar_kind(b, b_name);
   const CpuKernels& kernels = cpu_kernels();

@@ -19,7 +19,9 @@ at::Tensor coupling_axpy_cuda_impl(const at::Tensor& a, const char* a_name, cons
   if (out.numel() == 0) return out;
   CouplingLayout layout;
   if (!make_coupling_layout(out, a, b, &layout)) {
-    return coupling_axpy_cuda_impl(a.contiguous(), a_name, b.contiguous(), b_name, alpha);
+    // Too many strided dims: copies of a and b in out's dense layout (a's), where all dims merge.
+    return coupling_axpy_cuda_impl(at::empty_like(out).copy_(a), a_name, at::empty_like(out, b.options()).copy_(b),
+                                   b_name, alpha);
   }
   const cudaError_t status =
       coupling_axpy_cuda(scalar_kind(a, a_name), scalar_kind(b, b_name), out.data_ptr(), a.const_data_ptr(),

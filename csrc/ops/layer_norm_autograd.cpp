@@ -2,7 +2,8 @@
 // no autograd formula). With grads (dx_out, dln) of the outputs (x, ln); mean and rstd are not
 // differentiable:
 //   (dx, dweight, dbias) = layer_norm_bwd_add(dln, x, weight, mean, rstd, dres=dx_out)
-//   d y = dx,   d g = -dx in g's dtype,   d weight = dweight,   d bias = dbias in bias's dtype.
+//   d y = dx,   d g = -dx in g's dtype,   d weight = dweight,   d bias = dbias in bias's dtype
+// (weight passed in the accumulation dtype when bias has another dtype: neither sum is rounded twice).
 #include <torch/library.h>
 
 #include <tuple>
@@ -37,10 +38,17 @@ struct SubLayerNorm : torch::autograd::Function<SubLayerNorm> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto bwd = typed_op<LayerNormBwdAddOp>("revkernels::layer_norm_bwd_add");
     const variable_list saved = ctx->get_saved_variables();
-    auto [dx, dweight, dbias] = bwd.call(grads[1], saved[0], saved[1], saved[2], saved[3], grads[0]);
+    const at::Tensor &x = saved[0], &weight = saved[1];
+    const auto bias_dtype = ctx->saved_data["bias_dtype"].toScalarType();
+    // The op returns dweight and dbias in the dtype of the weight it gets: where bias has another dtype, it gets
+    // weight in the accumulation dtype, and each sum is rounded once, to its parameter's dtype.
+    const bool acc_double = x.scalar_type() == at::kDouble || grads[0].scalar_type() == at::kDouble;
+    const at::Tensor w =
+        weight.scalar_type() == bias_dtype ? weight : weight.to(acc_double ? at::kDouble : at::kFloat);
+    auto [dx, dweight, dbias] = bwd.call(grads[1], x, w, saved[2], saved[3], grads[0]);
     at::Tensor dg;
     if (ctx->needs_input_grad(1)) dg = dx.neg().to(ctx->saved_data["g_dtype"].toScalarType());
-    return {dx, dg, dweight, dbias.to(ctx->saved_data["bias_dtype"].toScalarType()), at::Tensor()};
+    return {dx, dg, dweight.to(weight.scalar_type()), dbias.to(bias_dtype), at::Tensor()};
   }
 };
 

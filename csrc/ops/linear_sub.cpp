@@ -4,6 +4,7 @@
 // linear_sub_autograd.cpp.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -60,6 +61,11 @@ at::ScalarType gemm_dtype(const at::Tensor& a, const at::Tensor& weight) {
   return at::promote_types(a.scalar_type(), weight.scalar_type());
 }
 
+// `t` in `dtype`, contiguous (the result's layout whatever y's: the fake kernel's), copied at most once.
+at::Tensor contiguous_in(const at::Tensor& t, at::ScalarType dtype) {
+  return t.is_contiguous() ? t.to(dtype) : at::empty(t.sizes(), t.options().dtype(dtype)).copy_(t);
+}
+
 at::Tensor linear_sub_composite(const at::Tensor& y, const at::Tensor& a, const at::Tensor& weight,
                                 const std::optional<at::Tensor>& bias) {
   check_linear_sub_args(y, a, weight, bias);
@@ -67,19 +73,22 @@ at::Tensor linear_sub_composite(const at::Tensor& y, const at::Tensor& a, const 
   // The casts are explicit; ATen's autocast must not recast the GEMM's operands.
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   const int64_t n = weight.size(0), k = weight.size(1);
-  const at::Tensor a2d = a.reshape({-1, k}).to(gemm), w = weight.to(gemm);
-  at::Tensor acc = y.reshape({-1, n});  // addmm reads its accumulator and writes a new tensor: y is not modified
+  const int64_t rows = c10::multiply_integers(a.sizes().slice(0, a.dim() - 1));  // k or n may be 0: no -1
+  const at::Tensor a2d = a.reshape({rows, k}).to(gemm), w = weight.to(gemm);
+  at::Tensor acc = y.reshape({rows, n});  // addmm reads its accumulator and writes a new tensor: y is not modified
   const at::ScalarType acc_dtype = at::promote_types(y.scalar_type(), gemm);
   if (bias && at::isReducedFloatingType(acc_dtype)) {
     // A 16-bit accumulator would round y - b before the GEMM adds to it: F.linear's single rounding of
     // a @ W^T + b, then the subtraction's (see revkernels/ops/linear_sub.py).
     const at::Tensor out = acc.to(acc_dtype) - at::addmm(bias->to(gemm), a2d, w.t());
-    return out.reshape(y.sizes()).to(y.scalar_type());
+    return contiguous_in(out.reshape(y.sizes()), y.scalar_type());
   }
-  if (bias) acc = (acc - *bias).to(acc_dtype);
+  // The accumulator in acc_dtype, bias or not (a 16-bit y, fp32 GEMM: no 16-bit rounding of the product).
+  acc = (bias ? acc - *bias : acc).to(acc_dtype);
+  const bool own_acc = bias || y.scalar_type() != acc_dtype;  // y - b, or y converted: not y itself
   at::Tensor out;
-  if (acc.scalar_type() == gemm && bias) {
-    // acc = y - b is this call's own tensor: the GEMM accumulates into it in place (addmm would copy it first)
+  if (acc.scalar_type() == gemm && own_acc) {
+    // the GEMM accumulates into this call's own tensor in place (addmm would copy it first)
     out = acc.addmm_(a2d, w.t(), /*beta=*/1, /*alpha=*/-1);
   } else if (acc.scalar_type() == gemm) {
     out = at::addmm(acc, a2d, w.t(), /*beta=*/1, /*alpha=*/-1);
@@ -89,7 +98,7 @@ at::Tensor linear_sub_composite(const at::Tensor& y, const at::Tensor& a, const 
   } else {  // CPU BLAS has no mixed-dtype GEMM: subtract the product in the wider dtype
     out = acc - at::mm(a2d, w.t()).to(acc.scalar_type());
   }
-  return out.reshape(y.sizes()).to(y.scalar_type());
+  return contiguous_in(out.reshape(y.sizes()), y.scalar_type());
 }
 
 }  // namespace

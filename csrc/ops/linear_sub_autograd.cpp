@@ -2,6 +2,7 @@
 // the grad of x viewed as (rows, N):
 //   d y = g in y's dtype,   d a = -g @ W in a's dtype,   d W = -g^T a in W's dtype,
 //   d b = -sum_rows(g), summed in fp32 (fp64 for an fp64 g), in b's dtype.
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -32,13 +33,14 @@ struct LinearSub : torch::autograd::Function<LinearSub> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &a = saved[0], &weight = saved[1];
-    const at::Tensor g = grads[0].reshape({-1, weight.size(0)});
+    const int64_t rows = c10::multiply_integers(a.sizes().slice(0, a.dim() - 1));  // k or n may be 0: no -1
+    const at::Tensor g = grads[0].reshape({rows, weight.size(0)});
     at::Tensor da, dweight, dbias;
     if (ctx->needs_input_grad(1)) {
       da = at::mm(g.to(weight.scalar_type()).neg(), weight).reshape(a.sizes()).to(a.scalar_type());
     }
     if (ctx->needs_input_grad(2)) {
-      dweight = at::mm(g.to(a.scalar_type()).t().neg(), a.reshape({-1, a.size(-1)})).to(weight.scalar_type());
+      dweight = at::mm(g.to(a.scalar_type()).t().neg(), a.reshape({rows, a.size(-1)})).to(weight.scalar_type());
     }
     // Without a bias the node has edges for y, a and weight only.
     const auto bias_dtype = ctx->saved_data.find("bias_dtype");

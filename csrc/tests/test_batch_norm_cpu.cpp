@@ -1,7 +1,8 @@
 // Unit test of the torch-free CPU BatchNorm (+ ReLU) kernels (kernels/batch_norm.h) against naive
 // loops in double: revkernels::batch_norm_act_cpu and batch_norm_act_bwd_cpu, for float, double,
 // bf16 and fp16 data, NCHW and channels_last views, with and without ReLU, channel ranges split as
-// threads would (channels outside a range stay untouched), and one value per channel.
+// threads would (channels outside a range stay untouched), one value per channel, and millions of
+// values per channel far from zero (the chunked sums).
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -34,14 +35,14 @@ BnView make_view(const Shape& sh, bool channels_last) {
 int64_t at(const BnView& v, int64_t i, int64_t c, int64_t j) { return i * v.n_stride + c * v.c_stride + j * v.s_stride; }
 
 template <typename x_t>
-void run_case(const Shape& sh, bool channels_last, bool relu, std::mt19937& rng) {
+void run_case(const Shape& sh, bool channels_last, bool relu, std::mt19937& rng, double offset = 1.0) {
   using acc_t = typename std::conditional<std::is_same_v<x_t, double>, double, float>::type;
   const int64_t total = sh.n * sh.c * sh.s, m = sh.n * sh.s;
   const double tol = std::is_same_v<acc_t, double> ? 1e-12 : 2e-5;
   const double eps = 1e-5;
   std::normal_distribution<double> normal;
   std::vector<x_t> x(total), dout(total), out(total, sentinel<x_t>()), dx(total, sentinel<x_t>());
-  for (auto& v : x) v = from_double<x_t>(normal(rng) * 2 + 1);
+  for (auto& v : x) v = from_double<x_t>(normal(rng) * 2 + offset);
   for (auto& v : dout) v = from_double<x_t>(normal(rng));
   std::vector<acc_t> w(sh.c), b(sh.c), mean(sh.c, acc_t(-7)), rstd(sh.c, acc_t(-7)), dw(sh.c, acc_t(-7)),
       db(sh.c, acc_t(-7));
@@ -126,5 +127,7 @@ int main() {
   run_all<double>(rng);
   run_all<BFloat16>(rng);
   run_all<Half>(rng);
+  // 2^21 values per channel near 100: a running sum over all of them per lane loses the statistics.
+  for (bool channels_last : {false, true}) run_case<float>(Shape{1, 2, 1 << 21}, channels_last, false, rng, 100.0);
   return finish("test_batch_norm_cpu");
 }

@@ -30,7 +30,7 @@ Backward (``torch.ops.revkernels.batch_norm_act_bwd``), the VJP of the forward::
 
 dx is in x's dtype; dout must have x's dtype and shape (any layout). dweight and dbias are
 accumulated in fp32 (fp64 for fp64 x), in a fixed order (deterministic: no atomics), and returned
-in weight's dtype.
+in weight's and bias's dtype respectively (each rounded once).
 
 VJP of batch_norm_act (registered; mean and rstd are not differentiable), with grad dout of out::
 
@@ -45,9 +45,10 @@ library is loaded (C++ checks and autograd); without it, Python functions that c
 first.
 
 Kernels: C++ on CPU (``csrc/kernels/batch_norm.h``: one thread per channel range, two passes for the
-statistics); Triton on CUDA (``revkernels/triton/batch_norm.py``: each channel's reduction split over
-programs, partial statistics merged with Chan's formula, then an elementwise apply); without a
-compiled CPU kernel, the references below.
+statistics; a channel's sums are chunked, partial sums of at most 64 terms per lane added in fp64,
+so their error does not grow with M); Triton on CUDA (``revkernels/triton/batch_norm.py``: each
+channel's reduction split over programs, partial statistics merged with Chan's formula, then an
+elementwise apply); without a compiled CPU kernel, the references below.
 Layouts: x (and dout) are read as they are when NCHW-contiguous or channels_last (4-d) /
 channels_last_3d (5-d), and copied with ``.contiguous()`` otherwise; out and dx are allocated with
 ``empty_like`` of the tensor the kernel reads (so a channels_last x gives a channels_last out).
@@ -117,7 +118,7 @@ def batch_norm_act_bwd_reference(dout, x, weight, bias, mean, rstd, relu):
     dx_full = rs * w * (dy - dbias.view(shape) / count - xhat * dweight.view(shape) / count)
     dx = torch.empty_like(laid_out(x))
     dx.copy_(dx_full)
-    return dx, dweight.to(weight.dtype), dbias.to(weight.dtype)
+    return dx, dweight.to(weight.dtype), dbias.to(bias.dtype)
 
 
 # --- argument checks (the C++ kernels repeat them; these also guard the Triton path) -------------
@@ -232,7 +233,7 @@ def _batch_norm_act_bwd_fake(dout, x, weight, bias, mean, rstd, relu=True):
     _check_batch_norm_act_bwd_args(dout, x, weight, bias, mean, rstd, relu)
     c = x.shape[1]
     return (torch.empty_like(laid_out(x)), torch.empty(c, dtype=weight.dtype, device=x.device),
-            torch.empty(c, dtype=weight.dtype, device=x.device))
+            torch.empty(c, dtype=bias.dtype, device=x.device))
 
 
 # --- autograd ----------------------------------------------------------------------------------------
@@ -249,7 +250,7 @@ def _batch_norm_act_backward(ctx, dout, dmean, drstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
     dx, dweight, dbias = _batch_norm_act_bwd(dout.to(x.dtype), x, weight, bias, mean, rstd, ctx.relu)
     return (dx if ctx.needs_input_grad[0] else None, dweight if ctx.needs_input_grad[1] else None,
-            dbias.to(bias.dtype) if ctx.needs_input_grad[2] else None, None, None)
+            dbias if ctx.needs_input_grad[2] else None, None, None)
 
 
 register_autograd_fallback("batch_norm_act", _batch_norm_act_backward, _batch_norm_act_setup_context)

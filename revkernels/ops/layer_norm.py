@@ -39,6 +39,9 @@ not differentiable), with grads (dx_out, dln) of its outputs (x, ln)::
     (dx, dweight, dbias) = layer_norm_bwd_add(dln, x, weight, mean, rstd, dres=dx_out)
     d y = dx,   d g = -dx,   d weight = dweight,   d bias = dbias
 
+(with weight passed in the accumulation dtype where bias has another dtype, so that dweight and
+dbias are each rounded once, to their parameter's dtype).
+
 layer_norm_bwd_add itself has no autograd formula (no double backward through sub_layer_norm).
 
 Kernels: C++ on CPU (``csrc/cpu/vec_kernels.cpp``, semantics ``csrc/kernels/layer_norm.h``;
@@ -215,8 +218,11 @@ def _sub_layer_norm_setup_context(ctx, inputs, output):
 
 def _sub_layer_norm_backward(ctx, dx_out, dln, dmean, drstd):
     x, weight, mean, rstd = ctx.saved_tensors
-    dx, dweight, dbias = _layer_norm_bwd_add(dln, x, weight, mean, rstd, dx_out)
-    return dx, (-dx).to(ctx.g_dtype), dweight, dbias.to(ctx.bias_dtype), None
+    # The op returns dweight and dbias in the dtype of the weight it gets: where bias has another dtype, it
+    # gets weight in the accumulation dtype, and each sum is rounded once, to its parameter's dtype.
+    w = weight if weight.dtype == ctx.bias_dtype else weight.to(_accumulate_dtype(x, dx_out))
+    dx, dweight, dbias = _layer_norm_bwd_add(dln, x, w, mean, rstd, dx_out)
+    return dx, (-dx).to(ctx.g_dtype), dweight.to(weight.dtype), dbias.to(ctx.bias_dtype), None
 
 
 register_autograd_fallback("sub_layer_norm", _sub_layer_norm_backward, _sub_layer_norm_setup_context)

@@ -10,14 +10,17 @@ alpha = -1), so the output projection and the subtraction are one kernel::
 except for a 16-bit accumulator with a bias: there ``y - b`` would be rounded to 16 bits before the
 GEMM adds to it, so the op computes ``y - addmm(b, a, W^T)`` instead, F.linear's single rounding of
 ``a @ W^T + b`` followed by the subtraction's (a folded bias could lose more than twice the
-composition's error where y and b nearly cancel). With a bias, ``y - b`` is a tensor of the op's
-own, so the GEMM accumulates into it in place (``addmm_``; addmm would copy it into a new output
-first); without one the accumulator is y itself, which addmm leaves alone.
+composition's error where y and b nearly cancel). The accumulator has the promoted dtype of y and
+the GEMM, bias or not (a 16-bit y with fp32 a and W accumulates in fp32: the product is not
+rounded to 16 bits). Where it is a tensor of the op's own (``y - b``, or y converted), the GEMM
+accumulates into it in place (``addmm_``; addmm would copy it into a new output first); otherwise
+it is y itself, which addmm leaves alone.
 
-Shapes: y (..., N), a (..., K), W (N, K), b (N,) or None; x has y's shape and dtype. Under autocast
-the GEMM runs in the autocast dtype like ``F.linear`` would while an fp32 stream stays the fp32
-accumulator (on CUDA, ``addmm(..., out_dtype=float32)``; CPU BLAS has no mixed-dtype GEMM, so
-there the product is formed in the autocast dtype and subtracted in fp32).
+Shapes: y (..., N), a (..., K), W (N, K), b (N,) or None, K or N possibly 0 (as for F.linear); x
+has y's shape and dtype and is contiguous, whatever y's layout. Under autocast the GEMM runs in the
+autocast dtype like ``F.linear`` would while an fp32 stream stays the fp32 accumulator (on CUDA,
+``addmm(..., out_dtype=float32)``; CPU BLAS has no mixed-dtype GEMM, so there the product is
+formed in the autocast dtype and subtracted in fp32).
 
 VJP (linear in every input)::
 
@@ -31,6 +34,8 @@ calls, registered for every device (``csrc/ops/linear_sub.cpp``, its autograd fo
 Entry point: ``linear_sub`` is the op itself when the compiled library is loaded (C++ checks and
 autograd); without it, a Python function that checks the arguments first.
 """
+import math
+
 import torch
 
 from revkernels.ops._library import define_op, entry_point, fill_missing_kernel, register_autograd_fallback
@@ -79,17 +84,19 @@ def _linear_sub_impl(y, a, weight, bias=None):
     _check_linear_sub_args(y, a, weight, bias)
     gemm_dtype = _gemm_dtype(y, a, weight)
     n, k = weight.shape
-    a2d, w = a.reshape(-1, k).to(gemm_dtype), weight.to(gemm_dtype)
-    acc = y.reshape(-1, n)  # addmm reads its accumulator and writes a new tensor: y is not modified
+    rows = math.prod(a.shape[:-1])  # k or n may be 0: no -1
+    a2d, w = a.reshape(rows, k).to(gemm_dtype), weight.to(gemm_dtype)
+    acc = y.reshape(rows, n)  # addmm reads its accumulator and writes a new tensor: y is not modified
     acc_dtype = torch.promote_types(y.dtype, gemm_dtype)
     with torch.autocast(a.device.type, enabled=False):
         if bias is not None and acc_dtype in (torch.bfloat16, torch.float16):  # see the module docstring
             out = acc.to(acc_dtype) - torch.addmm(bias.to(gemm_dtype), a2d, w.t())
-            return out.reshape(y.shape).to(y.dtype)
-        if bias is not None:
-            acc = (acc - bias).to(acc_dtype)
-        if acc.dtype == gemm_dtype and bias is not None:
-            out = acc.addmm_(a2d, w.t(), beta=1, alpha=-1)  # acc = y - b is this call's own: no copy
+            return _contiguous_in(out.reshape(y.shape), y.dtype)
+        # The accumulator in acc_dtype, bias or not (a 16-bit y, fp32 GEMM: no 16-bit rounding of the product).
+        acc = (acc if bias is None else acc - bias).to(acc_dtype)
+        own_acc = bias is not None or y.dtype != acc_dtype  # y - b, or y converted: not y itself
+        if acc.dtype == gemm_dtype and own_acc:
+            out = acc.addmm_(a2d, w.t(), beta=1, alpha=-1)  # this call's own tensor: no copy
         elif acc.dtype == gemm_dtype:
             out = torch.addmm(acc, a2d, w.t(), beta=1, alpha=-1)
         elif acc.is_cuda and acc.dtype == torch.float32:
@@ -97,7 +104,12 @@ def _linear_sub_impl(y, a, weight, bias=None):
             out = torch.addmm(acc, a2d, w.t(), out_dtype=torch.float32, beta=1, alpha=-1)
         else:  # CPU BLAS has no mixed-dtype GEMM: subtract the product in the wider dtype
             out = acc - torch.mm(a2d, w.t()).to(acc.dtype)
-    return out.reshape(y.shape).to(y.dtype)
+    return _contiguous_in(out.reshape(y.shape), y.dtype)
+
+
+def _contiguous_in(t, dtype):
+    # t in dtype, contiguous (the result's layout whatever y's: the fake kernel's), copied at most once.
+    return t.to(dtype) if t.is_contiguous() else torch.empty(t.shape, dtype=dtype, device=t.device).copy_(t)
 
 
 fill_missing_kernel("linear_sub", "CompositeExplicitAutograd", _linear_sub_impl)
@@ -106,7 +118,7 @@ fill_missing_kernel("linear_sub", "CompositeExplicitAutograd", _linear_sub_impl)
 @torch.library.register_fake("revkernels::linear_sub")
 def _linear_sub_fake(y, a, weight, bias=None):
     _check_linear_sub_args(y, a, weight, bias)
-    return torch.empty_like(y)
+    return y.new_empty(y.shape)  # contiguous whatever y's layout, as the kernel's result
 
 
 def _setup_context(ctx, inputs, output):
@@ -119,12 +131,13 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad):
     a, weight = ctx.saved_tensors
-    g = grad.reshape(-1, weight.shape[0])
+    rows = math.prod(a.shape[:-1])  # k or n may be 0: no -1
+    g = grad.reshape(rows, weight.shape[0])
     da = dweight = dbias = None
     if ctx.needs_input_grad[1]:
         da = (-g.to(weight.dtype) @ weight).reshape(a.shape).to(a.dtype)
     if ctx.needs_input_grad[2]:
-        dweight = (-g.to(a.dtype).t() @ a.reshape(-1, a.shape[-1])).to(weight.dtype)
+        dweight = (-g.to(a.dtype).t() @ a.reshape(rows, a.shape[-1])).to(weight.dtype)
     if ctx.has_bias and ctx.needs_input_grad[3]:
         dbias = (-g.to(_accumulate_dtype(g)).sum(0)).to(ctx.bias_dtype)
     return grad.to(ctx.y_dtype), da, dweight, dbias

@@ -189,7 +189,7 @@ def _bn_bwd_sums_kernel(partial_ptr, d_ptr, dn, dc, ds, x_ptr, xn, xc, xs, w_ptr
 @triton.jit
 def _bn_bwd_finalize_kernel(sums_ptr, dw_ptr, db_ptr, partial_ptr, C, num_chunks, BLOCK_C: tl.constexpr,
                             BLOCK_P: tl.constexpr):
-    # Sums the chunks' partials in chunk order; writes dweight, dbias (weight's dtype) and the
+    # Sums the chunks' partials in chunk order; writes dweight, dbias (weight's, bias's dtype) and the
     # unrounded sums (2, C) for the apply kernel.
     chans = (tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     cmask = chans < C
@@ -296,7 +296,7 @@ def batch_norm_act(x, weight, bias, eps, relu, block_m=None, chunks=None):
 
 def batch_norm_act_bwd(dout, x, weight, bias, mean, rstd, relu, block_m=None, chunks=None):
     """(dx, dweight, dbias): the VJP of batch_norm_act; dx in x's dtype and layout, dweight and
-    dbias summed in fp32 (fp64 for fp64 x) and returned in weight's dtype."""
+    dbias summed in fp32 (fp64 for fp64 x) and returned in weight's and bias's dtype."""
     acc_fp64 = x.dtype == torch.float64
     acc_dtype = torch.float64 if acc_fp64 else torch.float32
     x, dout = _laid_out(x), _laid_out(dout)
@@ -304,7 +304,7 @@ def batch_norm_act_bwd(dout, x, weight, bias, mean, rstd, relu, block_m=None, ch
     m = x.numel() // c
     dx = torch.empty_like(x)
     dweight = torch.empty(c, dtype=weight.dtype, device=x.device)
-    dbias = torch.empty(c, dtype=weight.dtype, device=x.device)
+    dbias = torch.empty(c, dtype=bias.dtype, device=x.device)
     if m == 0:
         return dx, dweight.zero_(), dbias.zero_()
     weight, bias, mean, rstd = weight.contiguous(), bias.contiguous(), mean.contiguous(), rstd.contiguous()

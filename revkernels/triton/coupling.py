@@ -1,8 +1,8 @@
 """Triton kernel of the coupling ops: out = a + alpha * b in a's dtype (see revkernels/ops/coupling.py).
 
 One pass over dense data: `out` takes a's layout (torch.empty_like) and the kernel walks the
-storage linearly, so it needs `a` and `b` dense with the same strides; any other layout of `b`
-is first copied into a's layout (one extra pass, only for unusual layouts).
+storage linearly, so it needs `a` and `b` dense with out's strides; an input laid out otherwise
+is first copied into out's layout (one extra pass, only for unusual layouts).
 """
 import torch
 import triton
@@ -26,9 +26,8 @@ def coupling_axpy(a, b, alpha):
     out = torch.empty_like(a)  # dense; a's strides exactly when a is dense
     if out.numel() == 0:
         return out
-    if out.stride() != a.stride():
-        a = a.contiguous()
-        out = torch.empty_like(a)
+    if a.stride() != out.stride():
+        a = torch.empty_like(out).copy_(a)
     if b.stride() != out.stride():
         b = torch.empty_like(out, dtype=b.dtype).copy_(b)
     acc_fp64 = torch.float64 in (a.dtype, b.dtype)

@@ -2,6 +2,8 @@
 BatchNorm: the C++ CPU kernels, the Triton kernels (under TRITON_INTERPRET=1 on CPU, fp32) and,
 with -m gpu, the CUDA path."""
 
+import pathlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,7 @@ from revkernels.ops.batch_norm import (batch_norm_act, batch_norm_act_bwd, batch
 from tests.helpers import assert_close_rel, assert_low_precision_rule, run_without_c_extension, triton_device
 
 EPS = 1e-5
+ROOT = str(pathlib.Path(__file__).resolve().parents[2])  # the checkout, for the subprocess checks
 SHAPES = [(2, 3, 5, 7), (4, 64, 8, 8), (1, 3, 1, 1), (6, 5), (3, 4, 10)]
 LAYOUTS = ["contiguous", "channels_last", "non-contiguous"]
 
@@ -112,6 +115,27 @@ def test_batch_norm_act_bwd_fp32(shape, layout, relu):
             assert_close_rel(got, e, 1e-8, f"reference {what}")
 
 
+@pytest.mark.parametrize("shape,layout", [((1, 2, 2048, 2048), "contiguous"), ((1, 2, 2048, 2048), "channels_last"),
+                                          ((65536, 4), "contiguous")])
+def test_millions_per_channel_far_from_zero(shape, layout):
+    # Each channel's sums are chunked (kernels/batch_norm.h): a running sum over all M = 4M (65536)
+    # values near 100 per lane loses the mean and variance. dout in x's layout (vector paths) and,
+    # for channels_last x, NCHW (the scalar backward).
+    x = _in_layout(torch.randn(shape) + 100, layout)
+    weight, bias = _params(shape[1])
+    out, mean, rstd = batch_norm_act(x, weight, bias, EPS, False)
+    want = batch_norm_act_reference(x.double(), weight.double(), bias.double(), EPS, False)
+    for got, exact, what in zip((out, mean, rstd), want, ("out", "mean", "rstd")):
+        assert_close_rel(got, exact, 1e-5, what)
+    dout = torch.randn(shape)
+    for d in {layout: _in_layout(dout, layout), "contiguous": dout}.values():
+        exact = batch_norm_act_bwd_reference(d.double(), x.double(), weight.double(), bias.double(), mean.double(),
+                                             rstd.double(), False)
+        for got, e, what in zip(batch_norm_act_bwd(d, x, weight, bias, mean, rstd, False), exact,
+                                ("dx", "dweight", "dbias")):
+            assert_close_rel(got, e, 1e-5, what)
+
+
 def test_one_value_per_channel():
     # N=1, 1x1 spatial: variance 0, rstd = 1/sqrt(eps), out = act(bias).
     x = torch.randn(1, 4, 1, 1)
@@ -165,7 +189,35 @@ def test_mixed_param_dtypes():
     composed = torch.relu(F.batch_norm(x.float(), None, None, weight.bfloat16().float(), bias.float(), True, 0.0, EPS))
     assert_low_precision_rule(out, composed.bfloat16(), want[0], "out")
     dx, dweight, dbias = batch_norm_act_bwd(x, x, weight.bfloat16(), bias, mean, rstd, True)
-    assert dweight.dtype == dbias.dtype == torch.bfloat16
+    assert dweight.dtype == torch.bfloat16 and dbias.dtype == torch.float32
+
+
+PARAM_DTYPE_PAIRS = [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float64)]
+
+
+def _check_param_grads_of_two_dtypes():
+    # weight and bias of different dtypes: each grad is its fp32 sum rounded once to its own dtype (the
+    # bias's not through the weight's dtype first), from the op and through autograd.
+    x, dout = _random((16, 8, 6, 6)), torch.randn(16, 8, 6, 6)
+    for weight_dtype, bias_dtype in PARAM_DTYPE_PAIRS:
+        weight, bias = (p.to(dt).requires_grad_() for p, dt in zip(_params(8), (weight_dtype, bias_dtype)))
+        out, mean, rstd = batch_norm_act(x, weight, bias, EPS, False)
+        out.backward(dout)
+        exact = batch_norm_act_bwd_reference(dout.double(), x.double(), weight.double(), bias.double(),
+                                             mean.double(), rstd.double(), False)
+        _, dweight, dbias = batch_norm_act_bwd(dout, x, weight.detach(), bias.detach(), mean, rstd, False)
+        for got, e, what in [(dweight, exact[1], "dweight"), (weight.grad, exact[1], "weight.grad"),
+                             (dbias, exact[2], "dbias"), (bias.grad, exact[2], "bias.grad")]:
+            dtype = weight_dtype if "weight" in what else bias_dtype
+            assert got.dtype == dtype, what
+            if dtype in (torch.bfloat16, torch.float16):
+                assert_low_precision_rule(got, e.to(dtype), e, what)
+            else:
+                assert_close_rel(got, e, 1e-5, what)
+
+
+def test_param_grads_of_two_dtypes():
+    _check_param_grads_of_two_dtypes()
 
 
 def test_deterministic_and_inputs_untouched():
@@ -295,6 +347,9 @@ def test_pure_pytorch_fallback_when_library_missing():
         "torch.testing.assert_close(out, want)\n"
         "d = torch.ops.revkernels.batch_norm_act_bwd(x, x, w, b, mean, rstd, True)\n"
         "assert all(torch.equal(o, r) for o, r in zip(d, B.batch_norm_act_bwd_reference(x, x, w, b, mean, rstd, True)))\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "from tests.ops import test_batch_norm as T\n"
+        "T._check_param_grads_of_two_dtypes()\n"
         "print('ok')\n"
     )
 
@@ -335,6 +390,22 @@ def test_triton_batch_norm_act(shape, layout, path):
                 assert not got.any(), what
             else:
                 assert_close_rel(got, e, 1e-5, what)
+
+
+def test_triton_bias_grad_in_the_bias_dtype():
+    from revkernels.triton.batch_norm import batch_norm_act_bwd as bwd_kernel
+
+    device = triton_device()
+    x, dout = _random((2, 3, 5, 7)).to(device), torch.randn(2, 3, 5, 7, device=device)
+    weight, bias = _params(3)
+    weight, bias = weight.half().to(device), bias.to(device)  # fp16: the interpreter has no bf16
+    mean, rstd = x.double().mean((0, 2, 3)).float(), torch.rsqrt(x.double().var((0, 2, 3), correction=0) + EPS).float()
+    _, dweight, dbias = bwd_kernel(dout, x, weight, bias, mean, rstd, False, block_m=16, chunks=3)
+    exact = batch_norm_act_bwd_reference(dout.double(), x.double(), weight.double(), bias.double(), mean.double(),
+                                         rstd.double(), False)
+    assert dweight.dtype == torch.float16 and dbias.dtype == torch.float32
+    assert_low_precision_rule(dweight, exact[1].half(), exact[1], "dweight")
+    assert_close_rel(dbias, exact[2], 1e-5, "dbias")
 
 
 def test_triton_fp64_and_empty():

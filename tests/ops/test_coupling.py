@@ -75,6 +75,19 @@ def test_non_contiguous_inputs(name, op, reference, torch_op, dtype, layout):
     torch.testing.assert_close(b, b_before, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name,op,reference,torch_op", OPS)
+def test_many_unmergeable_dims_keep_the_first_arguments_layout(name, op, reference, torch_op):
+    # 13 dims that do not merge, more than the kernels' layout takes: the inputs are copied first, and
+    # the result still has the first argument's layout (the fake kernel's).
+    reverse = list(reversed(range(13)))
+    for a, b in [(_random([2] * 13, torch.float32).permute(reverse), _random([2] * 13, torch.bfloat16)),
+                 (_random([2] * 13, torch.float32), _random([2] * 13, torch.float32).permute(reverse))]:
+        out = op(a, b)
+        torch.testing.assert_close(out, reference(a, b), rtol=0, atol=0)
+        assert out.stride() == torch.empty_like(a).stride()
+        torch.library.opcheck(getattr(torch.ops.revkernels, name).default, (a, b))
+
+
 def test_empty():
     a = torch.randn(0, 5)
     assert coupling_sub(a, a).shape == (0, 5)
@@ -164,6 +177,9 @@ TRITON_CASES = [
     ("transposed a", lambda: (_random((40, 33), torch.float32).t(), _random((33, 40), torch.float32))),
     ("expanded b", lambda: (_random((9, 33), torch.float32), _random((1, 33), torch.float32).expand(9, 33))),
     ("sliced a", lambda: (_random((30, 70), torch.float32)[::2, 3:], _random((15, 67), torch.float32))),
+    # not dense, its empty_like channels_last: copied into that layout, not a contiguous one
+    ("sliced channels_last a", lambda: (_random((2, 3, 8, 8), torch.float32).to(
+        memory_format=torch.channels_last)[:, :, ::2], _random((2, 3, 4, 8), torch.float32))),
 ]
 
 
@@ -179,6 +195,7 @@ def test_triton_kernel_matches_reference(case, alpha, reference):
     a, b = a.to(device), b.to(device)
     out = coupling_axpy(a, b, alpha)
     assert out.dtype == a.dtype and out.shape == a.shape
+    assert out.stride() == torch.empty_like(a).stride()  # the layout of the first argument
     torch.testing.assert_close(out, reference(a, b), rtol=0, atol=0)
 
 

@@ -2,6 +2,8 @@
 LayerNorm: the C++ CPU kernels, the Triton kernels (under TRITON_INTERPRET=1 on CPU, fp32 only)
 and, with -m gpu, the CUDA path."""
 
+import pathlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ from revkernels.ops.layer_norm import (layer_norm_bwd_add, layer_norm_bwd_add_re
 from tests.helpers import assert_close_rel, run_without_c_extension, triton_device
 
 EPS = 1e-5
+ROOT = str(pathlib.Path(__file__).resolve().parents[2])  # the checkout, for the subprocess checks
 # Widths 33, 1000, 4097; one row and up to a few hundred, some with two leading dims.
 SHAPES = [(1, 33), (200, 33), (1, 1000), (3, 40, 1000), (1, 4097), (64, 4097)]
 LOW_PRECISION = [torch.bfloat16, torch.float16]
@@ -304,6 +307,29 @@ def test_autograd_grad_dtypes():
     torch.testing.assert_close(g.grad, (-y.grad).bfloat16(), rtol=0, atol=0)
 
 
+PARAM_DTYPE_PAIRS = [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float64)]
+
+
+def _check_param_grads_of_two_dtypes():
+    # weight and bias of different dtypes: each grad is its fp32 sum rounded once to its own dtype (the
+    # bias's not through the weight's dtype first).
+    y, g, dln = _random((512, 64)), _g((512, 64)), torch.randn(512, 64)
+    for weight_dtype, bias_dtype in PARAM_DTYPE_PAIRS:
+        weight, bias = (p.to(dt).requires_grad_() for p, dt in zip(_params(64), (weight_dtype, bias_dtype)))
+        x, ln, mean, rstd = sub_layer_norm(y, g, weight, bias, EPS)
+        ln.backward(dln)
+        exact = layer_norm_bwd_add_reference(dln.double(), x.double(), weight.double(), mean.double(),
+                                             rstd.double(), torch.zeros(512, 64, dtype=torch.float64))
+        for got, e, dtype, what in [(weight.grad, exact[1], weight_dtype, "weight"),
+                                    (bias.grad, exact[2], bias_dtype, "bias")]:
+            assert got.dtype == dtype, what
+            _assert_one_rounding(got, e)  # 1e-5 of max |e| for fp32 and fp64
+
+
+def test_param_grads_of_two_dtypes():
+    _check_param_grads_of_two_dtypes()
+
+
 # --- bad input ----------------------------------------------------------------------------------
 
 def test_bad_input_names_the_argument():
@@ -371,6 +397,9 @@ def test_pure_pytorch_fallback_when_library_missing():
         "x, ln, mean, rstd = out\n"
         "d = torch.ops.revkernels.layer_norm_bwd_add(ln, x, w, mean, rstd, y)\n"
         "assert all(torch.equal(o, r) for o, r in zip(d, L.layer_norm_bwd_add_reference(ln, x, w, mean, rstd, y)))\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "from tests.ops import test_layer_norm as T\n"
+        "T._check_param_grads_of_two_dtypes()\n"
         "print('ok')\n"
     )
 

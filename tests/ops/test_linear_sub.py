@@ -1,9 +1,13 @@
 """revkernels::linear_sub (the GEMM-side rebuild y - (a @ W^T + b)) against PyTorch references."""
+import pathlib
+
 import pytest
 import torch
 
 from revkernels.ops.linear_sub import linear_sub
-from tests.helpers import rel_err
+from tests.helpers import rel_err, run_without_c_extension
+
+ROOT = str(pathlib.Path(__file__).resolve().parents[2])  # the checkout, for the subprocess checks
 
 
 def _case(rows, k, n, dtype=torch.float32, bias=True, device="cpu"):
@@ -101,3 +105,86 @@ def test_cuda(dtype):
         same_dtype = y - torch.nn.functional.linear(a, w, b)
     assert out.dtype == torch.float32
     assert rel_err(out, exact) <= 2 * rel_err(same_dtype, exact)
+
+
+# --- fixes, each checked on the compiled op and on the Python fallback (the last test) ------------
+
+NARROW_Y = [(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float32, torch.float64)]
+
+
+def _check_narrow_y_accumulates_in_the_gemm_dtype(y_dtype, ab_dtype, bias):
+    # y nearly cancels a @ W^T + b: a product rounded to y's dtype before the subtraction (bias or not)
+    # shows as an error of the product's size.
+    y, a, w, b = (t if t is None else t.to(ab_dtype) for t in _case(64, 48, 40, bias=bias))
+    product = torch.nn.functional.linear(a.double(), w.double(), None if b is None else b.double())
+    y = (product + 1e-3 * torch.randn(64, 40, dtype=torch.float64)).to(y_dtype)
+    exact = _exact(y, a, w, b)
+    out = linear_sub(y, a, w, b)
+    assert out.dtype == y_dtype
+    if y_dtype == torch.float32:
+        assert rel_err(out, exact) <= 1e-5
+    else:
+        assert rel_err(out, exact) <= 2 * rel_err((y - torch.nn.functional.linear(a, w, b)).to(y_dtype), exact)
+
+
+def _check_result_contiguous_as_the_fake(y_dtype, bias):
+    # Dense y with permuted strides, 2-d and 3-d: the result is contiguous, as the fake kernel's.
+    for y, a in [(torch.randn(6, 5).t(), torch.randn(5, 7)),
+                 (torch.randn(2, 6, 3).transpose(1, 2), torch.randn(2, 3, 7))]:
+        y = y.to(y_dtype)  # keeps the strides
+        w, b = torch.randn(6, 7), torch.randn(6) if bias else None
+        out = linear_sub(y, a, w, b)
+        assert out.is_contiguous()
+        exact = _exact(y, a, w, b)
+        composition = (y - torch.nn.functional.linear(a, w, b)).to(y_dtype)
+        assert rel_err(out, exact) <= (1e-5 if y_dtype == torch.float32 else 2 * rel_err(composition, exact))
+        torch.library.opcheck(torch.ops.revkernels.linear_sub.default, (y, a, w, b))
+
+
+def _check_zero_width(k, n, bias):
+    # in_features or out_features 0, as F.linear takes them: values and grads of the composition.
+    y = torch.randn(2, 3, n)
+    a, w = torch.randn(2, 3, k, requires_grad=True), torch.randn(n, k, requires_grad=True)
+    b = torch.randn(n, requires_grad=True) if bias else None
+    out = linear_sub(y, a, w, b)
+    want = y - torch.nn.functional.linear(a, w, b)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    g = torch.randn(2, 3, n)
+    leaves = [a, w] + ([b] if bias else [])
+    for got, expected in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(want, leaves, g)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("y_dtype,ab_dtype", NARROW_Y)
+@pytest.mark.parametrize("bias", [False, True])
+def test_narrow_y_accumulates_in_the_gemm_dtype(y_dtype, ab_dtype, bias):
+    _check_narrow_y_accumulates_in_the_gemm_dtype(y_dtype, ab_dtype, bias)
+
+
+@pytest.mark.parametrize("y_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_result_contiguous_as_the_fake(y_dtype, bias):
+    _check_result_contiguous_as_the_fake(y_dtype, bias)
+
+
+@pytest.mark.parametrize("k,n", [(0, 5), (4, 0), (0, 0)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_zero_width(k, n, bias):
+    _check_zero_width(k, n, bias)
+
+
+def test_fixes_in_the_python_fallback():
+    run_without_c_extension(
+        "warnings.simplefilter('ignore')\n"
+        "import torch\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "from tests.ops import test_linear_sub as T\n"
+        "for bias in (False, True):\n"
+        "    for y_dtype, ab_dtype in T.NARROW_Y:\n"
+        "        T._check_narrow_y_accumulates_in_the_gemm_dtype(y_dtype, ab_dtype, bias)\n"
+        "    for y_dtype in (torch.float32, torch.bfloat16):\n"
+        "        T._check_result_contiguous_as_the_fake(y_dtype, bias)\n"
+        "    for k, n in ((0, 5), (4, 0), (0, 0)):\n"
+        "        T._check_zero_width(k, n, bias)\n"
+        "print('ok')\n"
+    )
