@@ -69,9 +69,9 @@ of that tick, in the first attempt of a run only.
 
 Restarts. ``torchrun --max-restarts N`` (or the trainer's ``--nproc R --max-restarts N``, which relaunches
 the R processes itself) restarts every rank when one fails; `restart_attempt()` is the attempt's number
-(``TORCHELASTIC_RESTART_COUNT`` under torchrun, ``REVKERNELS_PETRA_ATTEMPT`` under `launch`), and the
-trainer resumes from its last complete set of rank checkpoints, so a run that lost a rank ends with the
-parameters of an uninterrupted one.
+(``TORCHELASTIC_RESTART_COUNT`` under torchrun, ``REVKERNELS_PETRA_ATTEMPT`` under `launch`), `run_id()`
+the id every attempt of the run shares, and the trainer resumes from the last complete set of rank
+checkpoints written with that id, so a run that lost a rank ends with the parameters of an uninterrupted one.
 """
 import copy
 import datetime
@@ -83,15 +83,20 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from revkernels.engine.state import NO_CONTEXT
+from revkernels.petra.partition import _stage_modules
 from revkernels.petra.simulate import PIPELINED, Trainer, check_batch
 
 FAULT_ENV = "REVKERNELS_PETRA_FAULT_AFTER"
 ATTEMPT_ENV = "REVKERNELS_PETRA_ATTEMPT"
+RUN_ENV = "REVKERNELS_PETRA_RUN"
+_agent_run_id = None  # under torchrun: the run id kept in its agent's store (`init`)
 _PREFIX = "revkernels_petra/"
 _FWD, _BWD = 0, 1
 
@@ -114,6 +119,14 @@ def restart_attempt():
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get(ATTEMPT_ENV) or 0)
 
 
+def run_id():
+    """The id that every attempt of this run shares and other runs do not (after `init`): ``REVKERNELS_PETRA_RUN``
+    (the trainer's ``--nproc`` launcher sets one per command), else under torchrun a random one kept in its
+    agent's store, which lives across restarts and ends with the command (torchrun without that store: its
+    ``--rdzv-id``); None otherwise."""
+    return os.environ.get(RUN_ENV) or _agent_run_id or os.environ.get("TORCHELASTIC_RUN_ID")
+
+
 def pick_backend(world_size):
     """'nccl' when CUDA has at least `world_size` devices, else 'gloo'."""
     if torch.cuda.is_available() and torch.cuda.device_count() >= world_size and dist.is_nccl_available():
@@ -124,6 +137,7 @@ def pick_backend(world_size):
 def init(timeout=30.0, backend=None):
     """Joins the process group from the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as set
     by torchrun or `launch`) unless already joined; returns the device this rank computes on."""
+    global _agent_run_id
     if not dist.is_initialized():
         world = int(os.environ["WORLD_SIZE"])
         backend = backend or pick_backend(world)
@@ -132,6 +146,8 @@ def init(timeout=30.0, backend=None):
             # keys (gloo's peer addresses among them), so each attempt gets its own prefix.
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                                   timeout=datetime.timedelta(seconds=timeout))
+            # the first rank of the first attempt to get here sets the run's id; the others read it
+            _agent_run_id = store.compare_set(_PREFIX + "run", "", uuid.uuid4().hex).decode()
             dist.init_process_group(backend, store=dist.PrefixStore(f"revkernels_petra/attempt{restart_attempt()}",
                                                                     store),
                                     rank=int(os.environ["RANK"]), world_size=world,
@@ -165,7 +181,8 @@ class PipelineRank:
     """This rank's worker of a PETRA pipeline over the initialised process group.
 
     Args:
-        model: the whole model (built identically, same seed, on every rank); trained in place.
+        model: the whole model (built identically, same seed, on every rank), or a list of its stage
+            modules, as `simulate.Trainer` takes it; trained in place.
         groups: the stage grouping (`simulate.split_groups`); None means as many groups as ranks.
         timeout: seconds before a silent peer counts as failed (also the process group's timeout).
         device: where this rank computes (default: the one `init` picked).
@@ -198,7 +215,9 @@ class PipelineRank:
         self._wait_s = self.timeout + 4 * _Watchdog.POLL
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
-        model.to(self.device)
+        for module in [model] if isinstance(model, nn.Module) else _stage_modules(model):
+            if isinstance(module, nn.Module):  # not a module: `Trainer` names it below
+                module.to(self.device)
         groups = self.world_size if groups is None else groups
         self.trainer = Trainer(model, method, groups=groups, **trainer_kwargs)
         self.model = model

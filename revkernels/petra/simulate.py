@@ -111,8 +111,8 @@ def param_groups(modules, weight_decay):
 
 
 def make_optimizer(modules, lr, weight_decay, momentum=0.9):
-    """SGD with Nesterov momentum over `param_groups(modules, weight_decay)`."""
-    return torch.optim.SGD(param_groups(modules, weight_decay), lr=lr, momentum=momentum, nesterov=True)
+    """SGD with Nesterov momentum over `param_groups(modules, weight_decay)` (plain SGD for momentum 0)."""
+    return torch.optim.SGD(param_groups(modules, weight_decay), lr=lr, momentum=momentum, nesterov=momentum > 0)
 
 
 def _check_number(value, name, minimum=0.0, strict=False):
@@ -320,7 +320,7 @@ class Trainer:
         warmup_steps: optimizer steps of linear warm-up.
         milestones: optimizer-step counts at which the lr is multiplied by `gamma`.
         weight_decay: applied to every parameter but norm-layer parameters and biases.
-        gamma, momentum: step-decay factor and Nesterov momentum.
+        gamma, momentum: step-decay factor and Nesterov momentum (0: plain SGD).
         batch_size: the per-step batch for the lr scaling; None takes the first batch's size.
         groups: petra/delayed only: None (one worker per stage) or the stage grouping of `split_groups`
             (an int R or a list of group sizes); each group runs as one worker (``workers``).

@@ -72,8 +72,9 @@ resume takes the newest step for which every rank has a complete file (either na
 while the ranks write leaves a usable set.
 
 Restarts (distributed). Under ``torchrun --max-restarts N``, or with ``--nproc R --max-restarts N`` (the
-trainer relaunches its R processes up to N times), a restarted attempt resumes from ``<out>/checkpoint``
-(or from ``--resume`` while ``<out>/checkpoint`` is empty, else from scratch): a run that lost a rank ends
+trainer relaunches its R processes up to N times), a restarted attempt resumes from the last checkpoint this
+run wrote in ``<out>/checkpoint`` (each rank file holds the run's id, `distributed.run_id`: files an earlier
+run left there are ignored), else from ``--resume``, else from scratch: a run that lost a rank ends
 with exactly the parameters of an uninterrupted one. The logs drop the epochs the lost attempt logged
 after that checkpoint. At the end the logging rank writes the trained ``model.pt`` (the model's
 state_dict) to ``--out``.
@@ -81,7 +82,8 @@ state_dict) to ``--out``.
 Runtimes. ``--runtime simulate`` (default): the exact one-process simulator (any method).
 ``--runtime distributed`` (``petra`` and ``delayed``): one process per worker, torch.distributed point-to-point
 (`revkernels.petra.distributed`; gloo on CPU, NCCL with one GPU per rank), bit-identical to the
-simulator with the same grouping::
+simulator with the same grouping and the same torch thread count (``--threads``; by default a distributed
+rank gets the CPU count / R threads, the simulator torch's default)::
 
     torchrun --nproc-per-node 3 -m revkernels.petra.train --runtime distributed ...   # 3 ranks
     python -m revkernels.petra.train --runtime distributed --nproc 3 ...              # spawns the 3 itself
@@ -105,13 +107,15 @@ import math
 import os
 import sys
 import time
+import uuid
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from revkernels.petra.data import DATASETS, batches, load_dataset
 from revkernels.petra.partition import BALANCES, balanced_sizes, stage_costs
-from revkernels.petra.simulate import METHODS, PIPELINED, Trainer, split_groups
+from revkernels.petra.simulate import METHODS, PIPELINED, Trainer
 
 MODELS = ("revnet18", "revnet34", "revnet50")
 SMALL_DATA_LR = 0.01  # the default base lr on digits / synthetic (module docstring: "Recipe defaults")
@@ -130,7 +134,8 @@ def make_parser():
     p = argparse.ArgumentParser(
         prog="python -m revkernels.petra.train",
         description="Train a RevNet with PETRA (or a baseline) on a small image dataset.",
-        epilog="distributed PETRA (one process per rank, bit-identical to --runtime simulate --ranks R): "
+        epilog="distributed PETRA (one process per rank, bit-identical to --runtime simulate --ranks R with the "
+               "same --threads, e.g. --threads 1 for both): "
                "torchrun --nproc-per-node R -m revkernels.petra.train --runtime distributed ..., or "
                "python -m revkernels.petra.train --runtime distributed --nproc R ...")
     p.add_argument("--model", default="revnet18", help=f"one of {', '.join(MODELS)}")
@@ -155,7 +160,7 @@ def make_parser():
                    help="with --nproc: relaunch the processes up to N times after a failure, resuming from the last "
                         "checkpoint (under torchrun, pass --max-restarts to torchrun)")
     p.add_argument("--timeout", type=float, default=30.0,
-                   help="distributed: seconds before a silent rank counts as failed (every process then exits "
+                   help="distributed: seconds before a silent rank counts as failed (every other process then exits "
                         "non-zero within --timeout + 1 s, naming it)")
     p.add_argument("--accum", type=int, default=1, help="backward steps per optimizer step (k)")
     p.add_argument("--epochs", type=int, default=10)
@@ -169,7 +174,9 @@ def make_parser():
                         "150/225 of 300; give the flag with no value for none)")
     p.add_argument("--gamma", type=float, default=0.1)
     p.add_argument("--weight-decay", type=float, default=5e-4)
-    p.add_argument("--image-size", type=int, default=None, help="image side S (default 16)")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="image side S (digits, synthetic: default 16; cifar10, imagefolder: resized to S x S, by "
+                        "default kept at their own size)")
     p.add_argument("--seed", type=int, default=0, help="model init and batch order")
     p.add_argument("--split-seed", type=int, default=0, help="train/test split (digits) or data (synthetic)")
     p.add_argument("--eval-batch-size", type=int, default=256)
@@ -246,6 +253,10 @@ def _check_args(args):
         raise ValueError(f"revkernels: --max-steps must be >= 1, got {args.max_steps}")
     if not math.isfinite(args.lr) or args.lr <= 0:
         raise ValueError(f"revkernels: --lr must be > 0, got {args.lr}")
+    if not math.isfinite(args.gamma) or args.gamma <= 0:
+        raise ValueError(f"revkernels: --gamma must be > 0, got {args.gamma}")
+    if not math.isfinite(args.weight_decay) or args.weight_decay < 0:
+        raise ValueError(f"revkernels: --weight-decay must be >= 0, got {args.weight_decay}")
     if not math.isfinite(args.warmup_epochs) or args.warmup_epochs < 0:
         raise ValueError(f"revkernels: --warmup-epochs must be >= 0, got {args.warmup_epochs}")
     if any(not math.isfinite(m) or m < 0 for m in args.milestones) or args.milestones != sorted(args.milestones):
@@ -323,8 +334,8 @@ class _Logger:
 
 
 def _rank_main(argv):
-    """A rank spawned by ``--nproc`` (RANK etc. in its environment)."""
-    main(argv)
+    """A rank spawned by ``--nproc`` (RANK etc. in its environment); argument errors as `cli` prints them."""
+    cli(argv)
 
 
 def main(argv=None):
@@ -338,11 +349,16 @@ def main(argv=None):
         if args.nproc is None:
             raise ValueError("revkernels: --runtime distributed runs one process per rank: launch it with "
                              "torchrun --nproc-per-node R -m revkernels.petra.train ..., or pass --nproc R")
-        from revkernels.petra.distributed import ATTEMPT_ENV, LaunchError, launch
+        from revkernels.petra.distributed import ATTEMPT_ENV, RUN_ENV, LaunchError, launch
+        with torch.device("meta"):  # the stage count only: no weights
+            _check_workers(args, len(build_model(args.model, 1, args.stem).stages))
         threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
+        run = uuid.uuid4().hex  # the id of this run's checkpoints, the same in every attempt
         for attempt in range(args.max_restarts + 1):
             try:
-                launch(_rank_main, args.nproc, (argv,), threads=threads, env={ATTEMPT_ENV: str(attempt)})
+                # a rank that is not hung exits within --timeout + 1 s of a failure; then the rest are killed
+                launch(_rank_main, args.nproc, (argv,), threads=threads, env={ATTEMPT_ENV: str(attempt), RUN_ENV: run},
+                       grace=args.timeout + 1)
                 break
             except LaunchError as e:
                 if attempt == args.max_restarts:
@@ -374,10 +390,12 @@ def _run(args):
     data = load_dataset(args.dataset, args.image_size, split_seed=args.split_seed, path=args.data)
     torch.manual_seed(args.seed)
     model = build_model(args.model, data.num_classes, args.stem)
+    _check_workers(args, len(model.stages))  # a clear error before any rank waits on another
     batches_per_epoch = data.train_images.shape[0] // args.batch_size
     if batches_per_epoch < 1:
         raise ValueError(f"revkernels: --batch-size {args.batch_size} is larger than the training set "
                          f"({data.train_images.shape[0]} images)")
+    _check_batch_size(args, model, data)
     opt_steps_per_epoch = batches_per_epoch / args.accum
     kwargs = dict(accum_k=args.accum, base_lr=args.lr,
                   warmup_steps=int(round(args.warmup_epochs * opt_steps_per_epoch)),
@@ -388,11 +406,11 @@ def _run(args):
 
         kwargs["method"] = args.method
         device = distributed.init(timeout=args.timeout)
-        if args.ranks is not None:
-            split_groups(len(model.stages), args.ranks)  # a clear error before any rank waits on another
-        if distributed.restart_attempt() > 0 and _rank_files(os.path.join(_out(args), "checkpoint")):
-            args.resume = os.path.join(_out(args), "checkpoint")  # a restarted attempt: from the last checkpoint
-        ckpt = _read_checkpoint(args, True) if args.resume else None
+        ckpt = None
+        if distributed.restart_attempt() > 0:  # a restarted attempt: from this run's last checkpoint, if any
+            ckpt = _read_checkpoint(args, os.path.join(_out(args), "checkpoint"), restart=True)
+        if ckpt is None and args.resume:
+            ckpt = _read_checkpoint(args, args.resume)
         groups, costs = _groups(args, model, data, device, ckpt)
         pipe = distributed.PipelineRank(model, groups=groups, timeout=args.timeout, device=device, **kwargs)
         trainer, logs = pipe.trainer, pipe.is_last
@@ -403,10 +421,42 @@ def _run(args):
 
             traceback.print_exc()
             pipe.fail(pipe.rank, f"{type(e).__name__}: {e}")
-    ckpt = _read_checkpoint(args, False) if args.resume else None
+    ckpt = _read_checkpoint(args, args.resume) if args.resume else None
     groups, costs = _groups(args, model, data, None, ckpt)
     trainer = Trainer(model, method=args.method, groups=groups, analyze_every=args.analyze_every, **kwargs)
     return _train(args, data, model, trainer, None, True, None, batches_per_epoch, tqdm, ckpt, costs)
+
+
+def _check_workers(args, num_stages):
+    """Raises ValueError naming the flag that asks for more workers (stage groups) than the model's stages."""
+    world = os.environ.get("WORLD_SIZE") if args.runtime == "distributed" else None
+    for name, n in (("--ranks", args.ranks), ("--nproc", args.nproc),
+                    ("the world size (torchrun --nproc-per-node)", world and int(world))):
+        if n is not None and n > num_stages:
+            raise ValueError(f"revkernels: {name} must be at most the number of stages ({num_stages} in "
+                             f"{args.model}), got {n}")
+
+
+def _check_batch_size(args, model, data):
+    """Raises ValueError naming --batch-size if a batch of one reaches a BatchNorm layer as one value per
+    channel (a 1x1 feature map), which BatchNorm cannot normalise in training."""
+    if args.batch_size > 1:
+        return
+    values = []  # per BatchNorm call: values per channel of a one-image batch
+    hooks = [m.register_forward_pre_hook(lambda _, inputs: values.append(inputs[0][0].numel() // inputs[0].shape[1]))
+             for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(data.train_images[:1])
+    finally:
+        model.train()
+        for h in hooks:
+            h.remove()
+    if min(values, default=2) < 2:
+        raise ValueError(f"revkernels: --batch-size must be >= 2 here: at batch 1 a BatchNorm layer of {args.model} "
+                         f"gets one value per channel (a 1x1 feature map at --image-size {data.image_size}), which it "
+                         f"cannot normalise in training")
 
 
 def _groups(args, model, data, device, ckpt):
@@ -462,32 +512,48 @@ def _check_checkpoint(args, ckpt, path):
         raise ValueError(f"revkernels: --resume: the checkpoint is from --runtime {ckpt['args'].get('runtime')}, "
                          f"not {args.runtime} (revkernels.petra.distributed.merge_rank_states / split_trainer_state "
                          f"convert between the two)")
+    if args.max_steps is not None and ckpt["step"] > args.max_steps:
+        raise ValueError(f"revkernels: --resume: the checkpoint is at step {ckpt['step']}, past --max-steps "
+                         f"{args.max_steps}")
+    if ckpt["epoch"] > args.epochs:
+        raise ValueError(f"revkernels: --resume: the checkpoint is in epoch {ckpt['epoch']}, past --epochs "
+                         f"{args.epochs}")
     return ckpt
 
 
-def _read_checkpoint(args, distributed):
-    """The checkpoint to resume from. Distributed (collective): this rank's file of the newest step for which
-    every rank has a complete ``rank{r}.pt`` or ``rank{r}.pt.tmp`` in ``--resume``."""
-    if not distributed:
-        return _check_checkpoint(args, torch.load(args.resume, map_location="cpu", weights_only=False), args.resume)
+def _read_checkpoint(args, folder_or_file, restart=False):
+    """The checkpoint to resume from: the file (simulate) or, distributed (collective), this rank's file of the
+    newest step for which every rank has a complete ``rank{r}.pt`` or ``rank{r}.pt.tmp`` in the folder.
+    `restart`: only files this run wrote (`distributed.run_id`), None if there are none."""
+    if args.runtime != "distributed":
+        try:
+            ckpt = torch.load(folder_or_file, map_location="cpu", weights_only=False)
+        except Exception as e:  # noqa: BLE001 - any file torch cannot load
+            raise ValueError(f"revkernels: --resume {folder_or_file!r} is not a revkernels.petra.train checkpoint "
+                             f"(torch.load: {type(e).__name__}: {e})") from e
+        return _check_checkpoint(args, ckpt, folder_or_file)
     import torch.distributed as dist
+
+    from revkernels.petra.distributed import run_id
 
     rank, world = dist.get_rank(), dist.get_world_size()
     found = {}
-    for path in (os.path.join(args.resume, f"rank{rank}.pt"), os.path.join(args.resume, f"rank{rank}.pt.tmp")):
+    for path in (os.path.join(folder_or_file, f"rank{rank}.pt"), os.path.join(folder_or_file, f"rank{rank}.pt.tmp")):
         try:
             ckpt = torch.load(path, map_location="cpu", weights_only=False)
         except Exception:  # noqa: BLE001 - missing, or cut short by a killed rank: not a candidate
             continue
-        if isinstance(ckpt, dict) and "step" in ckpt:
+        if isinstance(ckpt, dict) and "step" in ckpt and (not restart or ckpt.get("run") == run_id()):
             found[ckpt["step"]] = (path, ckpt)
     steps = [None] * world
     dist.all_gather_object(steps, sorted(found))
     common = set(steps[0]).intersection(*steps[1:])
     if not common:
-        raise ValueError(f"revkernels: --resume {args.resume!r}: no step with a complete rank file for every one of the "
-                         f"{world} ranks (the steps per rank: {steps}; a distributed run resumes with as many ranks as "
-                         f"it was saved with)")
+        if restart:
+            return None
+        raise ValueError(f"revkernels: --resume {folder_or_file!r}: no step with a complete rank file for every one "
+                         f"of the {world} ranks (the steps per rank: {steps}; a distributed run resumes with as many "
+                         f"ranks as it was saved with)")
     path, ckpt = found[max(common)]
     return _check_checkpoint(args, ckpt, path)
 
@@ -549,12 +615,15 @@ def _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tq
             bar.update(1)
             if args.checkpoint_every and step % args.checkpoint_every == 0:
                 if pipe is None:
-                    path, state = os.path.join(out, "checkpoint.pt"), trainer.state_dict()
+                    path, state, run = os.path.join(out, "checkpoint.pt"), trainer.state_dict(), None
                 else:  # every rank its own file, after the same tick (its sends and next receives waited)
+                    from revkernels.petra.distributed import run_id
+
                     os.makedirs(os.path.join(out, "checkpoint"), exist_ok=True)
                     path, state = os.path.join(out, "checkpoint", f"rank{pipe.rank}.pt"), pipe.state_dict()
+                    run = run_id()  # a restarted attempt resumes only from its own run's files
                 _save_checkpoint(path, pipe, {
-                    "kind": "revkernels.petra.train checkpoint", "args": vars(args), "trainer": state,
+                    "kind": "revkernels.petra.train checkpoint", "args": vars(args), "trainer": state, "run": run,
                     "step": step, "epoch": epoch, "step_in_epoch": in_epoch, "epoch_generator_state": epoch_state,
                     "torch_rng_state": torch.get_rng_state(),
                     "epoch_sums": {"losses": losses, "n_images": n_images, "analysis_start": epoch_analysis_start,

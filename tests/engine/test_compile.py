@@ -131,12 +131,14 @@ def test_opaque_ops_give_the_layouts_of_their_fake_kernels_and_alias_nothing():
 def test_fullgraph_compile_of_a_deep_copy_runs_the_copys_blocks():
     """A copy (an EMA or teacher model) carries its original's attributes: compiled, it must run its
     own blocks, also after the original is gone."""
-    original = make_seq(2, 8, engine="sequential")
     data = _data(4, 8)
-    torch.compile(lambda a, b: original(a, b), fullgraph=True, backend="aot_eager")(*data[:2])
-    copy_ = perturb_parameters(copy.deepcopy(original))
-    del original
-    _compiled_vs_eager(copy_, data, backend="aot_eager")
+
+    def copy_of_a_compiled_run():
+        original = make_seq(2, 8, engine="sequential")
+        torch.compile(lambda a, b: original(a, b), fullgraph=True, backend="aot_eager")(*data[:2])
+        return perturb_parameters(copy.deepcopy(original))
+
+    _compiled_vs_eager(copy_of_a_compiled_run(), data, backend="aot_eager")
 
 
 def test_fullgraph_compile_revvit_blocks():

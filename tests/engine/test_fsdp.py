@@ -27,7 +27,7 @@ import revkernels as rk
 from revkernels.check import monitor_reconstruction
 from revkernels.engine.recompute import run_recomputed
 from revkernels.models.staged import StagedModel
-from tests.helpers import assert_close_rel, loss_of, make_seq, rel_err, residual_fn
+from tests.helpers import assert_close_rel, loss_of, make_seq, residual_fn
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 

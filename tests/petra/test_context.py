@@ -2,7 +2,6 @@
 model's stages would get): every method against plain autograd through the same modules, the
 distributed runtime against the simulator (bit for bit), checkpoints that keep the in-flight
 batches' contexts."""
-import copy
 
 import pytest
 import torch

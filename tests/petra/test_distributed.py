@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -21,10 +22,13 @@ KW = dict(accum_k=2, base_lr=0.5, warmup_steps=1, weight_decay=1e-3)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _train_rank(layout, groups, n_steps, timeout=20.0, batched=None, method="petra"):
-    """One rank: the model from seed 0, N steps, flush; returns this rank's stage states and stats."""
+def _train_rank(layout, groups, n_steps, timeout=20.0, batched=None, method="petra", as_list=False):
+    """One rank: the model from seed 0 (`as_list`: a plain list of its stage modules), N steps, flush; returns
+    this rank's stage states and stats."""
     torch.manual_seed(0)
     model = synthetic_stages(layout)
+    if as_list:
+        model = list(model)
     init(timeout=timeout)
     pr = PipelineRank(model, groups=groups, timeout=timeout, batched=batched, method=method, **KW)
     own = pr.trainer.groups[pr.rank]
@@ -83,6 +87,16 @@ def test_distributed_equals_simulator(layout, groups, batched, tmp_path):
     assert all(s["peak_bytes"] == 0 for s in stats if s["reversible"])
     assert stats[0]["peak_bytes"] > 0 and all(res["peak_rev"] == 0 for res in results)
     assert trainer.optimizers[0].steps == n // KW["accum_k"]
+
+
+def test_pipeline_rank_takes_a_list_of_stage_modules(tmp_path):
+    """As `Trainer` and `partition` do: 5 stage modules in a list, on 2 ranks, train as the simulator's."""
+    results = launch(_train_rank, 2, ("S r D r H", 2, 4, 20.0, None, "petra", True), log_dir=str(tmp_path), timeout=120)
+    _, trainer, _ = _simulate("S r D r H", 2, 4)
+    for r, res in enumerate(results):
+        assert res is not None, open(tmp_path / f"rank{r}.err").read()
+        for i, state in res["state"].items():
+            assert all(torch.equal(state[name], t) for name, t in trainer.stages[i].module.state_dict().items()), i
 
 
 def _fault_time(err_path):
@@ -159,6 +173,34 @@ def test_cli_distributed_nproc_writes_logs_like_simulate(tmp_path):
                 "peak_buffer_bytes"):
         assert d[key] == s[key], key  # same parameters, bit for bit
     assert all(b == 0 for b, k in zip(d["peak_buffer_bytes"], config["stage_kinds"]) if k == "reversible")
+
+
+def test_cli_nproc_kills_a_hung_rank_timeout_plus_1_s_after_the_others_exit(tmp_path):
+    """The launcher gives the ranks --timeout + 1 s after the first exit (the bound within which a rank that is not
+    hung exits after a failure), then kills the hung one: the command ends ~2 --timeout + 1 s after the hang."""
+    timeout = 2.0
+    args = ["--model", "revnet18", "--dataset", "synthetic", "--image-size", "8", "--epochs", "1", "--batch-size", "8",
+            "--max-steps", "12", "--threads", "1", "--no-progress", "--runtime", "distributed", "--nproc", "2",
+            "--timeout", str(timeout), "--out", str(tmp_path)]
+    proc = subprocess.run([sys.executable, "-m", "revkernels.petra.train", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=dict(os.environ, **{FAULT_ENV: "1:3:STOP"}), timeout=180)
+    ended = time.time()
+    assert proc.returncode == 1 and "rank 1 exited with signal SIGKILL" in proc.stderr, proc.stderr[-3000:]
+    stopped_at = float(re.search(r"SIGSTOP to rank 1 at tick 3 \(time ([0-9.]+)\)", proc.stderr).group(1))
+    assert ended - stopped_at <= 2 * timeout + 1 + 3, ended - stopped_at  # 3 s for the exits and the interpreter
+
+
+def test_cli_nproc_rank_argument_error_is_one_line(tmp_path):
+    """An argument error a rank finds (here --batch-size 1 at 1x1 feature maps) is printed as the CLI prints
+    argument errors, by each rank, without a traceback."""
+    args = ["--model", "revnet18", "--dataset", "synthetic", "--image-size", "8", "--epochs", "1", "--batch-size", "1",
+            "--max-steps", "2", "--threads", "1", "--no-progress", "--runtime", "distributed", "--nproc", "2",
+            "--out", str(tmp_path)]
+    proc = subprocess.run([sys.executable, "-m", "revkernels.petra.train", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=180)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("python -m revkernels.petra.train: error: revkernels: --batch-size must be >= 2") == 2
+    assert "rank 0 exited with status 2, rank 1 exited with status 2" in proc.stderr
 
 
 # --- the simulator's stage groups (what the ranks run) ------------------------------------------------

@@ -1,8 +1,9 @@
 """A rank killed mid-run costs no work: under the trainer's ``--nproc 2 --max-restarts 1`` and under
 ``torchrun --max-restarts 1``, a rank SIGKILLed at a random tick after the first checkpoint makes the group
 restart from the last checkpoint, and the run ends with the parameters (``model.pt``) and metrics of an
-uninterrupted run, bit for bit. The uninterrupted reference is the simulator with the same grouping (its
-bit-identity with the distributed runtime is tests/petra/test_distributed.py's)."""
+uninterrupted run, bit for bit; rank files an earlier run left in ``--out`` are not resumed from. The
+uninterrupted reference is the simulator with the same grouping (its bit-identity with the distributed runtime
+is tests/petra/test_distributed.py's)."""
 import csv
 import json
 import os
@@ -27,13 +28,22 @@ ARGS = ["--model", "revnet18", "--dataset", "synthetic", "--image-size", "8", "-
 TICKS = 6 + 2  # 6 batches, then 2 (R - 1) ticks of drain on 2 ranks
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+            "--monitor-interval", "0.2", "-m", "revkernels.petra.train"]
+needs_torchrun = pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(
+    os.path.join(os.path.dirname(sys.executable), "torchrun")), reason="needs torchrun")
+
+
+def _simulated(out, args):
     from revkernels.petra.train import main
 
-    out = str(tmp_path_factory.mktemp("sim"))
-    summary = main(ARGS + ["--runtime", "simulate", "--ranks", "2", "--out", out])
+    summary = main(args + ["--runtime", "simulate", "--ranks", "2", "--out", out])
     return summary, torch.load(os.path.join(out, "model.pt"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return _simulated(str(tmp_path_factory.mktemp("sim")), ARGS)
 
 
 def _fault():
@@ -70,17 +80,46 @@ def test_nproc_max_restarts_resumes_bit_identically(tmp_path, uninterrupted):
     assert "restart 1 of 1 from the last checkpoint" in proc.stderr
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(
-    os.path.join(os.path.dirname(sys.executable), "torchrun")), reason="needs torchrun")
+@needs_torchrun
 def test_torchrun_max_restarts_resumes_bit_identically(tmp_path, uninterrupted):
     fault = _fault()
     out = str(tmp_path / "run")
     env = dict(os.environ, **{FAULT_ENV: f"{fault[0]}:{fault[1]}"})
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "--max-restarts", "1", "--monitor-interval", "0.2", "-m", "revkernels.petra.train", *ARGS,
-                           "--runtime", "distributed", "--out", out], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=300)
+    proc = subprocess.run([sys.executable, *TORCHRUN, *ARGS, "--runtime", "distributed", "--out", out],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     _check(out, uninterrupted, proc, fault)
+
+
+# A run of 4 batches that writes no checkpoint: 4 + 2 ticks.
+SHORT = ARGS + ["--max-steps", "4", "--checkpoint-every", "100"]
+
+
+@pytest.fixture(scope="module")
+def earlier_run(tmp_path_factory):
+    """The --out of an earlier distributed run (ARGS: 6 batches), with its rank checkpoints of step 6."""
+    out = str(tmp_path_factory.mktemp("earlier"))
+    proc = subprocess.run([sys.executable, "-m", "revkernels.petra.train", *ARGS, "--runtime", "distributed", "--nproc",
+                           "2", "--out", out], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("launcher", ["nproc", pytest.param("torchrun", marks=needs_torchrun)])
+def test_a_restart_does_not_resume_from_an_earlier_runs_checkpoints(launcher, tmp_path, earlier_run):
+    """4 batches into an earlier 6-batch run's --out, a rank killed before any checkpoint of this run: the
+    restarted attempt starts from scratch (the step-6 rank files there are not this run's) and ends as an
+    uninterrupted 4-batch run."""
+    reference = _simulated(str(tmp_path / "sim"), SHORT)
+    out = str(tmp_path / "run")
+    shutil.copytree(earlier_run, out)
+    rng = random.Random()
+    fault = (rng.randrange(2), rng.randrange(6))  # any rank, any of the 4 + 2 ticks
+    env = dict(os.environ, **{FAULT_ENV: f"{fault[0]}:{fault[1]}"})
+    launch = TORCHRUN if launcher == "torchrun" else ["-m", "revkernels.petra.train", "--nproc", "2", "--max-restarts",
+                                                      "1"]
+    proc = subprocess.run([sys.executable, *launch, *SHORT, "--runtime", "distributed", "--out", out],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    _check(out, reference, proc, fault)
 
 
 def test_resumed_logs_keep_the_epochs_before_the_checkpoint(tmp_path):

@@ -108,6 +108,19 @@ def test_cli_resume_in_a_fresh_process_continues_exactly(tmp_path):
         main(bad + ["--method", "petra", "--resume", os.path.join(b, "checkpoint.pt"), "--out", c])
 
 
+def test_cli_resume_past_max_steps_or_epochs_is_refused(tmp_path):
+    """A checkpoint after batch 3 (of 2 per epoch: in epoch 2) cannot continue a run of 2 batches or of 1 epoch."""
+    args = ["--dataset", "digits", "--image-size", "8", "--batch-size", "512", "--epochs", "2", "--milestones",
+            "--threads", "1", "--no-progress"]
+    out = str(tmp_path / "run")
+    main(args + ["--max-steps", "3", "--checkpoint-every", "3", "--out", out])
+    ckpt = os.path.join(out, "checkpoint.pt")
+    with pytest.raises(ValueError, match="the checkpoint is at step 3, past --max-steps 2"):
+        main(args + ["--max-steps", "2", "--resume", ckpt, "--out", str(tmp_path / "steps")])
+    with pytest.raises(ValueError, match="the checkpoint is in epoch 2, past --epochs 1"):
+        main(args + ["--epochs", "1", "--resume", ckpt, "--out", str(tmp_path / "epochs")])
+
+
 def test_cli_delayed_with_analysis_logs(tmp_path):
     out = str(tmp_path / "d")
     summary = main(["--model", "revnet18", "--dataset", "digits", "--image-size", "4", "--batch-size", "16",

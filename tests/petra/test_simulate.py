@@ -312,6 +312,28 @@ def test_param_groups_exclude_batchnorm_and_biases_from_weight_decay():
     assert {id(p) for p in groups["no_decay"]["params"]} == set().union(*per_stage)
 
 
+def test_momentum_zero_is_plain_sgd():
+    """momentum=0 steps as torch.optim.SGD without momentum (Nesterov needs momentum > 0), bit for bit."""
+    from revkernels.petra.simulate import param_groups
+
+    torch.manual_seed(0)
+    model = _small_cnn()
+    ref, init = copy.deepcopy(model), _params_and_buffers(model)
+    trainer = Trainer(model, "petra", base_lr=0.5, weight_decay=1e-2, momentum=0.0, batch_size=8)
+    assert not trainer.optimizers[0].optimizer.defaults["nesterov"]
+    sgd = torch.optim.SGD(param_groups([ref], 1e-2), lr=trainer.peak_lr, momentum=0.0)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x, y = torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 5, (8,), generator=g)
+        trainer.train_step(x, y)
+        sgd.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        sgd.step()
+    got, want = _params_and_buffers(model), _params_and_buffers(ref)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, want))
+    assert not all(torch.equal(a, b) for (_, a), (_, b) in zip(got, init))
+
+
 def test_lr_schedule_linear_scaling_warmup_and_steps():
     trainer = Trainer(_small_cnn(), "petra", accum_k=4, base_lr=0.1, warmup_steps=5, milestones=(10, 20), batch_size=64)
     assert trainer.peak_lr == pytest.approx(0.1 * 64 * 4 / 256)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from revkernels.petra import METHODS
 from revkernels.petra.data import batches, load_dataset, load_digits, make_synthetic
-from revkernels.petra.train import SMALL_DATA_LR, cli, main
+from revkernels.petra.train import SMALL_DATA_LR, cli, main, make_parser
 
 sklearn_datasets = pytest.importorskip("sklearn.datasets")
 
@@ -146,10 +146,47 @@ def test_cli_schedule_in_epochs_and_synthetic(tmp_path, capsys):
 
 @pytest.mark.parametrize("flag, value", [("--model", "resnet18"), ("--dataset", "mnist"), ("--method", "pipedream"),
                                          ("--stem", "tiny"), ("--accum", "0"), ("--batch-size", "0"),
-                                         ("--max-steps", "0"), ("--milestones", "3 1")])
+                                         ("--max-steps", "0"), ("--milestones", "3 1"), ("--gamma", "0"),
+                                         ("--weight-decay", "-1"), ("--ranks", "11")])
 def test_cli_bad_args(flag, value, tmp_path):
     with pytest.raises(ValueError, match=flag):
         main(["--out", str(tmp_path), flag, *value.split()])
+
+
+def test_cli_batch_size_1_names_the_flag_where_batchnorm_would_fail(tmp_path):
+    """RevNet-18 ends on 1x1 feature maps at 8x8 images: a batch of one gives its last BatchNorm layers one value
+    per channel. At 16x16 (2x2 maps) a batch of one trains."""
+    with pytest.raises(ValueError, match="--batch-size must be >= 2 here: .* 1x1 feature map at --image-size 8"):
+        main(TINY + ["--batch-size", "1", "--out", str(tmp_path / "8")])
+    summary = main(TINY + ["--image-size", "16", "--batch-size", "1", "--max-steps", "2", "--out", str(tmp_path / "16")])
+    assert summary["step"] == 2
+
+
+def test_cli_resume_of_a_file_that_is_no_checkpoint(tmp_path, capsys):
+    path = tmp_path / "notes.txt"
+    path.write_text("not a checkpoint")
+    with pytest.raises(SystemExit) as e:
+        cli(TINY + ["--resume", str(path), "--out", str(tmp_path / "run")])
+    assert e.value.code == 2
+    assert f"--resume {str(path)!r} is not a revkernels.petra.train checkpoint" in capsys.readouterr().err
+
+
+def test_cli_more_workers_than_stages_names_the_flag(tmp_path, monkeypatch):
+    # --nproc: refused before any process starts; under torchrun, by every rank before it joins the group
+    with pytest.raises(ValueError, match=f"--nproc must be at most the number of stages \\({NUM_STAGES} in revnet18\\)"):
+        main(TINY + ["--runtime", "distributed", "--nproc", "11", "--out", str(tmp_path)])
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "11")
+    with pytest.raises(ValueError, match=r"the world size \(torchrun --nproc-per-node\) must be at most"):
+        main(TINY + ["--runtime", "distributed", "--out", str(tmp_path)])
+
+
+def test_help_states_the_thread_condition_and_the_image_size_defaults():
+    parser = make_parser()
+    assert "bit-identical to --runtime simulate --ranks R with the same --threads" in parser.epilog
+    image_size = next(a.help for a in parser._actions if "--image-size" in a.option_strings)
+    assert "digits, synthetic: default 16; cifar10, imagefolder: resized to S x S, by default kept at their own " \
+           "size" in image_size
 
 
 def test_cli_distributed_needs_a_launcher(tmp_path, capsys):
