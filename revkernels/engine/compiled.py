@@ -127,9 +127,9 @@ class CompiledSteps:
             raise ValueError("revkernels: compile_options accepts backend, mode, dynamic and options, "
                              f"got {sorted(unknown)}")
         backend = options.pop("backend", "inductor")
-        # Static shapes unless asked: a new shape compiles its own graph (a step recompiled with a
-        # symbolic batch size cannot differentiate dropout under torch.func.vjp)
-        options.setdefault("dynamic", False)
+        # The branch steps (blocks that draw random numbers) with static shapes unless asked: a
+        # symbolic-size recompile cannot differentiate dropout under torch.func.vjp
+        branch_dynamic = options.get("dynamic", False)
         if backend == "inductor":
             # fallback_random: random ops draw from the global generator as in eager (see module doc)
             mode = options.pop("mode", None)
@@ -142,8 +142,9 @@ class CompiledSteps:
                 inductor.setdefault("cpp_wrapper", True)
             options["options"] = inductor
         self.options = dict(backend=backend, **options)
-        self.functions = {name: torch.compile(isolated(fn), fullgraph=True, **self.options)
-                          for name, fn in _STEPS.items()}
+        self.functions = {name: torch.compile(isolated(fn), fullgraph=True, **(
+            {**self.options, "dynamic": branch_dynamic} if name.startswith("branch") else self.options))
+            for name, fn in _STEPS.items()}
         self.failed = weakref.WeakSet()  # blocks whose steps run eagerly after a compile failure
 
     def call(self, name, block, position, *args):
@@ -256,6 +257,10 @@ def _random_forward(block, position, layout, x1, x2, steps, context):
     return y, y2, _reversible.BlockState(rng_f, rng_g)
 
 
+def _unexpanded(t):
+    return t.contiguous() if 0 in t.stride() else t
+
+
 def _step(steps, name, block, position, *args):
     return _STEPS[name](*args) if steps is None else steps.call(name, block, position, *args)
 
@@ -274,9 +279,8 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
 
     autocast_state = autocast_state or AutocastState.capture(y1.device.type)
     autocast = contextlib.nullcontext if autocast_state.off_then_and_now() else autocast_state.enter
-    # Contiguous grads: a loss like y.sum() hands down expanded (stride-0) ones, which would be a
-    # signature of their own
-    y1, y2, dy1, dy2 = y1.detach(), y2.detach(), dy1.detach().contiguous(), dy2.detach().contiguous()
+    # A loss like y.sum() hands down expanded (stride-0) grads, which would be a signature of their own
+    y1, y2, dy1, dy2 = y1.detach(), y2.detach(), _unexpanded(dy1.detach()), _unexpanded(dy2.detach())
     # The steps take detached tensors; which context tensors they differentiate is the dict they are in.
     leaves = {k: v for k, v in context.items() if isinstance(v, torch.Tensor) and v.requires_grad}
     grad_context = {k: v.detach() for k, v in leaves.items()}

@@ -7,9 +7,11 @@ compiler sees two ops with fake implementations, so the user's graph compiles wi
 ``fullgraph=True`` and autograd saves only the run's outputs, the parameters and the generator
 states of blocks that draw random numbers (a few KB each): activation memory stays flat in depth.
 
-Inside an op's kernel autograd is off, so the backward differentiates with the pure steps of
-`revkernels.engine.compiled` (``torch.func.vjp``), compiled when the run's engine is "compiled"
-and eager otherwise (pareprop and graphs run the sequential schedule there). The run's module
+Inside an op's kernel the dispatcher leaves out the Autograd keys, so the backward differentiates
+with the pure steps of `revkernels.engine.compiled` (``torch.func.vjp``), compiled when the run's
+engine is "compiled" and eager otherwise (pareprop and graphs run the sequential schedule there);
+the blocks those steps cannot take (module hooks, a forward of their own) run their eager autograd
+steps under `revkernels.engine.state.autograd_recording`. The run's module
 reaches the kernels through an integer handle; the autocast mode of the forward is an argument, so
 the kernels enter it explicitly. BatchNorm running statistics are updated by the forward kernel
 (once; the backward uses batch statistics).
@@ -159,24 +161,19 @@ def _random_rows(seq):
 
 
 def _outputs(outputs, layouts, inputs):
-    """`outputs` as the fake kernels describe them: each in the layout of its entry of `layouts`
-    (a tensor to match, or None: contiguous) and a copy where it shares memory with an input or an
-    earlier output (an op's outputs may alias neither: a HalfCouplingBlock passes x2 through and dy2
-    back as dx1, and a parameter's grad can be an output grad itself, e.g. an additive table's)."""
+    """`outputs` as the fake kernels describe them: each laid out as ``torch.empty_like`` of its
+    entry of `layouts` (the streams as the run's inputs, the grads as what they are the grads of),
+    and a copy where it shares memory with an input or an earlier output (an op's outputs may alias
+    neither: a HalfCouplingBlock passes x2 through and dy2 back as dx1, and a parameter's grad can be
+    an output grad itself, e.g. an additive table's)."""
     taken = {x.untyped_storage().data_ptr() for x in inputs}
     result = []
     for t, like in zip(outputs, layouts, strict=True):
-        storage = t.untyped_storage().data_ptr()
-        if like is None:
-            t = t.clone(memory_format=torch.contiguous_format) if storage in taken else t.contiguous()
-        elif storage in taken or t.stride() != like.stride():
+        if t.untyped_storage().data_ptr() in taken or t.stride() != like.stride():
             t = torch.empty_like(like, dtype=t.dtype).copy_(t)
         taken.add(t.untyped_storage().data_ptr())
         result.append(t)
     return result
-
-def _contiguous_like(t):
-    return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("revkernels::reversible_run", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
@@ -203,14 +200,14 @@ def reversible_run(handle: int, x1: torch.Tensor, x2: torch.Tensor, params: list
                     states.append(state)
         else:
             x1, x2, states = compiled.forward_blocks(list(seq.blocks), x1, x2, steps, seq.preserve_rng_state, context)
-    y1, y2 = _outputs((x1, x2), (None, None), inputs)
+    y1, y2 = _outputs((x1, x2), inputs, inputs)
     return y1, y2, _pack(states, devices)
 
 
 @reversible_run.register_fake
 def _(handle, x1, x2, params, context, context_tensors, context_numbers, autocast_dtype, training):
     rows = _random_rows(_run(handle))
-    return _contiguous_like(x1), _contiguous_like(x2), \
+    return torch.empty_like(x1), torch.empty_like(x2), \
         torch.empty(rows, _state_bytes(cuda_devices_of(x1, x2)), dtype=torch.uint8)
 
 
@@ -235,14 +232,14 @@ def reversible_run_backward(handle: int, y1: torch.Tensor, y2: torch.Tensor, dy1
                                                          _steps(seq, y1.device.type), autocast_state, context)
     inputs = (y1, y2, dy1, dy2, *params, *context_tensors)
     grad_tensors = [torch.zeros_like(t) if g is None else g for t, g in zip(params + leaves, grads, strict=True)]
-    dx1, dx2, *grad_tensors = _outputs((dx1, dx2, *grad_tensors), (None, None, *params, *leaves), inputs)
+    dx1, dx2, *grad_tensors = _outputs((dx1, dx2, *grad_tensors), (y1, y2, *params, *leaves), inputs)
     return dx1, dx2, grad_tensors[:len(params)], grad_tensors[len(params):]
 
 
 @reversible_run_backward.register_fake
 def _(handle, y1, y2, dy1, dy2, rng, params, context, context_tensors, context_numbers, autocast_dtype):
     requires_grad = _CONTEXT_SPECS[context][1]
-    return _contiguous_like(y1), _contiguous_like(y2), [torch.empty_like(p) for p in params], \
+    return torch.empty_like(y1), torch.empty_like(y2), [torch.empty_like(p) for p in params], \
         [torch.empty_like(t) for t, grad in zip(context_tensors, requires_grad) if grad]
 
 

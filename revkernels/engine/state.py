@@ -50,8 +50,8 @@ def grad_tensors(context):
 def autograd_recording():
     """A context in which operations record autograd graphs again inside a custom op's kernel
     (the dispatcher excludes the Autograd and ADInplaceOrView keys below an op's own autograd; grad
-    mode alone does not bring them back), with the dispatch keys of an eager call. Outside such a
-    kernel it changes nothing."""
+    mode alone does not bring them back), with the dispatch keys of an eager call (which has them
+    already)."""
     keys = torch._C.DispatchKey
     with torch._C._SetExcludeDispatchKeyGuard(keys.AutogradFunctionality, False), \
             torch._C._SetExcludeDispatchKeyGuard(keys.ADInplaceOrView, False):

@@ -164,12 +164,11 @@ def y2_only_params(blocks):
     kind = coupling_kind(blocks[-1])
     if kind is None:
         return frozenset()
-    last = len(blocks) - 1
-    branch = blocks[-1].g if kind == "full" else blocks[-1].f
-    only = {id(p) for p in param_slots(branch).params}
+    last, branch = len(blocks) - 1, "g" if kind == "full" else "f"
+    only = {id(p) for p in param_slots(blocks[-1]._modules[branch]).params}
     for i, block in enumerate(blocks):
-        for module in block.children():
-            if not (i == last and module is branch):
+        for name, module in block._modules.items():  # by name: F may be G's very module
+            if module is not None and not (i == last and name == branch):
                 only.difference_update(id(p) for p in param_slots(module).params)
     return frozenset(only)
 

@@ -60,6 +60,8 @@ grads(dy1, dy2), in the forward's dtypes (parameter grads cast back to the param
 The branch modules' forward hooks do not fire in these steps (they are computed from the
 parameters directly).
 """
+import numbers
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -131,7 +133,7 @@ class AttentionBranch(nn.Module):
 
     def __init__(self, dim, num_heads, qkv_bias=True, drop_path=0.0, eps=1e-6, causal=False, dropout=0.0):
         super().__init__()
-        if not isinstance(num_heads, int) or num_heads < 1:
+        if not isinstance(num_heads, numbers.Integral) or isinstance(num_heads, bool) or num_heads < 1:
             raise ValueError(f"revkernels: num_heads must be a positive int, got {num_heads!r}")
         if dim % num_heads:
             raise ValueError(f"revkernels: dim ({dim}) must be divisible by num_heads ({num_heads})")
@@ -296,7 +298,7 @@ class RevTransformerBlock(ReversibleBlock):
             dx2 = self._attention_grads(rec, dy1_total, dy2, P, named)
         params, param_grads = [], []
         for name, p in P.items():
-            if p.requires_grad:
+            if p.requires_grad and name in named:  # (P also has any other names a module holds them under)
                 grad = named[name]
                 params.append(p)
                 param_grads.append(grad() if callable(grad) else grad)

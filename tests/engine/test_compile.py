@@ -110,8 +110,8 @@ def _real_and_fake_layouts(op, args):
 
 def test_opaque_ops_give_the_layouts_of_their_fake_kernels_and_alias_nothing():
     """Inductor compiles against the fake kernels' strides: a half block over a transposed x1 (and a
-    transposed dy1) must return what the fakes say (contiguous streams, grads laid out like their
-    parameters), with no output sharing memory with an input or another output."""
+    transposed dy1) must return what the fakes say (streams and grads laid out like the inputs and
+    parameters they belong to), with no output sharing memory with an input or another output."""
     seq = ReversibleSequential(HalfCouplingBlock(_AddTable()))
     x1, x2 = torch.randn(8, 4).t(), torch.randn(4, 8)
     params = list(seq.parameters())

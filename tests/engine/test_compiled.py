@@ -220,9 +220,10 @@ def test_steps_are_shared_by_stride_0_grads_and_by_calls_from_the_opaque_op():
 
 
 def test_a_new_batch_size_with_dropout_compiles_static_steps():
-    """Static shapes by default: an odd batch (an epoch's last) compiles graphs of its own instead of
-    a symbolic-size recompile, which cannot differentiate dropout under torch.func.vjp (every block
-    then ran eagerly for good, with a warning); the grads are plain autograd's throughout."""
+    """The branch steps (blocks with active dropout) have static shapes by default: an odd batch (an
+    epoch's last) compiles graphs of its own instead of a symbolic-size recompile, which cannot
+    differentiate dropout under torch.func.vjp (every block then ran eagerly for good, with a
+    warning); the grads are plain autograd's throughout."""
     seq = make_seq(2, 8, engine="compiled", dropout=0.3)
     seq.compile_options = AOT
     with warnings.catch_warnings():
@@ -231,6 +232,20 @@ def test_a_new_batch_size_with_dropout_compiles_static_steps():
             data = _data(batch, 8)
             expected = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=batch)
             _assert_all_close(run_grads(seq, seq, *data, seed=batch), expected, 1e-5, f"batch {batch}")
+    assert not any(block in compiled_steps(seq, "cpu").failed for block in seq.blocks)
+
+
+def test_blocks_without_randomness_take_any_number_of_batch_sizes():
+    """The block steps keep Dynamo's automatic dynamic shapes: ten batch sizes stay within the
+    recompile limit (a static compile per size would send the blocks to eager at the ninth)."""
+    seq = make_seq(2, 8, engine="compiled")
+    seq.compile_options = AOT
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for batch in range(1, 11):
+            data = _data(batch, 8)
+            expected = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data)
+            _assert_all_close(run_grads(seq, seq, *data), expected, 1e-5, f"batch {batch}")
     assert not any(block in compiled_steps(seq, "cpu").failed for block in seq.blocks)
 
 

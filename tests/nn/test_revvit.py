@@ -53,11 +53,15 @@ def test_fused_steps_with_an_empty_batch():
         assert a.shape == e.shape and torch.equal(a, e), f"output/grad {i}"
 
 
-def test_fused_steps_with_a_norm_shared_by_f_and_g():
-    """G's LayerNorm is F's: the shared parameters get the sum of both branches' grads."""
+@pytest.mark.parametrize("alias", [False, True])
+def test_fused_steps_with_a_norm_shared_by_f_and_g(alias):
+    """G's LayerNorm is F's: the shared parameters get the sum of both branches' grads (also with
+    the block holding F under another name too)."""
     seq = _stack(2)
     for block in seq.blocks:
         block.g.norm = block.f.norm
+        if alias:
+            block.attention = block.f
     data = _data()
     expected = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data)
     actual = run_grads(seq, seq, *data)

@@ -187,7 +187,8 @@ def test_cli_nproc_kills_a_hung_rank_timeout_plus_1_s_after_the_others_exit(tmp_
     ended = time.time()
     assert proc.returncode == 1 and "rank 1 exited with signal SIGKILL" in proc.stderr, proc.stderr[-3000:]
     stopped_at = float(re.search(r"SIGSTOP to rank 1 at tick 3 \(time ([0-9.]+)\)", proc.stderr).group(1))
-    assert ended - stopped_at <= 2 * timeout + 1 + 3, ended - stopped_at  # 3 s for the exits and the interpreter
+    # ~2 --timeout + 1 s = 5 s; a fixed 60 s grace took over 60 s. The bound leaves a busy machine room.
+    assert ended - stopped_at < 30, ended - stopped_at
 
 
 def test_cli_nproc_rank_argument_error_is_one_line(tmp_path):
