@@ -169,23 +169,22 @@ def test_f_or_g_that_changes_the_shape(bad):
             seq(*_streams(requires_grad=True))
 
 
-def test_f_that_promotes_the_stream_dtype():
-    class ToDouble(nn.Module):
-        def forward(self, x):
-            return x.double()
+class _Cast(nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
 
-    block = rk.nn.ReversibleBlock(ToDouble(), residual_fn(WIDTH))
-    with pytest.raises(ValueError, match="f returned torch.float64, which would promote the x1 stream"):
-        block(*_streams())
+    def forward(self, x):
+        return x.to(self.dtype)
 
 
-def test_f_that_returns_integers():
-    class Rounded(nn.Module):
-        def forward(self, x):
-            return x.long()
-
-    block = rk.nn.ReversibleBlock(Rounded(), residual_fn(WIDTH))
-    with pytest.raises(TypeError, match="f must return a floating-point tensor, got torch.int64"):
+@pytest.mark.parametrize("dtype,error,message", [
+    (torch.float64, ValueError, "f returned torch.float64, which would promote the x1 stream"),
+    (torch.int64, TypeError, "f must return a floating-point tensor, got torch.int64"),
+])
+def test_f_that_returns_another_dtype(dtype, error, message):
+    block = rk.nn.ReversibleBlock(_Cast(dtype), residual_fn(WIDTH))
+    with pytest.raises(error, match=message):
         block(*_streams())
 
 
