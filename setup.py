@@ -6,8 +6,8 @@ REVKERNELS_SKIP_EXTENSION=1 installs the pure-PyTorch package without compiling 
 CPU kernels: csrc/cpu/vec_kernels.cpp is compiled once per instruction set, as ATen compiles its
 own (see that file): with the other sources for DEFAULT, and on x86-64 with GCC three times more,
 once per entry of ISA_VARIANTS below (AVX2, AVX512, and AVX512 with the CPU's bf16 conversion;
-build_ext compiles those objects itself: an Extension applies one flag set to all its sources).
-cpu/dispatch.cpp picks one at run time.
+build_ext compiles those objects itself with ninja: an Extension applies one flag set to all its
+sources). cpu/dispatch.cpp picks one at run time.
 """
 import glob
 import os
@@ -48,23 +48,50 @@ def _isa_variants():
     return ISA_VARIANTS
 
 
+def _ninja_path(path):
+    return path.replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
+
+
 def _build_ext_class(BuildExtension, cxx_flags):
     class BuildExt(BuildExtension):
         """Compiles the ISA variants of VEC_SOURCE and links them into revkernels._C."""
 
         def build_extension(self, ext):
-            from torch.utils.cpp_extension import include_paths
-
-            objects = []
-            for isa, flags in _isa_variants().items():
-                out_dir = os.path.join(self.build_temp, "isa_" + isa)
-                objects += self.compiler.compile(
-                    [VEC_SOURCE], output_dir=out_dir, include_dirs=ext.include_dirs + include_paths(),
-                    extra_postargs=cxx_flags + flags)
-            # After the extension's own objects, so for any symbol the objects share (none expected)
-            # the linker keeps the baseline build's code.
-            ext.extra_objects = list(ext.extra_objects or []) + objects
+            variants = _isa_variants()
+            if variants:
+                # After the extension's own objects, so for any symbol the objects share (none
+                # expected) the linker keeps the baseline build's code.
+                ext.extra_objects = list(ext.extra_objects or []) + self._compile_variants(ext, variants)
             super().build_extension(ext)
+
+        def _compile_variants(self, ext, variants):
+            """One object per ISA, built by ninja as BuildExtension builds the others: in parallel
+            (MAX_JOBS), and again only when the source, a header it includes or the flags change."""
+            import shlex
+            import subprocess
+
+            from torch.utils.cpp_extension import include_paths, is_ninja_available
+
+            base = [*self.compiler.compiler_so, *(f"-I{d}" for d in ext.include_dirs + include_paths())]
+            out_dir = os.path.abspath(os.path.join(self.build_temp, "isa_variants"))
+            os.makedirs(out_dir, exist_ok=True)
+            if not is_ninja_available():  # as BuildExtension does without ninja: one at a time
+                return [self.compiler.compile([VEC_SOURCE], output_dir=os.path.join(out_dir, isa),
+                                              include_dirs=ext.include_dirs + include_paths(),
+                                              extra_postargs=cxx_flags + flags)[0]
+                        for isa, flags in variants.items()]
+            lines = ["ninja_required_version = 1.3", "rule cxx", "  command = $cmd -MMD -MF $out.d -c $in -o $out",
+                     "  depfile = $out.d", "  deps = gcc"]
+            objects = []
+            for isa, flags in variants.items():
+                objects.append(os.path.join(out_dir, f"vec_kernels_{isa}.o"))
+                lines += [f"build {_ninja_path(objects[-1])}: cxx {_ninja_path(os.path.join(ROOT, VEC_SOURCE))}",
+                          "  cmd = " + shlex.join(base + cxx_flags + flags).replace("$", "$$")]
+            with open(os.path.join(out_dir, "build.ninja"), "w") as f:
+                f.write("\n".join(lines) + "\n")
+            jobs = ["-j", os.environ["MAX_JOBS"]] if os.environ.get("MAX_JOBS") else []
+            subprocess.run(["ninja", "-C", out_dir, *jobs], check=True)
+            return objects
 
     return BuildExt
 
@@ -87,7 +114,9 @@ def _extensions():
 
     # -fopenmp: at::parallel_for is inline and splits work only in OpenMP builds (the library then
     # uses the libgomp torch has loaded).
-    cxx_flags = ["-O3", "-fopenmp"]
+    # -g0: Python's CFLAGS carry -g; debug info over torch's headers took 28% (ops/layer_norm_autograd.cpp)
+    # to 41% (cpu/vec_kernels.cpp) of the compile time and made the objects 15-30x larger.
+    cxx_flags = ["-O3", "-fopenmp", "-g0"]
     isa_flags = ["-DREVKERNELS_CPU_ISA_VARIANTS"] if _isa_variants() else []
     # Unless a backend was forced, a failed compile still installs the pure-PyTorch package
     # (`import revkernels` then warns that revkernels._C is missing).

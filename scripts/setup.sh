@@ -20,6 +20,10 @@ pip_quiet setuptools wheel ninja cmake numpy tqdm pytest hypothesis matplotlib t
 # SimpleITK/torchvision are not needed by its couplings, and would pull another torch).
 pip_quiet --no-deps revlib==1.7.2 memcnn==1.5.2
 python -c "import torch; assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__"
-# No build isolation: compile against the torch installed above.
-MAX_JOBS=${MAX_JOBS:-2} pip_quiet --no-build-isolation --no-deps -e .
+# The extension is built in place with build_ext, whose ./build keeps ninja's state: a second run
+# recompiles only what changed (pip's editable build compiles everything in a fresh temporary folder
+# every time). The editable install then only points .venv at the checkout.
+MAX_JOBS=${MAX_JOBS:-2} python setup.py -q build_ext --inplace > build-ext.log 2>&1 || { cat build-ext.log; exit 1; }
+# No build isolation: the build backend runs with the torch installed above.
+REVKERNELS_SKIP_EXTENSION=1 pip_quiet --no-build-isolation --no-deps -e .
 python -c "import revkernels as rk; assert rk.HAS_C_EXTENSION, 'revkernels._C was not built'; print('revkernels', rk.__version__, 'ready in .venv (C++ kernels built)')"

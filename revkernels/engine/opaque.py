@@ -35,11 +35,20 @@ from revkernels.engine import compiled
 from revkernels.engine.sequential import forward_step
 from revkernels.engine.state import NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of
 
+
+def _assume_constant_result(fn):
+    """What ``torch.compiler.assume_constant_result`` does (Dynamo runs `fn` at trace time and bakes
+    its result into the graph), without importing Dynamo with revkernels: that import alone costs
+    about 2 s, more than torch's own. tests/engine/test_opaque.py checks it against torch's."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 _RUNS = weakref.WeakValueDictionary()
 _NEXT = itertools.count()
 
 
-@torch.compiler.assume_constant_result
+@_assume_constant_result
 def run_handle(seq):
     """The integer naming `seq` to the kernels (a constant of the traced graph)."""
     handle = getattr(seq, "_opaque_handle", None)
@@ -62,7 +71,7 @@ _CONTEXT_HANDLES = {}
 _CONTEXT_SPECS = []
 
 
-@torch.compiler.assume_constant_result
+@_assume_constant_result
 def context_handle(seq, names, requires_grad, number_names, values):
     """The integer naming a context's structure to the kernels (a constant of the traced graph):
     the `names` of its tensors (in the order the ops get them), whether each `requires_grad`, the
@@ -83,7 +92,7 @@ def context_handle(seq, names, requires_grad, number_names, values):
     return handle
 
 
-@torch.compiler.assume_constant_result
+@_assume_constant_result
 def _raise_nested_tensors(names):
     # (raised from a function run at trace time, so the message reaches the caller as it is)
     raise TypeError(f"revkernels: under torch.compile the context's tensors must be keywords of their own, got "

@@ -30,11 +30,12 @@ def test_suite_quick_kernels_and_memory(tmp_path):
     assert {r["engine"] for r in csv.DictReader(open(tmp_path / "train_step_cpu.csv"))} == {"autograd", "sequential"}
 
 
-def test_suite_rejects_an_unknown_part():
-    result = subprocess.run([sys.executable, "-m", "revkernels.bench", "--parts", "kernels", "speed"],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert result.returncode == 2
-    assert "argument --parts: invalid choice: 'speed'" in result.stderr and "memory" in result.stderr
+def test_suite_rejects_an_unknown_part(capsys):
+    with pytest.raises(SystemExit) as exit:
+        suite.main(["--parts", "kernels", "speed"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --parts: invalid choice: 'speed'" in err and "memory" in err
 
 
 def test_suite_passes_each_part_its_mode():

@@ -8,6 +8,8 @@ what inductor gets, without its code generation, which takes tens of seconds on 
 machine); one test runs inductor itself (``mode="reduce-overhead"``).
 """
 import copy
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -139,6 +141,25 @@ def test_fullgraph_compile_of_a_deep_copy_runs_the_copys_blocks():
         return perturb_parameters(copy.deepcopy(original))
 
     _compiled_vs_eager(copy_of_a_compiled_run(), data, backend="aot_eager")
+
+
+def test_trace_time_constants_are_marked_as_torchs_decorator_marks_them():
+    """opaque marks its trace-time functions itself, so that importing revkernels does not import
+    Dynamo (about 2 s): the mark must be the one torch.compiler.assume_constant_result sets."""
+    def marked_by_torch():
+        pass
+
+    torch.compiler.assume_constant_result(marked_by_torch)
+    for fn in (opaque.run_handle, opaque.context_handle, opaque._raise_nested_tensors):
+        assert {k: v for k, v in vars(fn).items() if not k.startswith("__")} == vars(marked_by_torch), fn
+
+
+def test_importing_revkernels_does_not_import_dynamo_or_triton():
+    code = ("import sys, revkernels, revkernels.petra.train, revkernels.bench.train; "
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'triton') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["[]"]
 
 
 def test_fullgraph_compile_revvit_blocks():
