@@ -123,7 +123,8 @@ def run_id():
     """The id that every attempt of this run shares and other runs do not (after `init`): ``REVKERNELS_PETRA_RUN``
     (the trainer's ``--nproc`` launcher sets one per command), else under torchrun a random one kept in its
     agent's store, which lives across restarts and ends with the command (torchrun without that store: its
-    ``--rdzv-id``); None otherwise."""
+    ``--rdzv-id``, whose default ``none`` every such run shares: give each run an ``--rdzv-id`` of its own, or
+    a fresh ``--out``, or a restart may resume an earlier run's rank files); None otherwise."""
     return os.environ.get(RUN_ENV) or _agent_run_id or os.environ.get("TORCHELASTIC_RUN_ID")
 
 

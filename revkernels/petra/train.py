@@ -361,7 +361,7 @@ def main(argv=None):
                        grace=args.timeout + 1)
                 break
             except LaunchError as e:
-                if attempt == args.max_restarts:
+                if attempt == args.max_restarts or ARGUMENT_ERROR in e.exitcodes:  # a restart would repeat it
                     raise
                 print(f"python -m revkernels.petra.train: {e}; restart {attempt + 1} of {args.max_restarts} from the "
                       f"last checkpoint", file=sys.stderr, flush=True)
@@ -688,18 +688,22 @@ def _mean(values):
     return sum(values) / len(values) if values else None
 
 
+ARGUMENT_ERROR = 2  # the exit status of an argument error (argparse's), on the CLI and on each rank
+
+
 def cli(argv=None):
-    """`main` with argument errors turned into a one-line message and exit status 2."""
+    """`main` with argument errors turned into a one-line message and exit status 2 (`ARGUMENT_ERROR`); a
+    ``--nproc`` run whose rank exits so exits so too, without the restarts of ``--max-restarts``."""
     from revkernels.petra.distributed import LaunchError
 
     try:
         main(argv)
     except (ValueError, NotImplementedError) as e:
         print(f"python -m revkernels.petra.train: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except LaunchError as e:
+        sys.exit(ARGUMENT_ERROR)
+    except LaunchError as e:  # a rank's argument error is the run's
         print(f"python -m revkernels.petra.train: error: {e}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(ARGUMENT_ERROR if ARGUMENT_ERROR in e.exitcodes else 1)
 
 
 if __name__ == "__main__":

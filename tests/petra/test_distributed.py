@@ -193,15 +193,17 @@ def test_cli_nproc_kills_a_hung_rank_timeout_plus_1_s_after_the_others_exit(tmp_
 
 def test_cli_nproc_rank_argument_error_is_one_line(tmp_path):
     """An argument error a rank finds (here --batch-size 1 at 1x1 feature maps) is printed as the CLI prints
-    argument errors, by each rank, without a traceback."""
+    argument errors, by each rank, without a traceback; the run exits as an argument error does (status 2),
+    without restarting (a restart would find the same error)."""
     args = ["--model", "revnet18", "--dataset", "synthetic", "--image-size", "8", "--epochs", "1", "--batch-size", "1",
             "--max-steps", "2", "--threads", "1", "--no-progress", "--runtime", "distributed", "--nproc", "2",
-            "--out", str(tmp_path)]
+            "--max-restarts", "1", "--out", str(tmp_path)]
     proc = subprocess.run([sys.executable, "-m", "revkernels.petra.train", *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=180)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.count("python -m revkernels.petra.train: error: revkernels: --batch-size must be >= 2") == 2
     assert "rank 0 exited with status 2, rank 1 exited with status 2" in proc.stderr
+    assert "restart" not in proc.stderr
 
 
 # --- the simulator's stage groups (what the ranks run) ------------------------------------------------
