@@ -26,4 +26,6 @@ python -c "import torch; assert torch.__version__.split('+')[0] == '2.13.0', tor
 MAX_JOBS=${MAX_JOBS:-2} python setup.py -q build_ext --inplace > build-ext.log 2>&1 || { cat build-ext.log; exit 1; }
 # No build isolation: the build backend runs with the torch installed above.
 REVKERNELS_SKIP_EXTENSION=1 pip_quiet --no-build-isolation --no-deps -e .
-python -c "import revkernels as rk; assert rk.HAS_C_EXTENSION, 'revkernels._C was not built'; print('revkernels', rk.__version__, 'ready in .venv (C++ kernels built)')"
+# (a failed compile leaves the optional extension out without failing build_ext: its log tells why)
+python -c "import revkernels as rk; assert rk.HAS_C_EXTENSION, 'revkernels._C was not built'; print('revkernels', rk.__version__, 'ready in .venv (C++ kernels built)')" \
+  || { tail -n 60 build-ext.log; exit 1; }
