@@ -11,7 +11,9 @@ is rebuilt, its parameters are the only unsharded ones allocated (the blocks aft
 resharded, their grads reduce-scattered: per block, as FSDP does for ordinary modules); with
 ``reshard_after_forward=False`` the forward leaves them unsharded. A mixed-precision policy (bf16
 parameters, fp32 reduce; fp32 streams under bf16 autocast) gives fp32 grads as accurate as the
-autograd engine under the same policy.
+autograd engine under the same policy. Through dropout, ``backward(retain_graph=True)`` then
+``backward()`` gives twice the grads of one backward, as plain autograd does (the block nodes keep
+each block's generator states for the second rebuild).
 """
 import datetime
 import os
@@ -55,6 +57,7 @@ CASES = {
     "mlp-block-bf16": ("mlp", "block", True, "sequential", True),
     "mlp-block-bf16-autograd": ("mlp", "block", True, "autograd", True),
     "generic-block-y1": ("generic", "block", True, "sequential", False),  # a loss of y1 only: G's of the last block get no grad
+    "dropout-block-retain": ("dropout", "block", True, "sequential", False),  # backward(retain_graph=True) twice
 }
 SLOW_CASES = {"revnet18-stage-raf": ("revnet18", "block", True, "sequential", False),
               "vit-block-inductor": ("vit", "block", True, "compiled", False)}
@@ -121,9 +124,11 @@ def _model(kind, engine="autograd"):
     (the steps traced as for inductor, in seconds instead of a minute)."""
     if kind == "staged":
         return _Staged(engine)
-    if kind in ("generic", "mlp", "vit", "context"):
+    if kind in ("generic", "mlp", "vit", "context", "dropout"):
         blocks = {"generic": lambda: make_seq(DEPTH, WIDTH).blocks,
                   "mlp": lambda: [rk.nn.ReversibleBlock(_mlp(), _mlp()) for _ in range(DEPTH)],
+                  "dropout": lambda: [rk.nn.ReversibleBlock(nn.Sequential(_mlp(), nn.Dropout(0.5)),
+                                                            nn.Sequential(_mlp(), nn.Dropout(0.5))) for _ in range(DEPTH)],
                   "vit": lambda: [rk.nn.RevViTBlock(WIDTH, 2, mlp_ratio=2.0) for _ in range(2)],
                   "context": lambda: [rk.nn.ReversibleBlock(_Film(), _Film()) for _ in range(2)]}[kind]()
         seq = rk.nn.ReversibleSequential(*blocks)
@@ -191,11 +196,29 @@ def _watch_backward(model, observed):
         block.recompute = watch(i, block.recompute)
 
 
+def _once_and_twice(model, kind, batch):
+    """The parameter grads of a loss through dropout backwarded once, then twice (the first with
+    ``retain_graph=True``), each from the same generator state."""
+    grads = []
+    for twice in (False, True):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        loss, _ = _loss(model, kind, batch)
+        if twice:
+            loss.backward(retain_graph=True)
+        loss.backward()
+        grads.append([p.grad.full_tensor() for p in model.parameters()])
+    return {"once": grads[0], "twice": grads[1]}
+
+
 def _run_case(name, case, data, shard):
     """One case's training steps on this rank; what the parent checks."""
     kind, units, raf, engine, mixed = case
     model = _model(kind, engine)
     model.load_state_dict(data["state"])
+    if name.endswith("-retain"):
+        _shard(model, kind, units, raf, mixed)
+        return _once_and_twice(model, kind, tuple(t[shard] for t in data["batches"][0]))
     if name.endswith("-late"):  # the structure cache is built before sharding
         _loss(model, kind, tuple(t[shard] for t in data["batches"][0]))[0].backward()
         model.zero_grad(set_to_none=True)
@@ -308,7 +331,7 @@ def _check_case(name, case, data, result):
         assert result["after_forward"] == [raf] * len(result["after_forward"]), f"{name}: sharded after forward"
 
 
-@pytest.mark.parametrize("name", [n for n, case in CASES.items() if not case[4]])
+@pytest.mark.parametrize("name", [n for n, case in CASES.items() if not case[4] and not n.endswith("-retain")])
 def test_two_gloo_processes_match_one_process(two_ranks, name):
     data, results = two_ranks
     _check_case(name, CASES[name], data[name], results[name])
@@ -319,6 +342,15 @@ def test_revnet18_and_inductor_compiled_steps(tmp_path):
     data, results = _two_ranks(tmp_path, SLOW_CASES)
     for name, case in SLOW_CASES.items():
         _check_case(name, case, data[name], results[name])
+
+
+def test_second_backward_with_retain_graph_replays_the_same_dropout(two_ranks):
+    """Plain autograd's second backward reuses the forward's dropout masks, so the grads of two
+    backwards are twice those of one; a block node that drew fresh masks (or none) in its second
+    rebuild would give others."""
+    result = two_ranks[1]["dropout-block-retain"]
+    for i, (once, twice) in enumerate(zip(result["once"], result["twice"], strict=True)):
+        assert_close_rel(twice, 2 * once, 1e-5, f"param {i}")
 
 
 def test_backward_unshards_one_block_at_a_time(two_ranks):
