@@ -39,7 +39,7 @@ from revkernels.engine.state import NO_CONTEXT, AutocastState, RngState, autogra
 def _assume_constant_result(fn):
     """What ``torch.compiler.assume_constant_result`` does (Dynamo runs `fn` at trace time and bakes
     its result into the graph), without importing Dynamo with revkernels: that import alone costs
-    about 2 s, more than torch's own. tests/engine/test_opaque.py checks it against torch's."""
+    about 2 s, more than torch's own. tests/engine/test_compile.py checks it against torch's."""
     fn._dynamo_marked_constant = True
     return fn
 

@@ -692,8 +692,9 @@ ARGUMENT_ERROR = 2  # the exit status of an argument error (argparse's), on the 
 
 
 def cli(argv=None):
-    """`main` with argument errors turned into a one-line message and exit status 2 (`ARGUMENT_ERROR`); a
-    ``--nproc`` run whose rank exits so exits so too, without the restarts of ``--max-restarts``."""
+    """`main` with argument errors turned into a one-line message and exit status 2 (`ARGUMENT_ERROR`). A
+    ``--nproc`` run in which a rank exits with status 2 exits with it too, without ``--max-restarts``'s
+    restarts."""
     from revkernels.petra.distributed import LaunchError
 
     try:
