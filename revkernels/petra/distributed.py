@@ -324,7 +324,10 @@ class PipelineRank:
                 out.append([t, None])
                 self._deferred.append((out[-1], dist.P2POp(dist.irecv, t, peer, tag=_tag(tick, kind, i))))
             else:
-                out.append([t, dist.irecv(t, src=peer, tag=_tag(tick, kind, i))])
+                try:  # gloo raises at once when the peer's connection has closed
+                    out.append([t, dist.irecv(t, src=peer, tag=_tag(tick, kind, i))])
+                except Exception as e:  # noqa: BLE001 - the sender is the peer that failed
+                    self.fail(peer, f"a receive from it at tick {self.tick} failed ({_short(e)})")
         return out
 
     def _isend(self, ops, t, peer, tag):

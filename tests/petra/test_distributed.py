@@ -124,6 +124,31 @@ def test_killed_worker_stops_every_process_naming_the_stage(killed, tmp_path):
     assert max(late) <= timeout + 1, late
 
 
+def test_a_receive_that_fails_to_post_names_the_sender(monkeypatch):
+    """gloo raises from ``irecv`` itself (not from the wait) when the sender's connection has already
+    closed: the rank then reports the sender as failed, as a failed wait does, instead of dying with
+    gloo's traceback (which left the killed rank unnamed in the survivors' last line)."""
+    import types
+
+    import revkernels.petra.distributed as distributed
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:14220")
+
+    class Failed(Exception):
+        pass
+
+    def fail(culprit, why):
+        raise Failed(culprit, why)
+
+    monkeypatch.setattr(distributed.dist, "irecv", closed)
+    rank = types.SimpleNamespace(_batched=False, device=torch.device("cpu"), tick=7, fail=fail)
+    with pytest.raises(Failed) as e:
+        PipelineRank._irecv(rank, 0, 6, 0, [((2, 3), torch.float32)])
+    assert e.value.args[0] == 0 and "a receive from it at tick 7 failed" in e.value.args[1]
+    assert "Connection closed by peer" in e.value.args[1]
+
+
 @pytest.mark.parametrize("hung", [1, 0])
 def test_hung_worker_is_detected_within_the_timeout(hung, tmp_path):
     """A rank stopped by SIGSTOP (alive, connections open, silent): every other process exits non-zero
