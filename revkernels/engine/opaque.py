@@ -220,7 +220,6 @@ def _(handle, x1, x2, params, context, context_tensors, context_numbers, autocas
         torch.empty(rows, _state_bytes(cuda_devices_of(x1, x2)), dtype=torch.uint8)
 
 
-
 @torch.library.custom_op("revkernels::reversible_run_backward", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def reversible_run_backward(handle: int, y1: torch.Tensor, y2: torch.Tensor, dy1: torch.Tensor, dy2: torch.Tensor,
                             rng: torch.Tensor, params: list[torch.Tensor], context: int,
