@@ -82,9 +82,10 @@ class CountingBackend:
 
 
 def compiled_saved_bytes(seq, x, **context):
-    """Bytes autograd saves, parameters aside, in one step of ``seq(x, x, **context)`` under
+    """Bytes autograd saves, parameters and the run's handle (a 0-d int64 input of the opaque ops,
+    `revkernels.engine.opaque.new_handle`) aside, in one step of ``seq(x, x, **context)`` under
     ``torch.compile(fullgraph=True)`` (aot_eager backend)."""
-    params = {id(p) for p in seq.parameters()}
+    params = {id(p) for p in seq.parameters()} | {id(seq._opaque_handle)}
     total = [0]
 
     def pack(t):

@@ -4,25 +4,29 @@ Under ``torch.compile`` a `ReversibleSequential` with a memory-saving engine cal
 ``revkernels::reversible_run`` (forward: the blocks without autograd) whose registered autograd
 calls ``revkernels::reversible_run_backward`` (rebuild and differentiate, last block first). The
 compiler sees two ops with fake implementations, so the user's graph compiles with
-``fullgraph=True`` and autograd saves only the run's outputs, the parameters and the generator
-states of blocks that draw random numbers (a few KB each): activation memory stays flat in depth.
+``fullgraph=True`` and autograd saves only the run's outputs, the parameters, the run's handle and
+the generator states of blocks that draw random numbers (a few KB each): activation memory stays
+flat in depth.
 
 Inside an op's kernel the dispatcher leaves out the Autograd keys, so the backward differentiates
 with the pure steps of `revkernels.engine.compiled` (``torch.func.vjp``), compiled when the run's
 engine is "compiled" and eager otherwise (pareprop and graphs run the sequential schedule there);
 the blocks those steps cannot take (module hooks, a forward of their own) run their eager autograd
-steps under `revkernels.engine.state.autograd_recording`. The run's module
-reaches the kernels through an integer handle; the autocast mode of the forward is an argument, so
-the kernels enter it explicitly. BatchNorm running statistics are updated by the forward kernel
+steps under `revkernels.engine.state.autograd_recording`. The run's module reaches the kernels
+through its handle, a 0-d integer tensor the run holds (`new_handle`): Dynamo lifts it as an input
+of the traced graph, so runs of the same structure (another instance of the model, a deep copy)
+share one graph and each call names its own run. The autocast mode of the forward is an argument,
+so the kernels enter it explicitly. BatchNorm running statistics are updated by the forward kernel
 (once; the backward uses batch statistics).
 
 Context (``seq(x1, x2, **context)``): its tensors are inputs of both ops (saved once per run, as
 with the eager engines), and the backward op returns the grads of those that require grad,
 summed over the blocks. Its numbers (int, float, bool) are op arguments too (Dynamo specializes a
 float there: a new value traces again). Its structure (names, which tensors require grad) and its
-other values reach the kernels through a second integer handle, `context_handle`, a constant of
-the traced graph; those other values (strings, None, tuples) must be hashable constants of the
-traced code.
+other values reach the kernels through an integer handle, `context_handle`, a constant of the
+traced graph; those other values (strings, None, tuples) must be hashable constants of the traced
+code. The forward kernel checks the keywords against every F and G (`check_context`: once per
+module structure and set of keywords).
 """
 import itertools
 import weakref
@@ -48,21 +52,20 @@ _RUNS = weakref.WeakValueDictionary()
 _NEXT = itertools.count()
 
 
-@_assume_constant_result
-def run_handle(seq):
-    """The integer naming `seq` to the kernels (a constant of the traced graph)."""
-    handle = getattr(seq, "_opaque_handle", None)
-    if handle is None or _RUNS.get(handle) is not seq:  # (a copy of a run carries its original's handle)
-        handle = next(_NEXT)
-        seq._opaque_handle = handle
-        _RUNS[handle] = seq
-    return handle
+def new_handle(seq):
+    """A new handle naming `seq` to the kernels: a 0-d int64 CPU tensor, which a
+    `ReversibleSequential` keeps as ``_opaque_handle`` (a new one for each copy, see its
+    ``__setstate__``). Not an int: Dynamo would bake an int into the graph as a constant and guard
+    on the run's identity, so each instance would trace the graph again (up to its recompile limit)."""
+    handle = next(_NEXT)
+    _RUNS[handle] = seq
+    return torch.tensor(handle)
 
 
 def _run(handle):
-    seq = _RUNS.get(handle)
+    seq = _RUNS.get(int(handle))
     if seq is None:
-        raise RuntimeError(f"revkernels: the ReversibleSequential of compiled run {handle} no longer exists")
+        raise RuntimeError(f"revkernels: the ReversibleSequential of compiled run {int(handle)} no longer exists")
     return seq
 
 
@@ -72,14 +75,10 @@ _CONTEXT_SPECS = []
 
 
 @_assume_constant_result
-def context_handle(seq, names, requires_grad, number_names, values):
+def context_handle(names, requires_grad, number_names, values):
     """The integer naming a context's structure to the kernels (a constant of the traced graph):
     the `names` of its tensors (in the order the ops get them), whether each `requires_grad`, the
-    names of its numbers (likewise) and its other ``(name, value)`` pairs. Checks here, at trace
-    time, that every F and G of `seq` takes the keywords."""
-    from revkernels.nn.reversible import check_context
-
-    check_context(seq, seq.blocks, dict.fromkeys(names + number_names + tuple(k for k, _ in values)))
+    names of its numbers (likewise) and its other ``(name, value)`` pairs."""
     spec = (names, requires_grad, number_names, values)
     try:
         handle = _CONTEXT_HANDLES.get(spec)
@@ -186,17 +185,21 @@ def _outputs(outputs, layouts, inputs):
 
 
 @torch.library.custom_op("revkernels::reversible_run", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def reversible_run(handle: int, x1: torch.Tensor, x2: torch.Tensor, params: list[torch.Tensor],
+def reversible_run(handle: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, params: list[torch.Tensor],
                    context: int, context_tensors: list[torch.Tensor], context_numbers: Sequence[int | float | bool],
-                   autocast_dtype: torch.dtype | None, training: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The run's forward without autograd: ``(y1, y2, generator states)``. `context`: a
-    `context_handle` (its tensors and numbers: `context_tensors`, `context_numbers`). `training`:
-    the run's mode when traced (an argument so that the graph is traced again when it changes: the
-    shape of the generator states depends on which blocks draw random numbers)."""
+                   autocast_dtype: torch.dtype | None, rng_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The run's forward without autograd: ``(y1, y2, generator states)``. `handle`: the run's
+    `new_handle`. `context`: a `context_handle` (its tensors and numbers: `context_tensors`,
+    `context_numbers`). `rng_rows`: the rows of the generator states (`_random_rows` of the run
+    when traced, for the fake kernel; Dynamo guards on what it read to count them)."""
+    from revkernels.nn.reversible import check_context
+
     seq = _run(handle)
     devices = cuda_devices_of(x1, x2)
     inputs = (x1, x2)
     context, _ = _context(context, context_tensors, context_numbers)
+    if context:
+        check_context(seq, seq.blocks, context)
     # autograd_recording: the dispatch keys of an eager call, so that compiled steps called here and
     # eagerly share their graphs (the keys are guarded on); nothing records under no_grad
     with autograd_recording(), _autocast(x1.device.type, autocast_dtype):
@@ -214,14 +217,13 @@ def reversible_run(handle: int, x1: torch.Tensor, x2: torch.Tensor, params: list
 
 
 @reversible_run.register_fake
-def _(handle, x1, x2, params, context, context_tensors, context_numbers, autocast_dtype, training):
-    rows = _random_rows(_run(handle))
+def _(handle, x1, x2, params, context, context_tensors, context_numbers, autocast_dtype, rng_rows):
     return torch.empty_like(x1), torch.empty_like(x2), \
-        torch.empty(rows, _state_bytes(cuda_devices_of(x1, x2)), dtype=torch.uint8)
+        torch.empty(rng_rows, _state_bytes(cuda_devices_of(x1, x2)), dtype=torch.uint8)
 
 
 @torch.library.custom_op("revkernels::reversible_run_backward", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def reversible_run_backward(handle: int, y1: torch.Tensor, y2: torch.Tensor, dy1: torch.Tensor, dy2: torch.Tensor,
+def reversible_run_backward(handle: torch.Tensor, y1: torch.Tensor, y2: torch.Tensor, dy1: torch.Tensor, dy2: torch.Tensor,
                             rng: torch.Tensor, params: list[torch.Tensor], context: int,
                             context_tensors: list[torch.Tensor], context_numbers: Sequence[int | float | bool],
                             autocast_dtype: torch.dtype | None
@@ -254,17 +256,17 @@ def _(handle, y1, y2, dy1, dy2, rng, params, context, context_tensors, context_n
 def _setup_context(ctx, inputs, output):
     handle, _, _, params, context, context_tensors, context_numbers, autocast_dtype, _ = inputs
     y1, y2, rng = output
-    ctx.handle, ctx.context, ctx.autocast_dtype, ctx.num_params = handle, context, autocast_dtype, len(params)
+    ctx.context, ctx.autocast_dtype, ctx.num_params = context, autocast_dtype, len(params)
     ctx.context_numbers = context_numbers
-    ctx.save_for_backward(y1, y2, rng, *params, *context_tensors)
+    ctx.save_for_backward(handle, y1, y2, rng, *params, *context_tensors)
 
 
 def _backward(ctx, dy1, dy2, _drng):
-    y1, y2, rng, *saved = ctx.saved_tensors
+    handle, y1, y2, rng, *saved = ctx.saved_tensors
     params, context_tensors = saved[:ctx.num_params], saved[ctx.num_params:]
     dy1 = torch.zeros_like(y1) if dy1 is None else dy1
     dy2 = torch.zeros_like(y2) if dy2 is None else dy2
-    dx1, dx2, grads, context_grads = reversible_run_backward(ctx.handle, y1, y2, dy1, dy2, rng, params, ctx.context,
+    dx1, dx2, grads, context_grads = reversible_run_backward(handle, y1, y2, dy1, dy2, rng, params, ctx.context,
                                                              context_tensors, ctx.context_numbers, ctx.autocast_dtype)
     context_grads = iter(context_grads)
     requires_grad = _CONTEXT_SPECS[ctx.context][1]
@@ -287,7 +289,7 @@ def run_opaque(seq, x1, x2, context=NO_CONTEXT):
     if nested:
         _raise_nested_tensors(nested)
     tensors, numbers = [context[k] for k in names], [context[k] for k in number_names]
-    handle = context_handle(seq, names, tuple(t.requires_grad for t in tensors), number_names, values)
-    y1, y2, _ = reversible_run(run_handle(seq), x1, x2, _grad_params(seq), handle, tensors, numbers, autocast_dtype,
-                               seq.training)
+    handle = context_handle(names, tuple(t.requires_grad for t in tensors), number_names, values)
+    y1, y2, _ = reversible_run(seq._opaque_handle, x1, x2, _grad_params(seq), handle, tensors, numbers, autocast_dtype,
+                               _random_rows(seq))
     return y1, y2

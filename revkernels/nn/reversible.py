@@ -343,6 +343,13 @@ class ReversibleSequential(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.engine = engine
         self.preserve_rng_state = bool(preserve_rng_state)
+        self._opaque_handle = _new_handle(self)
+
+    def __setstate__(self, state):
+        # A copy (copy.deepcopy, pickle) is a run of its own: it must not name its original to the
+        # torch.compile ops' kernels (revkernels.engine.opaque.new_handle).
+        super().__setstate__(state)
+        self._opaque_handle = _new_handle(self)
 
     @property
     def engine(self):
@@ -448,6 +455,12 @@ class ReverseResult(tuple):
         result = super().__new__(cls, (x1, x2, dx1, dx2))
         result.context_grads = context_grads
         return result
+
+
+def _new_handle(seq):
+    from revkernels.engine.opaque import new_handle  # (engine imports this module)
+
+    return new_handle(seq)
 
 
 def unique_grad_params(blocks):

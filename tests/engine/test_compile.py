@@ -117,9 +117,9 @@ def test_opaque_ops_give_the_layouts_of_their_fake_kernels_and_alias_nothing():
     seq = ReversibleSequential(HalfCouplingBlock(_AddTable()))
     x1, x2 = torch.randn(8, 4).t(), torch.randn(4, 8)
     params = list(seq.parameters())
-    handle, context = opaque.run_handle(seq), opaque.context_handle(seq, (), (), (), ())
+    handle, context = seq._opaque_handle, opaque.context_handle((), (), (), ())
     real, fake, (y1, y2, rng) = _real_and_fake_layouts(torch.ops.revkernels.reversible_run.default,
-                                                       (handle, x1, x2, params, context, [], [], None, True))
+                                                       (handle, x1, x2, params, context, [], [], None, 0))
     assert real == fake
     dy1, dy2 = torch.randn(8, 4).t(), torch.randn(4, 8)
     real, fake, grads = _real_and_fake_layouts(torch.ops.revkernels.reversible_run_backward.default,
@@ -143,6 +143,65 @@ def test_fullgraph_compile_of_a_deep_copy_runs_the_copys_blocks():
     _compiled_vs_eager(copy_of_a_compiled_run(), data, backend="aot_eager")
 
 
+class _Model(nn.Module):
+    """What a user compiles: a module holding a run."""
+
+    def __init__(self, seq):
+        super().__init__()
+        self.seq = seq
+
+    def forward(self, x1, x2):
+        return self.seq(x1, x2)
+
+
+def test_fullgraph_compile_of_many_instances_traces_once_and_runs_each_ones_blocks():
+    """A new instance of a compiled model (a sweep, a notebook cell run again, a deep copy) reuses
+    the traced graph: the run's handle is an input of the graph, not a constant guarded on the
+    run's identity. Past Dynamo's recompile limit (8) a constant handle made fullgraph raise."""
+    graphs = []
+
+    def counting_aot_eager(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    data = _data(4, 8)
+    models = [_Model(perturb_parameters(make_seq(2, 8, engine="sequential"))) for _ in range(10)]
+    models.append(copy.deepcopy(models[3]))
+    perturb_parameters(models[-1])
+    for model in models:
+        ref = copy.deepcopy(model.seq)
+        got = run_grads(torch.compile(model, fullgraph=True, backend=counting_aot_eager), model, *data)
+        expected = run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data)
+        for a, b in zip(got, expected, strict=True):
+            assert_close_rel(a, b, 1e-5)
+    assert len(graphs) == 1
+
+
+def test_fullgraph_compile_follows_train_and_eval_of_dropout():
+    """Which blocks draw random numbers sets the shape of the generator states the forward op
+    returns (two rows per full block with active dropout): switching dropout on and off traces
+    again, with the fake kernel's rows right, and each mode gives eager's grads."""
+    rows = []
+
+    def aot_eager_noting_rows(gm, example_inputs):
+        [node] = [n for n in gm.graph.nodes if n.target is torch.ops.revkernels.reversible_run.default]
+        rows.append(node.meta["example_value"][2].shape[0])
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    seq = make_seq(2, 8, engine="sequential", dropout=0.5)
+    ref = copy.deepcopy(seq)
+    fn = torch.compile(lambda a, b: seq(a, b), fullgraph=True, backend=aot_eager_noting_rows)
+    data = _data(4, 8)
+    for training in (True, False, True):
+        seq.train(training)
+        ref.train(training)
+        got = run_grads(fn, seq, *data, seed=3)
+        expected = run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data, seed=3)
+        for a, b in zip(got, expected, strict=True):
+            assert_close_rel(a, b, 1e-5)
+    assert rows == [4, 0]  # the third call is the first graph's
+
+
 def test_trace_time_constants_are_marked_as_torchs_decorator_marks_them():
     """opaque marks its trace-time functions itself, so that importing revkernels does not import
     Dynamo (about 2 s): the mark must be the one torch.compiler.assume_constant_result sets."""
@@ -150,7 +209,7 @@ def test_trace_time_constants_are_marked_as_torchs_decorator_marks_them():
         pass
 
     torch.compiler.assume_constant_result(marked_by_torch)
-    for fn in (opaque.run_handle, opaque.context_handle, opaque._raise_nested_tensors):
+    for fn in (opaque.context_handle, opaque._raise_nested_tensors):
         assert {k: v for k, v in vars(fn).items() if not k.startswith("__")} == vars(marked_by_torch), fn
 
 
