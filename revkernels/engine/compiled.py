@@ -54,7 +54,8 @@ from revkernels.engine.sequential import (forward_step, output_grads, recompute_
                                           saved_with_context, without_unused)
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of,
                                      grad_tensors, maybe_replay)
-from revkernels.engine.structure import cached, coupling_kind, frozen_batchnorm_stats, param_slots, submodule_hooked
+from revkernels.engine.structure import (cached, coupling_kind, frozen_batchnorm_stats, invalidate, param_slots,
+                                         submodule_hooked)
 import revkernels.nn.reversible as _reversible  # (a module object: the import is circular)
 
 
@@ -169,11 +170,11 @@ class CompiledSteps:
 class _Layout:
     """What the steps need from a block's structure (cached per structure)."""
 
-    __slots__ = ("kind", "params", "f_slots", "g_slots", "_grad_plans")
+    __slots__ = ("kind", "slots", "params", "f_slots", "g_slots", "_grad_plans")
 
     def __init__(self, block):
         self.kind = coupling_kind(block)
-        slots = param_slots(block)
+        self.slots = slots = param_slots(block)
         self.params = slots.params
         index = {id(p): i for i, p in enumerate(slots.params)}
         branches = [block.f] + ([block.g] if self.kind == "full" else [])
@@ -198,7 +199,11 @@ class _Layout:
 
 
 def _layout(block):
-    return cached(block, "compiled_layout", _Layout)
+    layout = cached(block, "compiled_layout", _Layout)
+    if layout.slots.stale():  # parameters replaced by a conversion (structure.ParamSlots.stale)
+        invalidate()
+        layout = cached(block, "compiled_layout", _Layout)
+    return layout
 
 
 def _grad_slots(layout, slots):

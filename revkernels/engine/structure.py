@@ -9,7 +9,12 @@ change without a registration (``requires_grad``, ``training``, dropout probabil
 step time from the cached lists. FSDP2 (``fully_shard``) swaps its modules' sharded and unsharded
 parameters by writing ``module._parameters`` directly, which no hook sees: `param_slots` re-reads
 the parameters of FSDP-managed modules on every access, and `invalidate` lets the engines drop the
-cache when they see a run that was sharded after its structure was cached.
+cache when they see a run that was sharded after its structure was cached. ``Module._apply``
+(``.to()``, ``.double()``, ``.to_empty()``) also writes new Parameters into ``_parameters`` without
+a registration where it cannot convert in place (between device types such as meta and CPU, or
+with ``torch.__future__.set_overwrite_module_params_on_conversion(True)``); it replaces every
+parameter of the tree it is called on, so `ParamSlots.stale` checks the first one, and each
+access of cached parameters checks it.
 
 `ParamSlots` swaps detached aliases of a module's parameters in and out of the modules that hold
 them (every occurrence of a tied parameter), so a local graph differentiates the aliases and fires
@@ -107,6 +112,15 @@ class ParamSlots:
                            for slots in by_id.values() for owner, _ in slots)
         self._by_name = None
 
+    def stale(self):
+        """Whether a parameter was replaced without a registration (see the module docstring): the
+        first slot no longer holds the first parameter. False for FSDP-managed slots (`refresh`)."""
+        if self.managed or not self.params:
+            return False
+        owner, name = self.slots[0][0]
+        owner = owner()
+        return owner is None or owner._parameters.get(name) is not self.params[0]
+
     def refresh(self):
         """Re-reads each parameter from its first slot (see `managed`)."""
         for i, slots in enumerate(self.slots):
@@ -137,10 +151,14 @@ class ParamSlots:
 
 
 def param_slots(module):
-    """The module's `ParamSlots` (cached; the current parameters of an FSDP-managed module)."""
+    """The module's `ParamSlots` (cached; the current parameters of an FSDP-managed module, and
+    built again after a conversion replaced them)."""
     slots = cached(module, "param_slots", ParamSlots)
     if slots.managed:
         slots.refresh()
+    elif slots.stale():
+        invalidate()
+        slots = cached(module, "param_slots", ParamSlots)
     return slots
 
 

@@ -27,7 +27,8 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_leaves
 
 from revkernels.engine.state import NO_CONTEXT, RngState, cuda_devices_of, maybe_replay
-from revkernels.engine.structure import cached, detached_aliases, draws_random, frozen_batchnorm_stats, param_slots
+from revkernels.engine.structure import (cached, detached_aliases, draws_random, frozen_batchnorm_stats, invalidate,
+                                         param_slots)
 from revkernels.ops.coupling import coupling_add, coupling_sub
 
 
@@ -465,19 +466,23 @@ def _new_handle(seq):
 
 def unique_grad_params(blocks):
     """The parameters of `blocks` (a ModuleList) that require grad, each once, in module order."""
-    managed, params = cached(blocks, "unique_params", _unique_params)
+    managed, params, block_slots = cached(blocks, "unique_params", _unique_params)
     if managed:  # FSDP swaps the parameters without a registration: the current ones
         params = _unique_params(blocks)[1]
+    elif any(slots.stale() for slots in block_slots):  # replaced by a conversion (ParamSlots.stale)
+        invalidate()
+        params = cached(blocks, "unique_params", _unique_params)[1]
     return [p for p in params if p.requires_grad]
 
 
 def _unique_params(blocks):
-    seen, params, managed = set(), [], False
+    seen, params, managed, block_slots = set(), [], False, []
     for block in blocks:
         slots = param_slots(block)
+        block_slots.append(slots)
         managed = managed or slots.managed
         for p in slots.params:
             if id(p) not in seen:
                 seen.add(id(p))
                 params.append(p)
-    return managed, params
+    return managed, params, block_slots

@@ -83,6 +83,52 @@ def test_caches_rebuild_when_a_parameter_or_submodule_is_replaced():
     assert new_weight.grad is not None and seq.blocks[1].g[3].weight.grad is not None
 
 
+def _conversion_run(kind, device=None):
+    with torch.device(device or "cpu"):
+        if kind == "generic":
+            return make_seq(2, WIDTH), (4, WIDTH)
+        if kind == "compiled":
+            seq = make_seq(2, WIDTH, engine="compiled")
+            seq.compile_options = {"backend": "eager"}
+            return seq, (4, WIDTH)
+        return rk.nn.ReversibleSequential(*[RevViTBlock(WIDTH, 2, mlp_ratio=2.0) for _ in range(2)]), (2, 3, WIDTH)
+
+
+@pytest.mark.parametrize("kind", ["generic", "fused", "compiled"])
+def test_caches_rebuild_when_a_conversion_replaces_the_parameters(kind):
+    """With torch.__future__.set_overwrite_module_params_on_conversion(True), Module._apply
+    (``.double()``) writes new Parameters into the modules without a registration: a run that
+    stepped before must differentiate the new ones (it gave them no grad at all)."""
+    seq, shape = _conversion_run(kind)
+    perturb_parameters(seq)
+    _assert_grads_equal_plain(seq, _inputs(shape=shape))  # caches built
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        old = list(seq.parameters())
+        seq.double()
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    assert not any(p is q for p, q in zip(seq.parameters(), old))
+    _assert_grads_equal_plain(seq, [t.double() for t in _inputs(shape=shape)])
+    assert all(p.grad is not None and p.grad.dtype == torch.float64 for p in seq.parameters())
+
+
+@pytest.mark.parametrize("kind", ["generic", "fused"])
+def test_a_run_stepped_on_the_meta_device_trains_after_to_empty(kind):
+    """A dry run on the meta device (shapes, FLOP counts) before ``to_empty``: Module._apply cannot
+    move a meta tensor in place, so the parameters are new objects afterwards."""
+    seq, shape = _conversion_run(kind, device="meta")
+    with torch.device("meta"):
+        x = torch.randn(shape, requires_grad=True)
+        loss_of(*seq(x, x), 1.0, 1.0).backward()
+    seq.to_empty(device="cpu")
+    for m in seq.modules():
+        if m is not seq and hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    perturb_parameters(seq)
+    _assert_grads_equal_plain(seq, _inputs(shape=shape))
+
+
 def test_parameters_swapped_without_a_registration_are_seen_in_fsdp_managed_modules():
     """FSDP2 writes ``module._parameters`` directly (no registration hook) and marks the modules it
     manages; the cached slots of such modules give the current parameters."""
