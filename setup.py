@@ -116,7 +116,10 @@ def _extensions():
     # uses the libgomp torch has loaded).
     # -g0: Python's CFLAGS carry -g; debug info over torch's headers took 28% (ops/layer_norm_autograd.cpp)
     # to 41% (cpu/vec_kernels.cpp) of the compile time and made the objects 15-30x larger.
-    cxx_flags = ["-O3", "-fopenmp", "-g0"]
+    # -ffp-contract=off: GCC would fuse a * b + c into an FMA where an ISA variant has one (-mfma) and
+    # not in the baseline build, so a vectorised forward and a scalar backward (chosen by layout)
+    # could round the same pre-activation differently (BatchNorm+ReLU's recomputed mask).
+    cxx_flags = ["-O3", "-fopenmp", "-g0", "-ffp-contract=off"]
     isa_flags = ["-DREVKERNELS_CPU_ISA_VARIANTS"] if _isa_variants() else []
     # Unless a backend was forced, a failed compile still installs the pure-PyTorch package
     # (`import revkernels` then warns that revkernels._C is missing).

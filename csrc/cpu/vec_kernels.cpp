@@ -98,18 +98,19 @@ template <typename acc_t> C10_ALWAYS_INLINE Block<acc_t> operator+(const Block<a
 template <typename acc_t> C10_ALWAYS_INLINE Block<acc_t> operator-(const Block<acc_t>& a, const Block<acc_t>& b) { return {a.lo - b.lo, a.hi - b.hi}; }
 template <typename acc_t> C10_ALWAYS_INLINE Block<acc_t> operator*(const Block<acc_t>& a, const Block<acc_t>& b) { return {a.lo * b.lo, a.hi * b.hi}; }
 
-// relu(v) as the scalar kernels form it: v where v > 0, else 0 (NaN included).
+// relu(v) as the scalar kernels form it: 0 where v <= 0, else v (a NaN stays NaN, as in torch.relu).
 template <typename acc_t>
 C10_ALWAYS_INLINE Block<acc_t> relu(const Block<acc_t>& v) {
   const Vec<acc_t> zero(acc_t(0));
-  return {Vec<acc_t>::blendv(zero, v.lo, v.lo > zero), Vec<acc_t>::blendv(zero, v.hi, v.hi > zero)};
+  return {Vec<acc_t>::blendv(v.lo, zero, v.lo <= zero), Vec<acc_t>::blendv(v.hi, zero, v.hi <= zero)};
 }
 
-// d where y > 0, else 0.
+// ReLU's backward from the pre-activation y: 0 where y <= 0, else d (a NaN y passes d, as torch's
+// threshold_backward does).
 template <typename acc_t>
-C10_ALWAYS_INLINE Block<acc_t> where_positive(const Block<acc_t>& y, const Block<acc_t>& d) {
+C10_ALWAYS_INLINE Block<acc_t> relu_masked(const Block<acc_t>& y, const Block<acc_t>& d) {
   const Vec<acc_t> zero(acc_t(0));
-  return {Vec<acc_t>::blendv(zero, d.lo, y.lo > zero), Vec<acc_t>::blendv(zero, d.hi, y.hi > zero)};
+  return {Vec<acc_t>::blendv(d.lo, zero, y.lo <= zero), Vec<acc_t>::blendv(d.hi, zero, y.hi <= zero)};
 }
 
 // Loads count (<= kBlock) elements of T as acc_t; lanes past count are unspecified.
@@ -795,7 +796,7 @@ void batch_norm_act_bwd_vec(x_t* dx, acc_t* dweight, acc_t* dbias, const x_t* do
     const Block<acc_t> xb = load_block<acc_t>(x + xo, k);
     *xhat = (xb - mu) * rs;
     const Block<acc_t> d = load_block<acc_t>(dout + do_, k);
-    *dy = relu ? where_positive((xb - mu) * rs * w + b, d) : d;
+    *dy = relu ? relu_masked((xb - mu) * rs * w + b, d) : d;
   };
   if (path == BnPath::Spatial) {
     for (int64_t c = c_begin; c < c_end; ++c) {

@@ -20,7 +20,7 @@ __global__ void batch_norm_act_apply_kernel(x_t* __restrict__ out, const x_t* __
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += step) {
     const int64_t ch = kChannelsLast ? e % c : (e / s) % c;
     acc_t y = (load<acc_t>(x + e) - mean[ch]) * rstd[ch] * weight[ch] + bias[ch];
-    if (kRelu && !(y > acc_t(0))) y = acc_t(0);
+    if (kRelu && y <= acc_t(0)) y = acc_t(0);  // a NaN stays NaN, as in torch.relu
     store<acc_t>(out + e, y);
   }
 }

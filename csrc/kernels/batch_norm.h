@@ -86,7 +86,7 @@ void batch_norm_act_cpu(x_t* out, acc_t* mean, acc_t* rstd, const x_t* x, const 
     for (int64_t i = 0; i < xv.n; ++i) {
       for (int64_t j = 0; j < xv.s; ++j) {
         acc_t y = bn_affine(at(i, j), mu, rs, w, b);
-        if (relu && !(y > acc_t(0))) y = acc_t(0);
+        if (relu && y <= acc_t(0)) y = acc_t(0);  // a NaN stays NaN, as in torch.relu
         store<acc_t>(oc + i * ov.n_stride + j * ov.s_stride, y);
       }
     }
@@ -113,7 +113,7 @@ void batch_norm_act_bwd_cpu(x_t* dx, acc_t* dweight, acc_t* dbias, const x_t* do
       const acc_t d = load<acc_t>(dc + i * dv.n_stride + j * dv.s_stride);
       if (!relu) return d;
       const acc_t y = bn_affine(load<acc_t>(xc + i * xv.n_stride + j * xv.s_stride), mu, rs, w, b);
-      return y > acc_t(0) ? d : acc_t(0);
+      return y <= acc_t(0) ? acc_t(0) : d;  // as torch's threshold_backward: a NaN y passes d
     };
     const double sum_dy = bn_channel_sum<acc_t>(xv, dy_at);
     const double sum_dy_xhat =

@@ -17,8 +17,9 @@ namespace {
 
 void check_floating(const at::Tensor& t, const char* name) {
   check_defined(t, name);
-  TORCH_CHECK_TYPE(at::isFloatingType(t.scalar_type()), "revkernels: ", name,
-                   " must be a floating-point tensor, got ", t.scalar_type());
+  const auto dtype = t.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16,
+                   "revkernels: ", name, " must be a float16, bfloat16, float32 or float64 tensor, got ", dtype);
 }
 
 void check_device(const at::Tensor& t, const char* name, const at::Tensor& y) {
@@ -51,11 +52,12 @@ void check_linear_sub_args(const at::Tensor& y, const at::Tensor& a, const at::T
   if (bias) check_device(*bias, "bias", y);
 }
 
-// The GEMM runs in the autocast dtype when autocast is on for a's device (as F.linear would),
-// else in the promoted dtype of a and weight.
+// The GEMM runs in the autocast dtype when autocast is on for a's device, as F.linear would, except
+// with a float64 operand (autocast leaves float64 alone); else in the promoted dtype of a and weight.
 at::ScalarType gemm_dtype(const at::Tensor& a, const at::Tensor& weight) {
   const auto device_type = a.device().type();
-  if (at::autocast::is_autocast_available(device_type) && at::autocast::is_autocast_enabled(device_type)) {
+  if (at::autocast::is_autocast_available(device_type) && at::autocast::is_autocast_enabled(device_type) &&
+      a.scalar_type() != at::kDouble && weight.scalar_type() != at::kDouble) {
     return at::autocast::get_autocast_dtype(device_type);
   }
   return at::promote_types(a.scalar_type(), weight.scalar_type());
@@ -83,8 +85,15 @@ at::Tensor linear_sub_composite(const at::Tensor& y, const at::Tensor& a, const 
     const at::Tensor out = acc.to(acc_dtype) - at::addmm(bias->to(gemm), a2d, w.t());
     return contiguous_in(out.reshape(y.sizes()), y.scalar_type());
   }
-  // The accumulator in acc_dtype, bias or not (a 16-bit y, fp32 GEMM: no 16-bit rounding of the product).
-  acc = (bias ? acc - *bias : acc).to(acc_dtype);
+  // The accumulator in acc_dtype, bias or not (a 16-bit y, fp32 GEMM: no 16-bit rounding of the product);
+  // y - b formed in the wider of acc_dtype and b's dtype, not in y's and b's (bf16 y and b: one bf16
+  // rounding of y - b before an fp32 GEMM would be the result's whole error).
+  if (bias) {
+    const at::ScalarType sub = at::promote_types(acc_dtype, bias->scalar_type());
+    acc = (acc.to(sub) - bias->to(sub)).to(acc_dtype);
+  } else {
+    acc = acc.to(acc_dtype);
+  }
   const bool own_acc = bias || y.scalar_type() != acc_dtype;  // y - b, or y converted: not y itself
   at::Tensor out;
   if (acc.scalar_type() == gemm && own_acc) {

@@ -11,7 +11,8 @@ Forward (``torch.ops.revkernels.batch_norm_act``)::
         rstd_c = 1 / sqrt(sum_{n,s} (x_{n,c,s} - mean_c)^2 / M + eps)   (biased variance, as
                                                                        torch's training-mode BN)
         y      = (x - mean_c) * rstd_c * weight_c + bias_c
-        out    = relu(y) if relu else y                                 in x's dtype
+        out    = relu(y) if relu else y                                 in x's dtype (relu as
+                                                                       torch.relu: NaN stays NaN)
 
 Statistics and math are fp32 (fp64 for fp64 x); mean and rstd (shape (C,)) are returned in that
 type. weight and bias may have any float dtype. The running statistics are not the op's business:
@@ -22,8 +23,9 @@ Backward (``torch.ops.revkernels.batch_norm_act_bwd``), the VJP of the forward::
 
     batch_norm_act_bwd(dout, x, weight, bias, mean, rstd, relu) -> (dx, dweight, dbias)
         xhat    = (x - mean_c) * rstd_c
-        dy      = dout * [y > 0] if relu else dout      (y recomputed from x, mean, rstd, weight, bias
-                                                         exactly as the forward formed it)
+        dy      = 0 where y <= 0 else dout, if relu     (y recomputed from x, mean, rstd, weight, bias
+                                                         exactly as the forward formed it; a NaN y
+                                                         passes dout, as torch.relu's backward)
         dweight = sum_{n,s} dy * xhat                    per channel
         dbias   = sum_{n,s} dy
         dx      = rstd_c * weight_c * (dy - dbias_c / M - xhat * dweight_c / M)
@@ -111,7 +113,7 @@ def batch_norm_act_bwd_reference(dout, x, weight, bias, mean, rstd, relu):
     xa = x.to(acc)
     dy = dout.to(acc)
     if relu:
-        dy = torch.where((xa - mu) * rs * w + b > 0, dy, torch.zeros((), dtype=acc))
+        dy = torch.where((xa - mu) * rs * w + b <= 0, torch.zeros((), dtype=acc), dy)  # torch.relu's backward
     xhat = (xa - mu) * rs
     dbias = dy.sum(dims)
     dweight = (dy * xhat).sum(dims)

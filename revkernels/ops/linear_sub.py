@@ -12,13 +12,15 @@ GEMM adds to it, so the op computes ``y - addmm(b, a, W^T)`` instead, F.linear's
 ``a @ W^T + b`` followed by the subtraction's (a folded bias could lose more than twice the
 composition's error where y and b nearly cancel). The accumulator has the promoted dtype of y and
 the GEMM, bias or not (a 16-bit y with fp32 a and W accumulates in fp32: the product is not
-rounded to 16 bits). Where it is a tensor of the op's own (``y - b``, or y converted), the GEMM
+rounded to 16 bits), and ``y - b`` is formed in the wider of that dtype and b's (a bf16 y and b are
+not rounded to bf16 before an fp32 GEMM adds to them). Where it is a tensor of the op's own (``y - b``, or y converted), the GEMM
 accumulates into it in place (``addmm_``; addmm would copy it into a new output first); otherwise
 it is y itself, which addmm leaves alone.
 
 Shapes: y (..., N), a (..., K), W (N, K), b (N,) or None, K or N possibly 0 (as for F.linear); x
-has y's shape and dtype and is contiguous, whatever y's layout. Under autocast the GEMM runs in the
-autocast dtype like ``F.linear`` would while an fp32 stream stays the fp32 accumulator (on CUDA,
+has y's shape and dtype and is contiguous, whatever y's layout; y, a, W and b are float16, bfloat16,
+float32 or float64. Under autocast the GEMM runs in the autocast dtype like ``F.linear`` would (not
+with a float64 a or W, which autocast leaves alone) while an fp32 stream stays the fp32 accumulator (on CUDA,
 ``addmm(..., out_dtype=float32)``; CPU BLAS has no mixed-dtype GEMM, so there the product is
 formed in the autocast dtype and subtracted in fp32).
 
@@ -38,7 +40,7 @@ import math
 
 import torch
 
-from revkernels.ops._library import define_op, entry_point, fill_missing_kernel, register_autograd_fallback
+from revkernels.ops._library import FLOAT_DTYPES, define_op, entry_point, fill_missing_kernel, register_autograd_fallback
 
 _linear_sub = define_op("linear_sub", "(Tensor y, Tensor a, Tensor weight, Tensor? bias=None) -> Tensor")
 
@@ -58,8 +60,8 @@ def _check_linear_sub_args(y, a, weight, bias):
     for t, name in ((y, "y"), (a, "a"), (weight, "weight")) + (((bias, "bias"),) if bias is not None else ()):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"revkernels: {name} must be a floating-point tensor, got {t.dtype}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"revkernels: {name} must be a float16, bfloat16, float32 or float64 tensor, got {t.dtype}")
     if weight.dim() != 2:
         raise ValueError(f"revkernels: weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
     n, k = weight.shape
@@ -75,7 +77,8 @@ def _check_linear_sub_args(y, a, weight, bias):
 
 
 def _gemm_dtype(y, a, weight):
-    if torch.is_autocast_enabled(a.device.type):
+    # autocast's dtype as F.linear would use it: not for a float64 operand, which autocast leaves alone
+    if torch.is_autocast_enabled(a.device.type) and torch.float64 not in (a.dtype, weight.dtype):
         return torch.get_autocast_dtype(a.device.type)
     return torch.promote_types(a.dtype, weight.dtype)
 
@@ -92,8 +95,13 @@ def _linear_sub_impl(y, a, weight, bias=None):
         if bias is not None and acc_dtype in (torch.bfloat16, torch.float16):  # see the module docstring
             out = acc.to(acc_dtype) - torch.addmm(bias.to(gemm_dtype), a2d, w.t())
             return _contiguous_in(out.reshape(y.shape), y.dtype)
-        # The accumulator in acc_dtype, bias or not (a 16-bit y, fp32 GEMM: no 16-bit rounding of the product).
-        acc = (acc if bias is None else acc - bias).to(acc_dtype)
+        # The accumulator in acc_dtype, bias or not (a 16-bit y, fp32 GEMM: no 16-bit rounding of the
+        # product); y - b formed in the wider of acc_dtype and b's dtype, not in y's and b's.
+        if bias is None:
+            acc = acc.to(acc_dtype)
+        else:
+            sub = torch.promote_types(acc_dtype, bias.dtype)
+            acc = (acc.to(sub) - bias.to(sub)).to(acc_dtype)
         own_acc = bias is not None or y.dtype != acc_dtype  # y - b, or y converted: not y itself
         if acc.dtype == gemm_dtype and own_acc:
             out = acc.addmm_(a2d, w.t(), beta=1, alpha=-1)  # this call's own tensor: no copy

@@ -76,7 +76,7 @@ def _xhat_and_masked_dy(x, dy, mean, rstd, w, b, RELU: tl.constexpr):
     """xhat, and dy with the ReLU's mask (the pre-activation formed exactly as the forward's)."""
     xhat = (x - mean[:, None]) * rstd[:, None]
     if RELU:
-        dy = tl.where(xhat * w[:, None] + b[:, None] > 0, dy, 0.0)
+        dy = tl.where(xhat * w[:, None] + b[:, None] <= 0, 0.0, dy)  # a NaN passes dy, as in torch
     return xhat, dy
 
 
@@ -158,7 +158,7 @@ def _bn_fwd_apply_kernel(out_ptr, on, oc, os, mean_ptr, rstd_ptr, x_ptr, xn, xc,
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_type)
         y = (x - mean[:, None]) * rstd[:, None] * w[:, None] + b[:, None]
         if RELU:
-            y = tl.where(y > 0, y, 0.0)
+            y = tl.where(y <= 0, 0.0, y)  # a NaN stays NaN, as in torch.relu
         tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -236,6 +236,51 @@ def test_deterministic_and_inputs_untouched():
 
 # --- torch.library checks, autograd ---------------------------------------------------------------
 
+def _nan_case(layout):
+    x = _in_layout(_random((3, 4, 3, 3)), layout).clone()
+    x[1, 2, 0, 1] = float("nan")  # channel 2's statistics, and so all of its outputs, are NaN
+    return x, *_params(4), _in_layout(torch.randn(3, 4, 3, 3), layout)
+
+
+def _check_relu_keeps_nan(fwd, bwd, x, weight, bias, dout):
+    """As torch.relu and its backward: NaN stays NaN, in the outputs and in the grads."""
+    out, mean, rstd = fwd(x, weight, bias, EPS, True)
+    dx, dweight, dbias = bwd(dout, x, weight, bias, mean, rstd, True)
+    want = _torch_bn_act(x, weight, bias, True)
+    want_grads = _torch_grads(x, weight, bias, dout, True)
+    assert torch.equal(out.isnan(), want.isnan()) and out[:, 2].isnan().all()
+    for got, expected, what in zip((dx, dweight, dbias), want_grads, ("dx", "dweight", "dbias")):
+        finite = ~expected.isnan()
+        assert torch.equal(got.isnan(), ~finite), what
+        assert_close_rel(got[finite], expected[finite], 1e-5, what)  # dbias of the NaN channel: sum of dout
+    assert_close_rel(out[:, [0, 1, 3]], want[:, [0, 1, 3]], 1e-5, "out of the other channels")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])  # the scalar and the vectorised kernels
+def test_relu_keeps_nan_as_torch(layout):
+    _check_relu_keeps_nan(batch_norm_act, batch_norm_act_bwd, *_nan_case(layout))
+
+
+def test_reference_relu_keeps_nan_as_torch():
+    _check_relu_keeps_nan(batch_norm_act_reference, batch_norm_act_bwd_reference, *_nan_case("contiguous"))
+
+
+def test_relu_mask_of_the_backward_is_the_forwards_whatever_the_layouts():
+    """A channels_last x with an NCHW dout runs a vectorised forward and a scalar backward: the
+    recomputed pre-activation must round as the forward's did (no FMA contraction in one build
+    only), also for elements whose pre-activation is zero to within one rounding."""
+    x = _random((2, 16, 4, 4)).contiguous(memory_format=torch.channels_last)
+    weight, bias = _params(16)
+    _, mean, rstd = batch_norm_act(x, weight, bias, EPS, True)  # mean and rstd do not depend on bias
+    t = (x[0, :, 0, 0] - mean) * rstd
+    bias = -(t * weight)  # the pre-activation of element (0, c, 0, 0) is zero up to the rounding of t * w
+    out, _, _ = batch_norm_act(x, weight, bias, EPS, True)
+    kept = (out > 0).sum((0, 2, 3)).float()  # with dout = 1, dbias counts the elements the ReLU kept
+    for dout in (torch.ones(2, 16, 4, 4), torch.ones(2, 16, 4, 4).contiguous(memory_format=torch.channels_last)):
+        _, _, dbias = batch_norm_act_bwd(dout, x, weight, bias, mean, rstd, True)
+        assert torch.equal(dbias, kept)
+
+
 def test_opcheck_batch_norm_act():
     op = torch.ops.revkernels.batch_norm_act.default
     w, b = _params(5)
@@ -390,6 +435,17 @@ def test_triton_batch_norm_act(shape, layout, path):
                 assert not got.any(), what
             else:
                 assert_close_rel(got, e, 1e-5, what)
+
+
+@pytest.mark.parametrize("path", list(TRITON_PATHS))
+def test_triton_relu_keeps_nan_as_torch(path):
+    from revkernels.triton.batch_norm import batch_norm_act as fwd_kernel
+    from revkernels.triton.batch_norm import batch_norm_act_bwd as bwd_kernel
+
+    device = triton_device()
+    x, weight, bias, dout = (t.to(device) for t in _nan_case("contiguous"))
+    _check_relu_keeps_nan(lambda *a: fwd_kernel(*a, **TRITON_PATHS[path]),
+                          lambda *a: bwd_kernel(*a, **TRITON_PATHS[path]), x, weight, bias, dout)
 
 
 def test_triton_bias_grad_in_the_bias_dtype():

@@ -71,7 +71,8 @@ def test_opcheck_and_gradcheck():
     ("a_width", "a must have last dim"),
     ("y_shape", "y must have shape"),
     ("bias_shape", r"bias must have shape \(6,\)"),
-    ("int_y", "y must be a floating-point tensor"),
+    ("int_y", "y must be a float16, bfloat16, float32 or float64 tensor"),
+    ("float8_a", "a must be a float16, bfloat16, float32 or float64 tensor"),
     ("device", r"bias must be on the device of y \(cpu\), got meta"),
 ])
 def test_bad_input_names_the_argument(bad, match):
@@ -86,9 +87,11 @@ def test_bad_input_names_the_argument(bad, match):
         b = b[:-1]
     elif bad == "int_y":
         y = y.long()
+    elif bad == "float8_a":
+        a = a.to(torch.float8_e4m3fn)
     else:
         b = b.to("meta")
-    with pytest.raises(ValueError if bad != "int_y" else TypeError, match=match):
+    with pytest.raises(TypeError if bad in ("int_y", "float8_a") else ValueError, match=match):
         linear_sub(y, a, w, b)
 
 
@@ -127,6 +130,36 @@ def _check_narrow_y_accumulates_in_the_gemm_dtype(y_dtype, ab_dtype, bias):
         assert rel_err(out, exact) <= 2 * rel_err((y - torch.nn.functional.linear(a, w, b)).to(y_dtype), exact)
 
 
+NARROW_Y_AND_BIAS = [(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float32, torch.float64)]
+
+
+def _check_narrow_bias_is_not_rounded_with_y(y_dtype, ab_dtype):
+    # y and b in the narrow dtype, a and W in the wider one; y ~ 100 (a constant column of a times
+    # a column of 100 in W) cancels a @ W^T + b down to ~0.3: rounding y - b to y's dtype before the
+    # wider GEMM adds to it costs up to half an ulp of y, against one rounding of the small result.
+    _, a, w, _ = _case(64, 48, 40)
+    a[:, 0], w[:, 0] = 1.0, 100.0
+    a, w = a.to(ab_dtype), w.to(ab_dtype)
+    b = (0.3 * torch.randn(40)).to(y_dtype)
+    product = torch.nn.functional.linear(a.double(), w.double(), b.double())
+    y = (product + 0.3 * torch.randn(64, 40, dtype=torch.float64)).to(y_dtype)
+    exact = _exact(y, a, w, b)
+    best = (y.to(ab_dtype) - torch.nn.functional.linear(a, w, b.to(ab_dtype))).to(y_dtype)  # one rounding
+    out = linear_sub(y, a, w, b)
+    assert out.dtype == y_dtype
+    assert rel_err(out, exact) <= 2 * rel_err(best, exact)
+
+
+def _check_autocast_leaves_a_float64_gemm_alone():
+    y, a, w, b = (t.double() for t in _case(16, 24, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_sub(y, a, w, b)
+        composition = y - torch.nn.functional.linear(a, w, b)
+    assert out.dtype == torch.float64
+    assert rel_err(out, _exact(y, a, w, b)) <= 1e-12
+    assert rel_err(composition, _exact(y, a, w, b)) <= 1e-12  # autocast leaves float64 alone
+
+
 def _check_result_contiguous_as_the_fake(y_dtype, bias):
     # Dense y with permuted strides, 2-d and 3-d: the result is contiguous, as the fake kernel's.
     for y, a in [(torch.randn(6, 5).t(), torch.randn(5, 7)),
@@ -161,6 +194,15 @@ def test_narrow_y_accumulates_in_the_gemm_dtype(y_dtype, ab_dtype, bias):
     _check_narrow_y_accumulates_in_the_gemm_dtype(y_dtype, ab_dtype, bias)
 
 
+@pytest.mark.parametrize("y_dtype,ab_dtype", NARROW_Y_AND_BIAS)
+def test_narrow_bias_is_not_rounded_with_y(y_dtype, ab_dtype):
+    _check_narrow_bias_is_not_rounded_with_y(y_dtype, ab_dtype)
+
+
+def test_autocast_leaves_a_float64_gemm_alone():
+    _check_autocast_leaves_a_float64_gemm_alone()
+
+
 @pytest.mark.parametrize("y_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_result_contiguous_as_the_fake(y_dtype, bias):
@@ -186,5 +228,8 @@ def test_fixes_in_the_python_fallback():
         "        T._check_result_contiguous_as_the_fake(y_dtype, bias)\n"
         "    for k, n in ((0, 5), (4, 0), (0, 0)):\n"
         "        T._check_zero_width(k, n, bias)\n"
+        "for y_dtype, ab_dtype in T.NARROW_Y_AND_BIAS:\n"
+        "    T._check_narrow_bias_is_not_rounded_with_y(y_dtype, ab_dtype)\n"
+        "T._check_autocast_leaves_a_float64_gemm_alone()\n"
         "print('ok')\n"
     )
