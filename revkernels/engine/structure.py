@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules import module as module_hooks
 from torch.nn.modules.dropout import _DropoutNd
+from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.modules.module import (register_module_buffer_registration_hook,
                                      register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
@@ -237,24 +238,37 @@ def draws_random(module):
     return False
 
 
+def spectral_norms(module):
+    """The spectral-norm parametrizations (``torch.nn.utils.parametrizations.spectral_norm``) under
+    `module` (cached)."""
+    return cached(module, "spectral_norms", lambda m: [n for n in m.modules() if isinstance(n, _SpectralNorm)])
+
+
 def frozen_batchnorm_stats(*modules):
-    """A context in which the BatchNorm layers in training mode under `modules` use batch statistics
-    without updating running_mean/running_var/num_batches_tracked (they were updated by the
-    forward); a no-op context where there are none."""
+    """A context for a recompute of what the forward ran: the BatchNorm layers in training mode
+    under `modules` use batch statistics without updating running_mean/running_var/
+    num_batches_tracked, and the spectral-norm parametrizations in training mode skip their power
+    iteration (the forward updated both; the recomputed weight is then bitwise the forward's, from
+    the updated vectors). A no-op context where there are none."""
     layers = [layer for module in modules for layer in batchnorm_layers(module)
               if layer.training and layer.track_running_stats]
-    return _untracked(layers) if layers else contextlib.nullcontext()
+    norms = [norm for module in modules for norm in spectral_norms(module) if norm.training]
+    return _untracked(layers, norms) if layers or norms else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
-def _untracked(layers):
+def _untracked(layers, norms):
     for layer in layers:
         layer.track_running_stats = False
+    for norm in norms:
+        norm.training = False
     try:
         yield
     finally:
         for layer in layers:
             layer.track_running_stats = True
+        for norm in norms:
+            norm.training = True
 
 
 def detached_aliases(slots):

@@ -50,14 +50,16 @@ PETRA's view of a model is `RevNet.stages` (the list above, in order); each stag
 ``stem(image) -> (x1, x2)``, ``stage(x1, x2) -> (y1, y2)``, ``head(x1, x2) -> logits``. The model's
 forward runs the same modules, with each maximal run of consecutive reversible stages grouped into
 one `ReversibleSequential` (engine chosen by the user), so the activation memory saved for a run is
-its two outputs, whatever its depth. Stem, D and head store their activations as ordinary autograd.
+its two outputs, whatever its depth. With a memory-saving engine the stem and the D stages keep only
+their inputs and recompute in the backward (`revkernels.engine.recompute.run_recomputed`); the head,
+and every stage under the autograd engine, store their activations as ordinary autograd.
 """
 import torch
 from torch import nn
 
 from revkernels.engine.recompute import run_recomputed
 from revkernels.nn.batch_norm import BatchNormAct2d
-from revkernels.models.staged import StagedModel
+from revkernels.models.staged import StagedModel, check_positive_int
 from revkernels.nn.reversible import HalfCouplingBlock, ReversibleSequential, check_streams
 
 STEMS = ("cifar", "imagenet")
@@ -226,8 +228,7 @@ class RevNet(StagedModel, nn.Module):
             raise ValueError(f"revkernels: block must be 'basic' or 'bottleneck', got {block!r}")
         if stem not in STEMS:
             raise ValueError(f"revkernels: stem must be one of {STEMS}, got {stem!r}")
-        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
-            raise ValueError(f"revkernels: num_classes must be a positive int, got {num_classes!r}")
+        check_positive_int(num_classes, "num_classes")
         if len(layers) != 4 or any(not isinstance(n, int) or n < 1 for n in layers):
             raise ValueError(f"revkernels: layers must be 4 positive ints, got {layers!r}")
         expansion = 4 if block == "bottleneck" else 1
@@ -273,6 +274,9 @@ class RevNet(StagedModel, nn.Module):
                 nn.init.zeros_(m.bias)
 
     def forward(self, x):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
+            raise ValueError("revkernels: images must be a float tensor (batch, channels, height, width), got "
+                             + (f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__))
         # With a memory-saving engine the stem and downsampling blocks keep only their input and
         # recompute in the backward, so no high-resolution activation is stored anywhere.
         recompute = self.recompute_nonreversible and self.engine != "autograd"

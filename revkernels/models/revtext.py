@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from revkernels.models.staged import OneRunModel, check_positive_int
 from revkernels.nn.drop_path import check_drop_probability
 from revkernels.nn.reversible import ReversibleSequential
 from revkernels.nn.revvit import RevTransformerBlock
@@ -31,7 +32,7 @@ CONFIGS = {
 }
 
 
-class RevText(nn.Module):
+class RevText(OneRunModel, nn.Module):
     """See the module docstring. ``model(tokens, attention_mask=None)``: tokens (batch, tokens) of
     ints; attention_mask (batch, tokens), HF's padding mask (1 or True: a real token, 0: padding;
     padded keys get no attention weight)."""
@@ -40,7 +41,9 @@ class RevText(nn.Module):
                  dropout=0.1, drop_path_rate=0.0, eps=1e-5, approximate="none", engine="sequential"):
         super().__init__()
         check_drop_probability(drop_path_rate, "drop_path_rate")
-        self.max_len, self.lm_head = max_len, lm_head
+        check_positive_int(vocab_size, "vocab_size")
+        check_positive_int(max_len, "max_len")
+        self.vocab_size, self.max_len, self.lm_head = vocab_size, max_len, lm_head
         self.tok_embed = nn.Embedding(vocab_size, dim)
         self.pos_embed = nn.Embedding(max_len, dim)
         nn.init.normal_(self.tok_embed.weight, std=0.02)
@@ -53,15 +56,14 @@ class RevText(nn.Module):
                                   dropout=dropout) for r in rates], engine=engine)
         self.norm = nn.LayerNorm(dim, eps=eps)
 
-    def set_engine(self, name):
-        """Switches the reversible run to engine `name`; returns the model."""
-        self.blocks.engine = name
-        return self
-
     def forward(self, tokens, attention_mask=None):
-        if tokens.dim() != 2 or tokens.is_floating_point() or tokens.is_complex():
+        if tokens.dim() != 2 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise ValueError(f"revkernels: tokens must be integer ids of shape (batch, tokens), got "
                              f"{tokens.dtype} of shape {tuple(tokens.shape)}")
+        # (on CPU only: on a GPU the check would wait for the device; the embedding asserts there)
+        if tokens.device.type == "cpu" and tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+            raise ValueError(f"revkernels: tokens must be ids in [0, vocab_size={self.vocab_size}), got ids from "
+                             f"{tokens.min().item()} to {tokens.max().item()}")
         if tokens.shape[1] > self.max_len:
             raise ValueError(f"revkernels: tokens has {tokens.shape[1]} positions, more than max_len ({self.max_len})")
         context = {}

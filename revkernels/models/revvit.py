@@ -11,6 +11,7 @@ depth up to `drop_path_rate`. Sizes follow ViT: S/16 (384 wide, 12 blocks, 6 hea
 import torch
 from torch import nn
 
+from revkernels.models.staged import OneRunModel, check_positive_int
 from revkernels.nn.drop_path import check_drop_probability
 from revkernels.nn.reversible import ReversibleSequential
 from revkernels.nn.revvit import RevViTBlock
@@ -23,11 +24,12 @@ CONFIGS = {
 PATCH = 16
 
 
-class RevViT(nn.Module):
+class RevViT(OneRunModel, nn.Module):
     def __init__(self, dim, depth, heads, num_classes=1000, img_size=224, patch_size=PATCH, in_chans=3,
                  mlp_ratio=4.0, drop_path_rate=0.0, engine="sequential"):
         super().__init__()
         check_drop_probability(drop_path_rate, "drop_path_rate")
+        check_positive_int(num_classes, "num_classes")
         if img_size % patch_size:
             raise ValueError(f"revkernels: img_size ({img_size}) must be a multiple of the patch size ({patch_size})")
         self.img_size = img_size
@@ -38,9 +40,6 @@ class RevViT(nn.Module):
                                            engine=engine)
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.head = nn.Linear(dim, num_classes)
-
-    def set_engine(self, name):
-        self.blocks.engine = name
 
     def forward(self, images):
         if images.dim() != 4 or images.shape[-2:] != (self.img_size, self.img_size):

@@ -1,9 +1,34 @@
-"""What RevNet and Rev-Swin share: a model made of `segments`, each a `ReversibleSequential` run or a
-non-reversible stage (stem, downsampling/merging, head, each with a `kind`), exposed to PETRA as one
-flat stage list and switched between engines as a whole."""
+"""What the models share: RevNet and Rev-Swin are made of `segments`, each a `ReversibleSequential`
+run or a non-reversible stage (stem, downsampling/merging, head, each with a `kind`), exposed to
+PETRA as one flat stage list and switched between engines as a whole (`StagedModel`); Rev-ViT and
+Rev-Text hold one run (`OneRunModel`). Argument checks they all use."""
 from revkernels.nn.reversible import ReversibleSequential
 
 _LETTER = {"stem": "S", "reversible": "r", "down": "D", "head": "H"}
+
+
+def check_positive_int(value, name):
+    """Raises ValueError naming `name` unless `value` is a positive int (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"revkernels: {name} must be a positive int, got {value!r}")
+
+
+class OneRunModel:
+    """Mixin for an `nn.Module` whose reversible blocks are one run, ``self.blocks`` (Rev-ViT,
+    Rev-Text): the engine as a property and `set_engine`, as `StagedModel` has them."""
+
+    @property
+    def engine(self):
+        return self.blocks.engine
+
+    @engine.setter
+    def engine(self, name):
+        self.blocks.engine = name
+
+    def set_engine(self, name):
+        """Switches the reversible run to engine `name`; returns the model."""
+        self.engine = name
+        return self
 
 
 class StagedModel:

@@ -111,6 +111,29 @@ def test_batchnorm_running_stats_updated_once():
     assert all(int(b) == 1 for n, b in seq.named_buffers() if n.endswith("num_batches_tracked"))
 
 
+@pytest.mark.parametrize("engine", ["sequential", "compiled"])
+def test_spectral_norm_power_iteration_runs_once(engine):
+    """A spectral-norm parametrization in training mode updates its power-iteration vectors in every
+    forward: the recompute must not iterate again (it would rebuild with another weight and leave
+    the vectors two iterations on), as BatchNorm's statistics are updated once."""
+    def build():
+        torch.manual_seed(0)
+        seq = make_seq(3, WIDTH, engine=engine)
+        for block in seq.blocks:
+            nn.utils.parametrizations.spectral_norm(block.f[1])
+        return perturb_parameters(seq)
+
+    seq, reference = build(), build()
+    seq.compile_options = {"backend": "eager"}
+    x1, x2, w1, w2 = _inputs(batch=8)
+    for _ in range(2):  # the second step starts from the vectors the first left
+        expected = _reference_grads(reference, x1, x2, w1, w2)
+        actual = _engine_grads(seq, x1, x2, w1, w2)
+        _assert_same_grads(actual, expected)
+        for (name, a), (_, e) in zip(seq.named_buffers(), reference.named_buffers()):
+            assert torch.equal(a, e), f"{name} differs from plain autograd"
+
+
 def test_saved_memory_is_flat_in_depth():
     def saved_bytes(engine, depth):
         seq = make_seq(depth, WIDTH, engine=engine)

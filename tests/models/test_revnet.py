@@ -315,7 +315,10 @@ def test_bad_arguments():
         revnet18(num_classes=0)
     with pytest.raises(ValueError, match="engine must be one of"):
         revnet18(engine="nope")
-    down = _build("revnet18", "meta").stages[3]
+    model = _build("revnet18", "meta")
+    with torch.device("meta"), pytest.raises(ValueError, match=r"images must be a float tensor \(batch, channels"):
+        model(torch.empty(3, 32, 32))  # one unbatched image
+    down = model.stages[3]
     assert down.kind == "down"
     with torch.device("meta"), pytest.raises(ValueError, match="x1 and x2 must have the same shape"):
         down(torch.empty(2, 64, 8, 8), torch.empty(2, 64, 4, 4))

@@ -92,3 +92,12 @@ def test_bad_input():
         model(torch.zeros(1, MAX_LEN + 1, dtype=torch.long))
     with pytest.raises(ValueError, match="tokens must be integer ids"):
         model(torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="tokens must be integer ids"):
+        model(torch.zeros(2, 8, dtype=torch.bool))
+    for bad in (-1, VOCAB):
+        with pytest.raises(ValueError, match=rf"tokens must be ids in \[0, vocab_size={VOCAB}\)"):
+            model(torch.full((2, 8), bad))
+    for name, value in (("vocab_size", 0), ("max_len", 0)):
+        with pytest.raises(ValueError, match=f"{name} must be a positive int"):
+            rk.models.revtext("gpt2_small", **{"vocab_size": VOCAB, "max_len": MAX_LEN, name: value})
+    assert model.set_engine("autograd") is model and model.engine == model.blocks.engine == "autograd"

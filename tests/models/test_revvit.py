@@ -46,3 +46,15 @@ def test_bad_input():
         model(torch.randn(1, 3, 16, 16))
     assert model(torch.randn(1, 3, 32, 32)).shape == (1, 3)
     assert isinstance(model.blocks, rk.nn.ReversibleSequential)
+    with pytest.raises(ValueError, match="num_classes must be a positive int"):
+        revvit("vit_s16", num_classes=0, img_size=32)
+
+
+def test_set_engine_returns_the_model():
+    model = revvit("vit_s16", num_classes=3, img_size=32)
+    assert model.set_engine("autograd") is model  # model.set_engine(e).zero_grad() as with the other models
+    assert model.engine == model.blocks.engine == "autograd"
+    model.engine = "pareprop"
+    assert model.blocks.engine == "pareprop"
+    with pytest.raises(ValueError, match="engine must be one of"):
+        model.set_engine("magic")
