@@ -58,7 +58,10 @@ grads(dy1, dy2), in the forward's dtypes (parameter grads cast back to the param
     dx1 = dy1'
 
 The branch modules' forward hooks do not fire in these steps (they are computed from the
-parameters directly).
+parameters directly). A block whose branches hold other layers than these steps read by name (a
+LoRA-style wrapper, a linear without bias where a bias is read, a parametrized linear, a LayerNorm
+without affine, another norm; `_holds_fused_layers`) runs the generic `ReversibleBlock` steps on
+its modules.
 """
 import numbers
 
@@ -151,19 +154,20 @@ class AttentionBranch(nn.Module):
         qkv = qkv.reshape(batch, tokens, 3, self.num_heads, dim3 // (3 * self.num_heads))
         return qkv.permute(2, 0, 3, 1, 4).unbind(0)
 
-    def attend(self, h, qkv_weight, qkv_bias, attn_mask=None):
-        """Attention output before the projection, (batch, tokens, dim)."""
-        batch, tokens, dim = h.shape
-        q, k, v = self.heads(F.linear(h, qkv_weight, qkv_bias))
+    def attend(self, qkv, attn_mask=None):
+        """Attention output before the projection, (batch, tokens, dim), from the qkv projection
+        (batch, tokens, 3 dim)."""
+        batch, tokens, dim3 = qkv.shape
+        q, k, v = self.heads(qkv)
         mask, is_causal = attention_mask(attn_mask, q, self.causal)
         out = scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
-        return out.transpose(1, 2).reshape(batch, tokens, dim)
+        return out.transpose(1, 2).reshape(batch, tokens, dim3 // 3)
 
     def forward(self, x, attn_mask=None, **context):
         if x.dim() != 3:
             raise ValueError(f"revkernels: RevTransformerBlock input must be (batch, tokens, dim), "
                              f"got shape {tuple(x.shape)}")
-        out = self.proj(self.attend(self.norm(x), self.qkv.weight, self.qkv.bias, attn_mask))
+        out = self.proj(self.attend(self.qkv(self.norm(x)), attn_mask))
         return self.drop_path(self.dropout(out))
 
 
@@ -235,8 +239,15 @@ class RevTransformerBlock(ReversibleBlock):
         # costs about what a small kernel does).
         return cached(self, "parts", _BlockParts)
 
+    def _fused(self):
+        # Whether F and G hold the layers the fused steps compute with (once per module structure);
+        # else (a LoRA-wrapped or parametrized linear, a LayerNorm without affine, another norm)
+        # the generic ReversibleBlock steps run the modules as they are.
+        return cached(self, "fused", _holds_fused_layers)
+
     def forward_with_state(self, x1, x2, preserve_rng_state=True, context=NO_CONTEXT):
-        if submodule_hooked(self):  # a forward hook could observe F's or G's submodules: run them as modules
+        if not self._fused() or submodule_hooked(self):
+            # (a forward hook could observe F's or G's submodules: run them as modules)
             return super().forward_with_state(x1, x2, preserve_rng_state, context)
         # AttentionBranch.forward and MlpBranch.forward with the same ops on the parameters
         # directly (bitwise the module composition, without its per-module call overhead).
@@ -249,7 +260,7 @@ class RevTransformerBlock(ReversibleBlock):
         rng_f = RngState(devices) if keep else None
         dim = x2.shape[-1]
         h = F.layer_norm(x2, (dim,), P["f.norm.weight"], P["f.norm.bias"], m.f_norm.eps)
-        o = m.f.attend(h, P["f.qkv.weight"], P.get("f.qkv.bias"), context.get("attn_mask"))
+        o = m.f.attend(F.linear(h, P["f.qkv.weight"], P.get("f.qkv.bias")), context.get("attn_mask"))
         f_out = F.linear(o, P["f.proj.weight"], P["f.proj.bias"])
         y1 = x1 + m.f_drop_path(m.f_dropout.sample(f_out)[0])
         rng_g = RngState(devices) if keep else None
@@ -259,6 +270,8 @@ class RevTransformerBlock(ReversibleBlock):
         return y1, y2, BlockState(rng_f, rng_g) if keep else None
 
     def recompute(self, y1, y2, state=None, context=NO_CONTEXT):
+        if not self._fused():
+            return super().recompute(y1, y2, state, context)
         m, P = self._parts(), self._params()
         shape = y1.shape
         batch, tokens, dim = shape
@@ -289,6 +302,8 @@ class RevTransformerBlock(ReversibleBlock):
                                 g_keep=g_keep, f_keep=f_keep)
 
     def grads(self, rec, dy1, dy2):
+        if not isinstance(rec, _RevViTRecompute):  # the generic recompute's local graphs
+            return super().grads(rec, dy1, dy2)
         P = self._params()
         shape = dy1.shape
         dy1, dy2 = dy1.reshape(-1, shape[-1]), dy2.reshape(-1, shape[-1])
@@ -392,6 +407,19 @@ class RevViTBlock(RevTransformerBlock):
     def __init__(self, dim, num_heads, mlp_ratio=4.0, drop_path=0.0, qkv_bias=True, eps=1e-6, approximate="none"):
         super().__init__(dim, num_heads, mlp_ratio, causal=False, drop_path=drop_path, qkv_bias=qkv_bias, eps=eps,
                          approximate=approximate)
+
+
+def _holds_fused_layers(block):
+    """Whether `block`'s F and G are the library's branches with the layers its fused steps read by
+    name: exactly nn.LayerNorm (with weight and bias) and nn.Linear (biases where the steps read
+    them), none parametrized."""
+    f, g = block.f, block.g
+    if type(f) is not AttentionBranch or type(g) is not MlpBranch or param_slots(block).parametrized:
+        return False
+    norms_ok = all(type(n) is nn.LayerNorm and n.weight is not None and n.bias is not None for n in (f.norm, g.norm))
+    linears = (f.qkv, f.proj, g.fc1, g.fc2)
+    return norms_ok and all(type(layer) is nn.Linear for layer in linears) and all(
+        layer.bias is not None for layer in (f.proj, g.fc1, g.fc2))
 
 
 class _BlockParts:

@@ -44,6 +44,46 @@ def test_fused_grads_equal_plain_autograd_in_float64():
         assert_close_rel(a, e, 1e-10, f"output/grad {i}")
 
 
+class _LowRankAdapted(torch.nn.Module):
+    """A LoRA-style wrapper: the base linear plus a low-rank update (no `weight` of its own)."""
+
+    def __init__(self, base, rank=2):
+        super().__init__()
+        self.base = base
+        self.down = torch.nn.Parameter(0.3 * torch.randn(rank, base.in_features))
+        self.up = torch.nn.Parameter(0.3 * torch.randn(base.out_features, rank))
+
+    def forward(self, x):
+        return self.base(x) + x @ self.down.t() @ self.up.t()
+
+
+SWAPS = {
+    "fc1 without bias": lambda b: setattr(b.g, "fc1", torch.nn.Linear(DIM, 4 * DIM, bias=False)),
+    "norm without affine": lambda b: setattr(b.f, "norm", torch.nn.LayerNorm(DIM, elementwise_affine=False)),
+    "RMSNorm": lambda b: setattr(b.g, "norm", torch.nn.RMSNorm(DIM)),
+    "LoRA qkv": lambda b: setattr(b.f, "qkv", _LowRankAdapted(b.f.qkv)),
+    "LoRA fc2": lambda b: setattr(b.g, "fc2", _LowRankAdapted(b.g.fc2)),
+    "weight_norm fc1": lambda b: torch.nn.utils.parametrizations.weight_norm(b.g.fc1),
+}
+
+
+@pytest.mark.parametrize("swap", list(SWAPS))
+@pytest.mark.parametrize("engine", ["sequential", "autograd"])
+def test_blocks_with_other_layers_run_the_generic_steps(swap, engine):
+    """A block whose branches hold other layers than the fused steps read by name runs the generic
+    ReversibleBlock steps on its modules (it raised KeyError, with every engine)."""
+    seq = _stack(2)
+    SWAPS[swap](seq.blocks[1])
+    seq = perturb_parameters(seq)
+    seq.engine = engine
+    assert seq.blocks[0]._fused() and not seq.blocks[1]._fused()
+    data = _data()
+    expected = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data)
+    actual = run_grads(seq, seq, *data)
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        assert_close_rel(a, e, 1e-5, f"output/grad {i}")
+
+
 def test_fused_steps_with_an_empty_batch():
     seq = _stack(2)
     data = [t[:0] for t in _data()]
