@@ -3,6 +3,9 @@ from revkernels.engine.state import NO_CONTEXT
 
 
 def run_autograd(seq, x1, x2, context=NO_CONTEXT):
+    from revkernels.nn.reversible import unique_params
+
+    unique_params(seq.blocks)  # the structure cache follows swapped-in parameters (fused blocks read it)
     for block in seq.blocks:
         x1, x2 = block(x1, x2, **context)
     return x1, x2

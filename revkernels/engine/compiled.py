@@ -50,8 +50,8 @@ import torch
 from torch.func import functional_call, vjp
 
 from revkernels.engine.fsdp import block_units, run_sharded_compiled
-from revkernels.engine.sequential import (forward_step, output_grads, recompute_step, save_with_context,
-                                          saved_with_context, without_unused)
+from revkernels.engine.sequential import (as_in_the_forward, forward_step, output_grads, recompute_step,
+                                          save_forward_state, save_with_context, saved_with_context, without_unused)
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of,
                                      grad_tensors, maybe_replay)
 from revkernels.engine.structure import (cached, coupling_kind, frozen_batchnorm_stats, invalidate, param_slots,
@@ -80,7 +80,7 @@ def branch_backward(module, names, a, b, da, db, context, grad_context):
     """Inverts ``b = b_in + H(a)`` and differentiates it: ``(b - H(a), da + (dH/da)^T db, grads,
     context_grads)`` with `grads` aligned to `names` (parameter slots of `module`) and
     `context_grads` a dict over `grad_context`."""
-    params = tuple(module.get_parameter(name) for name in names)
+    params = tuple(_slot(module, name) for name in names)
 
     def h(ps, cs, x):
         return functional_call(module, dict(zip(names, ps)), (x,), {**context, **cs}, strict=False, tie_weights=False)
@@ -88,6 +88,15 @@ def branch_backward(module, names, a, b, da, db, context, grad_context):
     out, pull = vjp(h, params, grad_context, a)
     d_params, d_context, d_a = pull(db.to(out.dtype))
     return b - out, da + d_a, d_params, d_context
+
+
+def _slot(module, name):
+    """What the slot `name` ("sub.weight") of `module` holds: ``module.get_parameter(name)``, also
+    when it is a plain tensor (``torch.func.functional_call``'s, swapped back in for a backward)."""
+    *path, last = name.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return module._parameters[last]
 
 
 def block_backward(block, kind, f_names, g_names, y1, y2, dy1, dy2, context, grad_context):
@@ -279,8 +288,9 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
     param_grads = [None] * len(params)
 
     def accumulate(p, grad):
-        k = index[id(p)]
-        param_grads[k] = grad if param_grads[k] is None else param_grads[k] + grad
+        k = index.get(id(p))  # None: p did not require grad when the forward ran (no grad, as with autograd)
+        if k is not None:
+            param_grads[k] = grad if param_grads[k] is None else param_grads[k] + grad
 
     autocast_state = autocast_state or AutocastState.capture(y1.device.type)
     autocast = contextlib.nullcontext if autocast_state.off_then_and_now() else autocast_state.enter
@@ -343,12 +353,13 @@ class CompiledRun(torch.autograd.Function):
     its context tensors, as `revkernels.engine.sequential.ReversibleRun` does)."""
 
     @staticmethod
-    def forward(ctx, seq, params, context, x1, x2, *tensors):
-        # tensors: the parameters, then the context tensors that require grad
+    def forward(ctx, seq, params, all_params, context, x1, x2, *tensors):
+        # tensors: the parameters, then the context tensors that require grad (as ReversibleRun's)
         context = NO_CONTEXT if context is None else context
         steps = compiled_steps(seq, x1.device.type)
         y1, y2, ctx.states = forward_blocks(list(seq.blocks), x1, x2, steps, seq.preserve_rng_state, context)
         ctx.blocks, ctx.params, ctx.steps = list(seq.blocks), params, steps
+        save_forward_state(ctx, seq, all_params)
         ctx.autocast_state = AutocastState.capture(x1.device.type)
         save_with_context(ctx, context, y1, y2)
         ctx.set_materialize_grads(False)  # see output_grads
@@ -358,10 +369,11 @@ class CompiledRun(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy1, dy2):
         (y1, y2), context, leaves = saved_with_context(ctx, 2)
-        dy1, dy2, unused = output_grads(ctx.blocks, y1, y2, dy1, dy2)
-        _, _, dx1, dx2, grads = backward_blocks(ctx.blocks, ctx.states, y1, y2, dy1, dy2, ctx.params + leaves,
-                                                ctx.steps, ctx.autocast_state, context)
-        return (None, None, None, dx1, dx2, *without_unused(ctx.params, grads, unused))
+        with as_in_the_forward(ctx):
+            dy1, dy2, unused = output_grads(ctx.blocks, y1, y2, dy1, dy2)
+            _, _, dx1, dx2, grads = backward_blocks(ctx.blocks, ctx.states, y1, y2, dy1, dy2, ctx.params + leaves,
+                                                    ctx.steps, ctx.autocast_state, context)
+        return (None, None, None, None, dx1, dx2, *without_unused(ctx.params, grads, unused))
 
 
 def compiled_steps(seq, device_type):
@@ -383,9 +395,10 @@ def run_compiled(seq, x1, x2, context=NO_CONTEXT):
     units = block_units(seq)
     if units is not None:  # blocks sharded by FSDP2 one by one: one autograd node per block
         return run_sharded_compiled(seq, x1, x2, units, context)
-    params = _reversible.unique_grad_params(seq.blocks)
+    all_params = _reversible.unique_params(seq.blocks)
+    params = [p for p in all_params if p.requires_grad]
     grad_context = grad_tensors(context)
     if not torch.is_grad_enabled() or not (x1.requires_grad or x2.requires_grad or params or grad_context):
         y1, y2, _ = forward_blocks(list(seq.blocks), x1, x2, compiled_steps(seq, x1.device.type), False, context)
         return y1, y2
-    return CompiledRun.apply(seq, params, context or None, x1, x2, *params, *grad_context)
+    return CompiledRun.apply(seq, params, all_params, context or None, x1, x2, *params, *grad_context)

@@ -21,7 +21,7 @@ import torch
 
 from revkernels.engine.fsdp import block_units, run_sharded
 from revkernels.engine.state import NO_CONTEXT, AutocastState, grad_tensors
-from revkernels.engine.structure import y2_only_params
+from revkernels.engine.structure import invalidate, param_slots, y2_only_params
 
 
 def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None, monitor=None, context=NO_CONTEXT):
@@ -37,6 +37,7 @@ def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None
     index = {id(p): i for i, p in enumerate(params)}
     param_grads = [None] * len(params)
     autocast = contextlib.nullcontext if autocast_state is None or autocast_state.off_then_and_now() else autocast_state.enter
+    # (a parameter that did not require grad when the forward ran gets none, as with autograd)
     errors = [None] * len(blocks)
     for i in reversed(range(len(blocks))):
         block = blocks[i]
@@ -48,9 +49,9 @@ def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None
             errors[i] = monitor[0].error(monitor[1][i], rec.x1, rec.x2)
         grads = block.grads(rec, dy1, dy2)
         for p, grad in zip(grads.params, grads.param_grads):
-            if grad is None:
+            k = index.get(id(p))
+            if grad is None or k is None:
                 continue
-            k = index[id(p)]
             param_grads[k] = grad if param_grads[k] is None else param_grads[k] + grad
         y1, y2 = rec.x1, rec.x2.detach()
         dy1, dy2 = grads.dx1, grads.dx2
@@ -73,6 +74,46 @@ def recompute_step(block, y1, y2, state, context=NO_CONTEXT):
     if context:
         return block.recompute(y1, y2, state, context)
     return block.recompute(y1, y2, state)
+
+
+@contextlib.contextmanager
+def as_in_the_forward(ctx):
+    """The body (a backward walk) runs with the blocks as the run's forward left them: in the
+    train/eval mode each block had (``model.eval()`` between a forward and its backward would
+    recompute dropout and BatchNorm in another mode) and holding the parameters the forward used
+    (`revkernels.nn.reversible.swapped_params`). Reads ``ctx.run_blocks`` (the run's ModuleList),
+    ``ctx.blocks``, ``ctx.all_params`` and ``ctx.modes``, set by `save_forward_state`."""
+    from revkernels.nn.reversible import swapped_params
+
+    swapped = swapped_params(ctx.run_blocks, ctx.all_params)
+    changed = [block for block, mode in zip(ctx.blocks, ctx.modes) if block.training != mode]
+    if not swapped and not changed:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for block, mode in zip(ctx.blocks, ctx.modes):
+            if block.training != mode:
+                stack.callback(_restore_modes, [(m, m.training) for m in block.modules()])
+                block.train(mode)
+        if swapped:
+            stack.callback(invalidate)  # runs last: after the parameters are back
+            for block in ctx.blocks:
+                slots = param_slots(block)
+                aliases = {i: swapped[id(p)] for i, p in enumerate(slots.params) if id(p) in swapped}
+                if aliases:
+                    stack.enter_context(slots.substituted(aliases))
+            invalidate()
+        yield
+
+
+def _restore_modes(modes):
+    for module, training in modes:
+        module.training = training
+
+
+def save_forward_state(ctx, seq, all_params):
+    """What `as_in_the_forward` needs, kept on `ctx` by a run's forward."""
+    ctx.run_blocks, ctx.all_params, ctx.modes = seq.blocks, all_params, [block.training for block in seq.blocks]
 
 
 def output_grads(blocks, y1, y2, dy1, dy2):
@@ -121,8 +162,9 @@ class ReversibleRun(torch.autograd.Function):
     a function with `reverse_blocks`' signature (sequential here, two streams in pareprop)."""
 
     @staticmethod
-    def forward(ctx, seq, params, walker, context, x1, x2, *tensors):
-        # tensors: the parameters, then the context tensors that require grad
+    def forward(ctx, seq, params, all_params, walker, context, x1, x2, *tensors):
+        # tensors: the parameters, then the context tensors that require grad; all_params: the
+        # run's `unique_params`, of which `params` are those that require grad
         context = NO_CONTEXT if context is None else context
         states = []
         monitor = getattr(seq, "reconstruction_monitor", None)
@@ -137,6 +179,7 @@ class ReversibleRun(torch.autograd.Function):
                 states.append(state)
         ctx.monitor = None if monitor is None else (monitor, samples)
         ctx.blocks = list(seq.blocks)
+        save_forward_state(ctx, seq, all_params)
         ctx.states = states
         ctx.params = params
         ctx.walker = walker
@@ -149,32 +192,34 @@ class ReversibleRun(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy1, dy2):
         (y1, y2), context, leaves = saved_with_context(ctx, 2)
-        dy1, dy2, unused = output_grads(ctx.blocks, y1, y2, dy1, dy2)
-        _, _, dx1, dx2, grads = ctx.walker(
-            ctx.blocks, ctx.states, y1, y2, dy1, dy2, ctx.params + leaves, ctx.autocast_state, monitor=ctx.monitor,
-            context=context
-        )
+        with as_in_the_forward(ctx):
+            dy1, dy2, unused = output_grads(ctx.blocks, y1, y2, dy1, dy2)
+            _, _, dx1, dx2, grads = ctx.walker(
+                ctx.blocks, ctx.states, y1, y2, dy1, dy2, ctx.params + leaves, ctx.autocast_state,
+                monitor=ctx.monitor, context=context
+            )
         grads = without_unused(ctx.params, grads, unused)
         # The states stay: a second backward (retain_graph=True) replays the same randomness.
         ctx.monitor = None  # its samples are compared once
-        return (None, None, None, None, dx1, dx2, *grads)
+        return (None, None, None, None, None, dx1, dx2, *grads)
 
 
 def run_reversible(seq, x1, x2, walker, context=NO_CONTEXT):
     """Runs `seq`'s blocks as one `ReversibleRun` whose backward follows `walker`."""
-    from revkernels.nn.reversible import unique_grad_params
+    from revkernels.nn.reversible import unique_params
 
     units = block_units(seq)
     if units is not None:  # blocks sharded by FSDP2 one by one: one autograd node per block
         return run_sharded(seq, x1, x2, units, reverse_blocks, forward_step, context)
-    params = unique_grad_params(seq.blocks)
+    all_params = unique_params(seq.blocks)
+    params = [p for p in all_params if p.requires_grad]
     grad_context = grad_tensors(context)
     if not torch.is_grad_enabled() or not (x1.requires_grad or x2.requires_grad or params or grad_context):
         # Nothing to differentiate: a plain forward that keeps nothing.
         for block in seq.blocks:
             x1, x2 = block(x1, x2, **context)
         return x1, x2
-    return ReversibleRun.apply(seq, params, walker, context or None, x1, x2, *params, *grad_context)
+    return ReversibleRun.apply(seq, params, all_params, walker, context or None, x1, x2, *params, *grad_context)
 
 
 def run_sequential(seq, x1, x2, context=NO_CONTEXT):

@@ -13,8 +13,9 @@ cache when they see a run that was sharded after its structure was cached. ``Mod
 (``.to()``, ``.double()``, ``.to_empty()``) also writes new Parameters into ``_parameters`` without
 a registration where it cannot convert in place (between device types such as meta and CPU, or
 with ``torch.__future__.set_overwrite_module_params_on_conversion(True)``); it replaces every
-parameter of the tree it is called on, so `ParamSlots.stale` checks the first one, and each
-access of cached parameters checks it.
+parameter of the tree it is called on, so each access of cached parameters checks the first one
+(`ParamSlots.stale`). ``torch.func.functional_call`` swaps tensors into any slots for one call:
+`revkernels.nn.reversible.unique_params`, which every run calls, checks every slot.
 
 `ParamSlots` swaps detached aliases of a module's parameters in and out of the modules that hold
 them (every occurrence of a tied parameter), so a local graph differentiates the aliases and fires
@@ -85,7 +86,7 @@ class ParamSlots:
     the slots without a registration; `refresh` then re-reads them (in place: holders of `params`
     see the current tensors)."""
 
-    __slots__ = ("params", "names", "slots", "parametrized", "managed", "_qualified", "_by_name")
+    __slots__ = ("params", "names", "slots", "parametrized", "managed", "_qualified", "_by_name", "_held")
 
     def __init__(self, module):
         by_id, index = {}, {}
@@ -105,6 +106,8 @@ class ParamSlots:
                 if (owner, name) not in by_id[id(p)]:
                     by_id[id(p)].append((owner, name))
         self.slots = [[(weakref.ref(owner), name) for owner, name in by_id[id(p)]] for p in self.params]
+        # (the dict holding each parameter's first slot, its key, the parameter): what `stale` checks
+        self._held = [(by_id[id(p)][0][0]._parameters, by_id[id(p)][0][1], p) for p in self.params]
         # Parametrized modules compute their weights from `parametrizations.*`: only
         # functional_call knows how to substitute those.
         self.parametrized = any(parametrize.is_parametrized(m) for m in module.modules())
@@ -113,14 +116,14 @@ class ParamSlots:
                            for slots in by_id.values() for owner, _ in slots)
         self._by_name = None
 
-    def stale(self):
+    def stale(self, every=False):
         """Whether a parameter was replaced without a registration (see the module docstring): the
-        first slot no longer holds the first parameter. False for FSDP-managed slots (`refresh`)."""
-        if self.managed or not self.params:
+        first slot no longer holds the first parameter (with `every`, some slot no longer holds its
+        parameter: ``torch.func.functional_call`` may swap any of them). False for FSDP-managed
+        slots (`refresh`)."""
+        if self.managed:
             return False
-        owner, name = self.slots[0][0]
-        owner = owner()
-        return owner is None or owner._parameters.get(name) is not self.params[0]
+        return any(held.get(name) is not p for held, name, p in (self._held if every else self._held[:1]))
 
     def refresh(self):
         """Re-reads each parameter from its first slot (see `managed`)."""

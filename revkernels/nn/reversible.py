@@ -464,15 +464,38 @@ def _new_handle(seq):
     return new_handle(seq)
 
 
-def unique_grad_params(blocks):
-    """The parameters of `blocks` (a ModuleList) that require grad, each once, in module order."""
+def unique_params(blocks):
+    """The parameters of `blocks` (a ModuleList), each once, in module order: the cached list
+    (the same list object while no module changed), checked slot by slot against the modules
+    (a conversion or ``torch.func.functional_call`` may have swapped tensors in; then the caches
+    are built again)."""
     managed, params, block_slots = cached(blocks, "unique_params", _unique_params)
     if managed:  # FSDP swaps the parameters without a registration: the current ones
         params = _unique_params(blocks)[1]
-    elif any(slots.stale() for slots in block_slots):  # replaced by a conversion (ParamSlots.stale)
+    elif any(slots.stale(every=True) for slots in block_slots):
         invalidate()
         params = cached(blocks, "unique_params", _unique_params)[1]
-    return [p for p in params if p.requires_grad]
+    return params
+
+
+def unique_grad_params(blocks):
+    """`unique_params` that require grad."""
+    return [p for p in unique_params(blocks) if p.requires_grad]
+
+
+def swapped_params(blocks, params):
+    """{id(the parameter a module holds now): the one it held}, where `params` (what `unique_params`
+    returned when the run's forward ran) and the modules differ now; empty for a run managed by
+    FSDP, which swaps its parameters itself. ``torch.func.functional_call`` swaps tensors in for
+    the forward and puts the modules' own back before the backward runs."""
+    managed = cached(blocks, "unique_params", _unique_params)[0]
+    now = unique_params(blocks)
+    if managed or now is params:
+        return {}
+    if len(now) != len(params):
+        raise RuntimeError("revkernels: the run's modules gained or lost parameters between its forward and its "
+                           "backward; the backward rebuilds activations from the modules")
+    return {id(current): p for current, p in zip(now, params) if current is not p}
 
 
 def _unique_params(blocks):

@@ -1,6 +1,7 @@
 """The lean walker: structure computed once per module structure and rebuilt when it changes, RNG
 state kept only for blocks that draw random numbers, and the fused block's fast paths (forward on
 the parameters, hand-written backward) against plain autograd."""
+import copy
 import gc
 import weakref
 
@@ -127,6 +128,89 @@ def test_a_run_stepped_on_the_meta_device_trains_after_to_empty(kind):
             m.reset_parameters()
     perturb_parameters(seq)
     _assert_grads_equal_plain(seq, _inputs(shape=shape))
+
+
+@pytest.mark.parametrize("kind", ["generic", "fused", "compiled"])
+@pytest.mark.parametrize("which", ["all", "some"])
+def test_functional_call_differentiates_the_tensors_passed_in(kind, which):
+    """torch.func.functional_call swaps tensors into the modules for the forward and puts the
+    modules' own back before the backward runs: the rebuild must use the swapped-in tensors, and
+    they get the grads (with `which`="some", not the first of a block's: the cheap stale check)."""
+    seq, shape = _conversion_run(kind)
+    perturb_parameters(seq)
+    data = _inputs(shape=shape)
+    run_grads(seq, seq, *data)  # the caches hold the modules' own parameters
+    names = [n for n, _ in seq.named_parameters()]
+    chosen = set(names if which == "all" else names[1::3])
+    swapped = {n: (p.detach() + 0.1 * torch.randn_like(p)).requires_grad_()
+               for n, p in seq.named_parameters() if n in chosen}
+    ref = copy.deepcopy(seq)
+    with torch.no_grad():
+        for n, t in swapped.items():
+            ref.get_parameter(n).copy_(t)
+    expected = run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data)
+    for p in seq.parameters():
+        p.grad = None
+    x1, x2, w1, w2 = data
+    a1, a2 = x1.clone().requires_grad_(), x2.clone().requires_grad_()
+    loss_of(*torch.func.functional_call(seq, swapped, (a1, a2)), w1, w2).backward()
+    for a, e, what in zip((a1.grad, a2.grad), expected[2:4], ("dx1", "dx2")):
+        assert_close_rel(a, e, 1e-5, what)
+    for (name, p), e in zip(seq.named_parameters(), expected[4:], strict=True):
+        assert_close_rel(swapped[name].grad if name in chosen else p.grad, e, 1e-5, name)
+        assert name not in chosen or p.grad is None
+    _assert_grads_equal_plain(seq, data)  # and the modules' own parameters again afterwards
+
+
+def test_eval_between_forward_and_backward_recomputes_in_the_forwards_mode():
+    """The backward rebuilds each block in the train/eval mode its forward ran in (dropout replayed,
+    BatchNorm on batch statistics), as autograd's recorded graph does."""
+    seq = perturb_parameters(make_seq(3, WIDTH, dropout=0.3, norm="batch"))
+    ref = copy.deepcopy(seq)
+    x1, x2, w1, w2 = _inputs(batch=8)
+
+    def step(fn, module):
+        for p in module.parameters():
+            p.grad = None
+        a1, a2 = x1.clone().requires_grad_(), x2.clone().requires_grad_()
+        torch.manual_seed(4)
+        y1, y2 = fn(a1, a2)
+        module.eval()
+        loss_of(y1, y2, w1, w2).backward()
+        module.train()
+        return [a1.grad, a2.grad] + [p.grad for p in module.parameters()]
+
+    expected = step(lambda a, b: plain_forward(ref, a, b), ref)
+    for i, (a, e) in enumerate(zip(step(seq, seq), expected, strict=True)):
+        assert_close_rel(a, e, 1e-5, f"grad {i}")
+    for (name, a), (_, e) in zip(seq.named_buffers(), ref.named_buffers()):
+        assert torch.equal(a, e), name
+    assert all(m.training for m in seq.modules())
+
+
+def test_a_parameter_that_requires_grad_only_after_the_forward_gets_no_grad():
+    """As with autograd, whose graph recorded the forward: no grad, and the others unchanged."""
+    seq = perturb_parameters(make_seq(2, WIDTH))
+    ref = copy.deepcopy(seq)
+    x1, x2, w1, w2 = _inputs()
+
+    def step(fn, module):
+        late = module.blocks[1].g[1].weight
+        late.requires_grad_(False)
+        for p in module.parameters():
+            p.grad = None
+        y1, y2 = fn(x1.clone().requires_grad_(), x2.clone().requires_grad_())
+        late.requires_grad_(True)
+        loss_of(y1, y2, w1, w2).backward()
+        return [p.grad for p in module.parameters()]
+
+    expected = step(lambda a, b: plain_forward(ref, a, b), ref)
+    got = step(seq, seq)
+    assert seq.blocks[1].g[1].weight.grad is None and ref.blocks[1].g[1].weight.grad is None
+    for i, (a, e) in enumerate(zip(got, expected, strict=True)):
+        assert (a is None) == (e is None)
+        if e is not None:
+            assert_close_rel(a, e, 1e-5, f"grad {i}")
 
 
 def test_parameters_swapped_without_a_registration_are_seen_in_fsdp_managed_modules():
