@@ -15,7 +15,7 @@ import torch.utils.checkpoint
 from torch.func import functional_call
 
 from revkernels.engine.fsdp import enter, module_units
-from revkernels.engine.state import AutocastState, RngState, cuda_devices_of, maybe_replay
+from revkernels.engine.state import AutocastState, RngState, cuda_devices_of, in_mode, maybe_replay
 from revkernels.engine.structure import frozen_batchnorm_stats
 
 
@@ -23,7 +23,10 @@ class _Recomputed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, names, n_inputs, *tensors):
         inputs = tensors[:n_inputs]
+        # The parameters as the forward used them (a torch.func.functional_call's, which are back
+        # out of the module by the backward) and the module's mode then
         ctx.module, ctx.names, ctx.n_inputs = module, names, n_inputs
+        ctx.params, ctx.training = tensors[n_inputs:], module.training
         ctx.rng = RngState(cuda_devices_of(*inputs))
         ctx.autocast_state = AutocastState.capture(inputs[0].device.type)
         ctx.save_for_backward(*inputs)
@@ -36,9 +39,9 @@ class _Recomputed(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
-        params = dict(ctx.module.named_parameters())
-        aliases = {name: params[name].detach().requires_grad_() for name in ctx.names}
-        with torch.enable_grad(), frozen_batchnorm_stats(ctx.module), maybe_replay(ctx.rng), ctx.autocast_state.enter():
+        aliases = {name: p.detach().requires_grad_() for name, p in zip(ctx.names, ctx.params)}
+        with torch.enable_grad(), in_mode(ctx.module, ctx.training), frozen_batchnorm_stats(ctx.module), \
+                maybe_replay(ctx.rng), ctx.autocast_state.enter():
             out = functional_call(ctx.module, aliases, tuple(inputs))
         outs = out if isinstance(out, tuple) else (out,)
         wrt = [t for t in inputs if t.requires_grad] + list(aliases.values())

@@ -20,7 +20,7 @@ import contextlib
 import torch
 
 from revkernels.engine.fsdp import block_units, run_sharded
-from revkernels.engine.state import NO_CONTEXT, AutocastState, grad_tensors
+from revkernels.engine.state import NO_CONTEXT, AutocastState, grad_tensors, in_mode
 from revkernels.engine.structure import invalidate, param_slots, y2_only_params
 
 
@@ -92,9 +92,7 @@ def as_in_the_forward(ctx):
         return
     with contextlib.ExitStack() as stack:
         for block, mode in zip(ctx.blocks, ctx.modes):
-            if block.training != mode:
-                stack.callback(_restore_modes, [(m, m.training) for m in block.modules()])
-                block.train(mode)
+            stack.enter_context(in_mode(block, mode))
         if swapped:
             stack.callback(invalidate)  # runs last: after the parameters are back
             for block in ctx.blocks:
@@ -104,11 +102,6 @@ def as_in_the_forward(ctx):
                     stack.enter_context(slots.substituted(aliases))
             invalidate()
         yield
-
-
-def _restore_modes(modes):
-    for module, training in modes:
-        module.training = training
 
 
 def save_forward_state(ctx, seq, all_params):

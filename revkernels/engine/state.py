@@ -4,6 +4,7 @@
   a recompute so dropout draws the same masks; the caller's RNG stream is restored afterwards.
 - `AutocastState` records the autocast mode of the forward so the recompute runs in the same
   dtypes.
+- `in_mode` puts a module back in the train/eval mode its forward ran in.
 (BatchNorm in a recompute: `revkernels.engine.structure.frozen_batchnorm_stats`.)
 """
 import contextlib
@@ -15,6 +16,23 @@ import torch
 # The context of a run called without keywords. A plain dict (``f(x, **NO_CONTEXT)`` costs least
 # with one); nothing may write to it (a callee's ``**context`` is always a copy).
 NO_CONTEXT = {}
+
+
+@contextlib.contextmanager
+def in_mode(module, training):
+    """The body runs with `module` in train (`training` True) or eval mode (``model.eval()`` between
+    a forward and its backward must not change what the recompute computes); every submodule's
+    own mode is restored after."""
+    if module.training == training:
+        yield
+        return
+    modes = [(m, m.training) for m in module.modules()]
+    module.train(training)
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
 
 
 class RngState:

@@ -52,6 +52,48 @@ def test_grads_bn_stats_rng_and_hooks_match_plain_autograd():
     assert len(hook_calls) == 1
 
 
+def test_recomputes_with_the_forwards_parameters_and_mode():
+    """torch.func.functional_call's tensors are back out of the module when the backward runs, and
+    a model.eval() between forward and backward must not change the recompute: both are taken from
+    the forward (dropout replayed, BatchNorm on batch statistics)."""
+    piece, reference = TwoStreamPiece(), TwoStreamPiece()
+    reference.load_state_dict(piece.state_dict())
+    x1, x2, w = torch.randn(8, 12), torch.randn(8, 12), torch.randn(8, 12)
+    swapped = {"b.weight": (piece.b.weight.detach() + 0.3 * torch.randn(12, 12)).requires_grad_()}
+    with torch.no_grad():
+        reference.b.weight.copy_(swapped["b.weight"])
+    results = []
+    for module, fn in ((reference, lambda a, b: reference(a, b)),
+                       (piece, lambda a, b: _recomputed_in_functional_call(piece, swapped, a, b))):
+        a, b = x1.clone().requires_grad_(), x2.clone().requires_grad_()
+        torch.manual_seed(3)
+        h, y = fn(a, b)
+        module.eval()
+        ((h * w).sum() + y.square().sum()).backward()
+        module.train()
+        grads = {n: p.grad for n, p in module.named_parameters()}
+        if module is piece:
+            grads["b.weight"] = swapped["b.weight"].grad
+        results.append([h.detach(), y.detach(), a.grad, b.grad] + [grads[n] for n, _ in module.named_parameters()])
+    for i, (ours, ref) in enumerate(zip(results[1], results[0], strict=True)):
+        assert_close_rel(ours, ref, 1e-5, f"output/grad {i}")
+    assert piece.b.weight.grad is None
+
+
+class _Recomputing(nn.Module):
+    def __init__(self, piece):
+        super().__init__()
+        self.piece = piece
+
+    def forward(self, a, b):
+        return run_recomputed(self.piece, a, b)
+
+
+def _recomputed_in_functional_call(piece, swapped, a, b):
+    """``run_recomputed(piece, a, b)`` inside ``functional_call`` with `swapped` (names in `piece`)."""
+    return torch.func.functional_call(_Recomputing(piece), {f"piece.{n}": t for n, t in swapped.items()}, (a, b))
+
+
 def test_keeps_only_its_inputs():
     piece = TwoStreamPiece()
     x1, x2 = torch.randn(8, 12, requires_grad=True), torch.randn(8, 12, requires_grad=True)
