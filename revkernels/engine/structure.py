@@ -23,6 +23,7 @@ no hook of the parameters themselves: what ``torch.func.functional_call`` does, 
 per-call walks.
 """
 import contextlib
+import operator
 import weakref
 
 import torch
@@ -106,8 +107,8 @@ class ParamSlots:
                 if (owner, name) not in by_id[id(p)]:
                     by_id[id(p)].append((owner, name))
         self.slots = [[(weakref.ref(owner), name) for owner, name in by_id[id(p)]] for p in self.params]
-        # (the dict holding each parameter's first slot, its key, the parameter): what `stale` checks
-        self._held = [(by_id[id(p)][0][0]._parameters, by_id[id(p)][0][1], p) for p in self.params]
+        # The dict holding each parameter's first slot and its key: what `stale` checks
+        self._held = ([by_id[id(p)][0][0]._parameters for p in self.params], [by_id[id(p)][0][1] for p in self.params])
         # Parametrized modules compute their weights from `parametrizations.*`: only
         # functional_call knows how to substitute those.
         self.parametrized = any(parametrize.is_parametrized(m) for m in module.modules())
@@ -121,9 +122,12 @@ class ParamSlots:
         first slot no longer holds the first parameter (with `every`, some slot no longer holds its
         parameter: ``torch.func.functional_call`` may swap any of them). False for FSDP-managed
         slots (`refresh`)."""
-        if self.managed:
+        if self.managed or not self.params:
             return False
-        return any(held.get(name) is not p for held, name, p in (self._held if every else self._held[:1]))
+        dicts, names = self._held
+        if not every:
+            return dicts[0].get(names[0]) is not self.params[0]
+        return any(map(operator.is_not, map(dict.get, dicts, names), self.params))  # (no bytecode per slot)
 
     def refresh(self):
         """Re-reads each parameter from its first slot (see `managed`)."""

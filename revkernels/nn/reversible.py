@@ -469,10 +469,10 @@ def unique_params(blocks):
     (the same list object while no module changed), checked slot by slot against the modules
     (a conversion or ``torch.func.functional_call`` may have swapped tensors in; then the caches
     are built again)."""
-    managed, params, block_slots = cached(blocks, "unique_params", _unique_params)
+    managed, params, slots = cached(blocks, "unique_params", _unique_params)
     if managed:  # FSDP swaps the parameters without a registration: the current ones
         params = _unique_params(blocks)[1]
-    elif any(slots.stale(every=True) for slots in block_slots):
+    elif slots.stale(every=True):
         invalidate()
         params = cached(blocks, "unique_params", _unique_params)[1]
     return params
@@ -499,13 +499,6 @@ def swapped_params(blocks, params):
 
 
 def _unique_params(blocks):
-    seen, params, managed, block_slots = set(), [], False, []
-    for block in blocks:
-        slots = param_slots(block)
-        block_slots.append(slots)
-        managed = managed or slots.managed
-        for p in slots.params:
-            if id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-    return managed, params, block_slots
+    """(managed, the parameters, their `ParamSlots`: the blocks' own, unless FSDP manages them)."""
+    slots = param_slots(blocks)  # a ModuleList's slots: its blocks' parameters, each once, in module order
+    return slots.managed, slots.params, slots

@@ -243,10 +243,11 @@ class RevTransformerBlock(ReversibleBlock):
         # Whether F and G hold the layers the fused steps compute with (once per module structure);
         # else (a LoRA-wrapped or parametrized linear, a LayerNorm without affine, another norm)
         # the generic ReversibleBlock steps run the modules as they are.
-        return cached(self, "fused", _holds_fused_layers)
+        return self._parts().fused
 
     def forward_with_state(self, x1, x2, preserve_rng_state=True, context=NO_CONTEXT):
-        if not self._fused() or submodule_hooked(self):
+        m = self._parts()
+        if not m.fused or submodule_hooked(self):
             # (a forward hook could observe F's or G's submodules: run them as modules)
             return super().forward_with_state(x1, x2, preserve_rng_state, context)
         # AttentionBranch.forward and MlpBranch.forward with the same ops on the parameters
@@ -254,7 +255,7 @@ class RevTransformerBlock(ReversibleBlock):
         if x2.dim() != 3:
             raise ValueError(f"revkernels: RevTransformerBlock input must be (batch, tokens, dim), "
                              f"got shape {tuple(x2.shape)}")
-        m, P = self._parts(), self._params()
+        P = self._params()
         keep = preserve_rng_state and self.draws_random()
         devices = cuda_devices_of(x1, x2) if keep else ()
         rng_f = RngState(devices) if keep else None
@@ -270,9 +271,10 @@ class RevTransformerBlock(ReversibleBlock):
         return y1, y2, BlockState(rng_f, rng_g) if keep else None
 
     def recompute(self, y1, y2, state=None, context=NO_CONTEXT):
-        if not self._fused():
+        m = self._parts()
+        if not m.fused:
             return super().recompute(y1, y2, state, context)
-        m, P = self._parts(), self._params()
+        P = self._params()
         shape = y1.shape
         batch, tokens, dim = shape
         # The steps work on (batch * tokens, dim) rows: F.linear runs the same addmm/mm on them as on
@@ -423,14 +425,17 @@ def _holds_fused_layers(block):
 
 
 class _BlockParts:
-    """A `RevTransformerBlock`'s branches and the submodules its steps call."""
+    """A `RevTransformerBlock`'s branches and the submodules its fused steps call (`fused`: whether
+    it holds them, `_holds_fused_layers`)."""
 
-    __slots__ = ("f", "g", "f_norm", "g_norm", "f_dropout", "g_dropout", "f_drop_path", "g_drop_path")
+    __slots__ = ("fused", "f", "g", "f_norm", "g_norm", "f_dropout", "g_dropout", "f_drop_path", "g_drop_path")
 
     def __init__(self, block):
+        self.fused = _holds_fused_layers(block)
         self.f, self.g = block.f, block.g
-        self.f_norm, self.f_dropout, self.f_drop_path = self.f.norm, self.f.dropout, self.f.drop_path
-        self.g_norm, self.g_dropout, self.g_drop_path = self.g.norm, self.g.dropout, self.g.drop_path
+        if self.fused:
+            self.f_norm, self.f_dropout, self.f_drop_path = self.f.norm, self.f.dropout, self.f.drop_path
+            self.g_norm, self.g_dropout, self.g_drop_path = self.g.norm, self.g.dropout, self.g.drop_path
 
 
 class _RevViTRecompute:
