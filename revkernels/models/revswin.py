@@ -43,7 +43,7 @@ from torch import nn
 from revkernels.engine.recompute import run_recomputed
 from revkernels.nn.attention import scaled_dot_product_attention
 from revkernels.nn.drop_path import DropPath, check_drop_probability
-from revkernels.models.staged import StagedModel
+from revkernels.models.staged import StagedModel, check_positive_int
 from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential, check_streams
 from revkernels.nn.revvit import MlpBranch
 
@@ -219,11 +219,6 @@ class Head(nn.Module):
         return self.fc(self.norm((x1 + x2) * 0.5).mean(dim=1))
 
 
-def _positive_int(value, name):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"revkernels: {name} must be a positive int, got {value!r}")
-
-
 class RevSwin(StagedModel, nn.Module):
     """A Swin Transformer with reversible blocks (see the module docstring).
 
@@ -251,14 +246,14 @@ class RevSwin(StagedModel, nn.Module):
         super().__init__()
         for value, name in ((embed_dim, "embed_dim"), (num_classes, "num_classes"), (img_size, "img_size"),
                             (patch_size, "patch_size"), (window_size, "window_size"), (in_chans, "in_chans")):
-            _positive_int(value, name)
+            check_positive_int(value, name)
         depths, num_heads = tuple(depths), tuple(num_heads)
         if not depths or len(depths) != len(num_heads):
             raise ValueError(f"revkernels: depths and num_heads must be non-empty and equally long, "
                              f"got {depths!r} and {num_heads!r}")
         for i, (d, h) in enumerate(zip(depths, num_heads)):
-            _positive_int(d, f"depths[{i}]")
-            _positive_int(h, f"num_heads[{i}]")
+            check_positive_int(d, f"depths[{i}]")
+            check_positive_int(h, f"num_heads[{i}]")
         check_drop_probability(drop_path_rate, "drop_path_rate")
         if img_size % patch_size:
             raise ValueError(f"revkernels: img_size ({img_size}) must be a multiple of patch_size ({patch_size})")

@@ -236,14 +236,9 @@ class RevTransformerBlock(ReversibleBlock):
 
     def _parts(self):
         # The submodules the steps use, once per module structure (each Module.__getattr__ lookup
-        # costs about what a small kernel does).
+        # costs about what a small kernel does), and whether F and G hold the layers the fused steps
+        # compute with (`fused`; else the generic ReversibleBlock steps run the modules as they are).
         return cached(self, "parts", _BlockParts)
-
-    def _fused(self):
-        # Whether F and G hold the layers the fused steps compute with (once per module structure);
-        # else (a LoRA-wrapped or parametrized linear, a LayerNorm without affine, another norm)
-        # the generic ReversibleBlock steps run the modules as they are.
-        return self._parts().fused
 
     def forward_with_state(self, x1, x2, preserve_rng_state=True, context=NO_CONTEXT):
         m = self._parts()

@@ -76,7 +76,7 @@ def test_blocks_with_other_layers_run_the_generic_steps(swap, engine):
     SWAPS[swap](seq.blocks[1])
     seq = perturb_parameters(seq)
     seq.engine = engine
-    assert seq.blocks[0]._fused() and not seq.blocks[1]._fused()
+    assert seq.blocks[0]._parts().fused and not seq.blocks[1]._parts().fused
     data = _data()
     expected = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data)
     actual = run_grads(seq, seq, *data)
