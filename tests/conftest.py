@@ -25,6 +25,16 @@ def random_seed():
     return seed
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo without the graphs other tests compiled (reset before and after the test): the compiled
+    engine's steps are shared by every run with the same compile options, so graphs left by earlier
+    tests count towards a test's recompile limit, past which its blocks would run eagerly."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -34,6 +34,9 @@ bounds the signatures per step; past it Dynamo runs the step eagerly).
   forward and replayed around it in the backward. The steps are compiled with inductor's
   ``fallback_random`` (random ops call ATen on the global generator, as eager does), so the
   recompute draws the forward's numbers and the stream after a step is eager's.
+- Parametrized modules (``torch.nn.utils.parametrize``, e.g. ``weight_norm``) run under a class
+  shared by every module of the same class with the same parametrized tensors (see
+  `_shared_classes`): parametrize makes a class per module, which would be a signature per block.
 - A step that fails to compile warns once, naming the block, and that block runs its steps eagerly.
 - Blocks with module hooks below them, and subclasses whose forward is not the plain coupling
   (other than `RevViTBlock`, whose forward is), run the sequential engine's eager steps
@@ -48,6 +51,7 @@ import weakref
 
 import torch
 from torch.func import functional_call, vjp
+from torch.nn.utils import parametrize
 
 from revkernels.engine.fsdp import block_units, run_sharded_compiled
 from revkernels.engine.sequential import (as_in_the_forward, forward_step, output_grads, recompute_step,
@@ -163,7 +167,11 @@ class CompiledSteps:
         if block in self.failed:
             return _STEPS[name](*args)
         try:
-            return self.functions[name](*args)
+            classes = cached(block, "shared_classes", _shared_classes)
+            if not classes:
+                return self.functions[name](*args)
+            with _under_shared_classes(classes):
+                return self.functions[name](*args)
         except Exception as error:  # noqa: BLE001  (any compile error: the block runs eagerly)
             out = _STEPS[name](*args)  # a genuine error in the block raises here, from eager code
             self.failed.add(block)
@@ -172,6 +180,73 @@ class CompiledSteps:
                           f"failed; that block runs its steps eagerly ({type(error).__name__}: {first_line})",
                           UserWarning, stacklevel=3)
             return out
+
+
+# ---- parametrized modules ----
+# torch.nn.utils.parametrize gives each parametrized module a class of its own (a subclass of the
+# module's class with a property per parametrized tensor), and Dynamo guards on a module's class:
+# a stack of identical weight_norm blocks compiled once per block, and past the recompile limit its
+# blocks ran eagerly. The steps run such a module under a class shared by every module of the same
+# class with the same parametrized tensors, swapped in for the call only.
+
+_SHARED_CLASSES = {}  # (class, parametrized tensor names) -> the shared parametrized class
+
+
+def _parametrized_names(cls):
+    """The tensor names of a class torch.nn.utils.parametrize made (one base, parametrize's members
+    only; a deep copy adds copyreg's ``__slotnames__``), sorted; None for any other class."""
+    if cls.__module__ != parametrize.__name__ or len(cls.__bases__) != 1:
+        return None
+    names = []
+    for key, value in vars(cls).items():
+        if isinstance(value, property) and getattr(value.fget, "__module__", None) == parametrize.__name__:
+            names.append(key)
+        elif key not in ("__module__", "__doc__", "__getstate__", "__deepcopy__", "__slotnames__"):
+            return None
+    return tuple(sorted(names))
+
+
+def _computed_tensor(name):
+    """A property computing ``self.parametrizations[name]()`` on every access, as parametrize's do
+    outside ``parametrize.cached()`` (whose cached tensor would not be a function of the step's
+    inputs, the parameters swapped in by ``functional_call``), and assigning through
+    ``right_inverse`` as parametrize's do."""
+    def get(self):
+        return self.parametrizations[name]()
+
+    def set_original(self, value):
+        self.parametrizations[name].right_inverse(value)
+
+    return property(get, set_original)
+
+
+def _shared_classes(block):
+    """``[(module, shared class, own class)]`` for the parametrized modules under `block` (cached
+    per structure)."""
+    classes = []
+    for module in block.modules():
+        own = type(module)
+        names = _parametrized_names(own)
+        if not names or tuple(sorted(module.parametrizations.keys())) != names:
+            continue
+        key = (own.__bases__[0], names)
+        shared = _SHARED_CLASSES.get(key)
+        if shared is None:
+            shared = type(own.__name__, key[:1], {"__module__": __name__, **{n: _computed_tensor(n) for n in names}})
+            _SHARED_CLASSES[key] = shared
+        classes.append((module, shared, own))
+    return classes
+
+
+@contextlib.contextmanager
+def _under_shared_classes(classes):
+    try:
+        for module, shared, _ in classes:
+            object.__setattr__(module, "__class__", shared)
+        yield
+    finally:
+        for module, _, own in classes:
+            object.__setattr__(module, "__class__", own)
 
 
 # ---- per-block layout ----

@@ -256,22 +256,30 @@ def frozen_batchnorm_stats(*modules):
     under `modules` use batch statistics without updating running_mean/running_var/
     num_batches_tracked, and the spectral-norm parametrizations in training mode skip their power
     iteration (the forward updated both; the recomputed weight is then bitwise the forward's, from
-    the updated vectors). A no-op context where there are none."""
+    the updated vectors). Under ``parametrize.cached()`` the parametrized tensors are computed
+    afresh: the cache holds the forward's, computed without grad, so the recompute would not
+    differentiate them. A no-op context where there is none of these."""
     layers = [layer for module in modules for layer in batchnorm_layers(module)
               if layer.training and layer.track_running_stats]
     norms = [norm for module in modules for norm in spectral_norms(module) if norm.training]
-    return _untracked(layers, norms) if layers or norms else contextlib.nullcontext()
+    uncached = parametrize._cache_enabled > 0 and any(param_slots(module).parametrized for module in modules)
+    return _untracked(layers, norms, uncached) if layers or norms or uncached else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
-def _untracked(layers, norms):
+def _untracked(layers, norms, uncached):
+    cache_enabled = parametrize._cache_enabled
     for layer in layers:
         layer.track_running_stats = False
     for norm in norms:
         norm.training = False
+    if uncached:
+        parametrize._cache_enabled = 0  # what parametrize's getters read (its cache is left as it is)
     try:
         yield
     finally:
+        if uncached:
+            parametrize._cache_enabled = cache_enabled
         for layer in layers:
             layer.track_running_stats = True
         for norm in norms:

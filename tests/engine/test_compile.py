@@ -27,13 +27,7 @@ from tests.helpers import assert_close_rel, make_seq, perturb_parameters, plain_
 # Under torch.compile every memory-saving engine is the same opaque op running the sequential
 # schedule on CPU, so "sequential" stands for pareprop and graphs too (compiled steps: test_compiled.py).
 ENGINES = ["autograd", "sequential"]
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _data(*shape, device="cpu"):

@@ -25,17 +25,11 @@ import revkernels as rk
 from revkernels.engine.compiled import backward_blocks, compiled_steps, forward_blocks
 from revkernels.nn.reversible import ReversibleSequential, unique_grad_params
 from revkernels.nn.revvit import RevViTBlock
-from tests.helpers import (CountingBackend, assert_close_rel, compiled_saved_bytes, loss_of, make_seq, plain_forward,
-                           rel_err, run_grads)
+from tests.helpers import (CountingBackend, assert_close_rel, compiled_saved_bytes, loss_of, make_seq,
+                           perturb_parameters, plain_forward, rel_err, run_grads)
 
 AOT = {"backend": "aot_eager"}
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _perturbed(seq):
@@ -198,6 +192,34 @@ def test_twelve_vit_blocks_compile_one_forward_and_one_backward_step():
     assert backend.graphs == 2
     run_grads(seq, seq, *data)
     assert backend.graphs == 2  # no recompile on the next step
+    _assert_all_close(got, run_grads(ref, ref, *data), 1e-5)
+
+
+def test_weight_norm_blocks_compile_one_forward_and_one_backward_step():
+    """torch.nn.utils.parametrize gives each parametrized module a class of its own, and Dynamo
+    guards on classes: ten weight_norm blocks compiled ten times, and past the recompile limit (8)
+    blocks[8:] ran eagerly with a warning. The steps run them under one shared class, for the call
+    only; the grads are plain autograd's."""
+    def branch():
+        return nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(8, 8)), nn.Tanh(),
+                             nn.utils.parametrizations.weight_norm(nn.Linear(8, 8), name="bias", dim=None))
+
+    torch.manual_seed(0)
+    seq = ReversibleSequential(*[rk.nn.ReversibleBlock(branch(), branch()) for _ in range(10)], engine="compiled")
+    perturb_parameters(seq)  # weight_norm's g (a vector) and the parametrized biases
+    classes = [type(m) for m in seq.modules()]
+    backend = CountingBackend()
+    seq.compile_options = {"backend": backend}
+    ref = copy.deepcopy(seq)
+    ref.engine = "autograd"
+    data = _data(2, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run_grads(seq, seq, *data)
+        run_grads(seq, seq, *data)
+    assert not [w for w in caught if "revkernels" in str(w.message)]
+    assert backend.graphs == 2
+    assert [type(m) for m in seq.modules()] == classes  # each module's own class again
     _assert_all_close(got, run_grads(ref, ref, *data), 1e-5)
 
 

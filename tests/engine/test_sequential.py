@@ -9,6 +9,7 @@ from tests.helpers import (CPU_ENGINES, assert_close_rel, loss_of, make_seq, per
 
 WIDTH = 16
 ENGINES = CPU_ENGINES  # pareprop/graphs run this file's sequential code on CPU (see tests/helpers.py)
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # (the compiled engine's cases)
 
 
 def _inputs(batch=4, width=WIDTH, dtype=torch.float32):
@@ -132,6 +133,28 @@ def test_spectral_norm_power_iteration_runs_once(engine):
         _assert_same_grads(actual, expected)
         for (name, a), (_, e) in zip(seq.named_buffers(), reference.named_buffers()):
             assert torch.equal(a, e), f"{name} differs from plain autograd"
+
+
+@pytest.mark.parametrize("engine", [e for e in rk.engine.ENGINES if e != "autograd"])
+def test_weight_norm_grads_under_parametrize_cached(engine):
+    """Under ``parametrize.cached()`` (forward and backward inside it) a parametrized weight is
+    computed once and reused: the forward, run without grad, cached a weight with no graph to its
+    parameters, so the recompute differentiated nothing and their grads were None."""
+    def build():
+        torch.manual_seed(0)
+        seq = make_seq(3, WIDTH, engine=engine)
+        for block in seq.blocks:
+            nn.utils.parametrizations.weight_norm(block.f[1])
+            nn.utils.parametrizations.weight_norm(block.g[3])
+        return perturb_parameters(seq)
+
+    seq, reference = build(), build()
+    seq.compile_options = {"backend": "eager"}
+    x1, x2, w1, w2 = _inputs()
+    with nn.utils.parametrize.cached():
+        expected = _reference_grads(reference, x1, x2, w1, w2)
+        actual = _engine_grads(seq, x1, x2, w1, w2)
+    _assert_same_grads(actual, expected)
 
 
 def test_saved_memory_is_flat_in_depth():

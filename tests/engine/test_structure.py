@@ -16,6 +16,7 @@ from revkernels.nn.revvit import RevViTBlock
 from tests.helpers import assert_close_rel, loss_of, make_seq, perturb_parameters, plain_forward, residual_fn, run_grads
 
 WIDTH = 8
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # (the compiled engine's cases)
 
 
 def _inputs(batch=4, width=WIDTH, shape=None):
