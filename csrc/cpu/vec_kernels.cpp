@@ -289,6 +289,25 @@ C10_ALWAYS_INLINE void for_blocks_aligned(const T* out, int64_t n, bool align, F
   if (i < n) fn(i, n - i);
 }
 
+// fn(i, count) over the blocks of [0, n) as for_blocks, in chunks of at most kSumChunk blocks;
+// done() after each chunk: a sum carried in a Block and flushed into fp64 by done() takes at most
+// kSumChunk terms per lane (kernels/lane_sums.h).
+template <typename acc_t, typename Fn, typename Done>
+C10_ALWAYS_INLINE void for_chunked_blocks(int64_t n, Fn&& fn, Done&& done) {
+  constexpr int64_t chunk = kSumChunk * kBlock<acc_t>;
+  for (int64_t i0 = 0; i0 < n; i0 += chunk) {
+    for_blocks<acc_t>(std::min(chunk, n - i0), [&](int64_t i, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE { fn(i0 + i, c); });
+    done();
+  }
+}
+
+// sum += the sum of part's lanes (folded pairwise), in fp64; part reset to zero.
+template <typename acc_t>
+C10_ALWAYS_INLINE void add_total(double& sum, Block<acc_t>& part) {
+  sum += total(part);
+  part = Block<acc_t>(acc_t(0));
+}
+
 // --- coupling ------------------------------------------------------------------------------------
 
 template <typename acc_t, typename out_t, typename b_t>
@@ -358,7 +377,7 @@ void sub_layer_norm_vec(x_t* x, x_t* ln, acc_t* mean, acc_t* rstd, const x_t* y,
   // acc_t and x is written in the first pass, else this scratch row (cached, where a streamed x is not).
   const bool x_is_scratch = std::is_same_v<x_t, acc_t> && !stream;
   const std::unique_ptr<acc_t[]> scratch(x_is_scratch ? nullptr : new acc_t[n]);
-  const acc_t count = static_cast<acc_t>(n);
+  const double count = static_cast<double>(n);
   for (int64_t r = row_begin; r < row_end; ++r) {
     const x_t* yr = y + r * y_row_stride;
     const g_t* gr = g + r * g_row_stride;
@@ -368,22 +387,28 @@ void sub_layer_norm_vec(x_t* x, x_t* ln, acc_t* mean, acc_t* rstd, const x_t* y,
     if constexpr (std::is_same_v<x_t, acc_t>) {
       if (x_is_scratch) xs = xr;
     }
-    Block<acc_t> sum(acc_t(0));
-    for_blocks<acc_t>(n, [&](int64_t i, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
-      const Block<acc_t> v = load_block<acc_t>(yr + i, c) - load_block<acc_t>(gr + i, c);
-      const Block<acc_t> xv = rounded<x_t>(v);
-      if (!stream) store_block(xr + i, v, c);
-      if (!x_is_scratch) store_block(xs + i, xv, c);
-      sum = sum + first(xv, c);
-    });
-    const acc_t mu = total(sum) / count;
+    Block<acc_t> part(acc_t(0));
+    double sum = 0.0, squares = 0.0;
+    for_chunked_blocks<acc_t>(
+        n,
+        [&](int64_t i, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
+          const Block<acc_t> v = load_block<acc_t>(yr + i, c) - load_block<acc_t>(gr + i, c);
+          const Block<acc_t> xv = rounded<x_t>(v);
+          if (!stream) store_block(xr + i, v, c);
+          if (!x_is_scratch) store_block(xs + i, xv, c);
+          part = part + first(xv, c);
+        },
+        [&] { add_total(sum, part); });
+    const acc_t mu = static_cast<acc_t>(sum / count);
     const Block<acc_t> mu_v(mu);
-    Block<acc_t> squares(acc_t(0));
-    for_blocks<acc_t>(n, [&](int64_t i, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
-      const Block<acc_t> d = first(load_block<acc_t>(xs + i, c) - mu_v, c);
-      squares = squares + d * d;
-    });
-    const acc_t rs = acc_t(1) / std::sqrt(total(squares) / count + eps);
+    for_chunked_blocks<acc_t>(
+        n,
+        [&](int64_t i, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
+          const Block<acc_t> d = first(load_block<acc_t>(xs + i, c) - mu_v, c);
+          part = part + d * d;
+        },
+        [&] { add_total(squares, part); });
+    const acc_t rs = acc_t(1) / std::sqrt(static_cast<acc_t>(squares / count) + eps);
     const Block<acc_t> rs_v(rs);
     for_blocks_aligned<acc_t>(xr, n, stream, [&](int64_t i, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
       const Block<acc_t> xv = load_block<acc_t>(xs + i, c);
@@ -434,7 +459,7 @@ void layer_norm_bwd_add_vec(dres_t* dx, acc_t* dweight_partial, acc_t* dbias_par
     store_block(dweight_partial + i, Block<acc_t>(acc_t(0)), c);
     store_block(dbias_partial + i, Block<acc_t>(acc_t(0)), c);
   });
-  const acc_t count = static_cast<acc_t>(n);
+  const double count = static_cast<double>(n);
   for (int64_t r = row_begin; r < row_end; ++r) {
     const x_t* dr = dln + r * dln_row_stride;
     const x_t* xr = x + r * x_row_stride;
@@ -442,18 +467,25 @@ void layer_norm_bwd_add_vec(dres_t* dx, acc_t* dweight_partial, acc_t* dbias_par
     dres_t* out = dx + r * n;
     const Block<acc_t> mu(mean[r]), rs(rstd[r]);
     // Pass 1: the row sums of dxhat and dxhat * xhat, and the dweight/dbias partial sums.
-    Block<acc_t> sum_dxhat(acc_t(0)), sum_dxhat_xhat(acc_t(0));
-    for_blocks<acc_t>(n, [&](int64_t i, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
-      const Block<acc_t> xhat = (load_block<acc_t>(xr + i, c) - mu) * rs;
-      const Block<acc_t> d = first(load_block<acc_t>(dr + i, c), c);
-      const Block<acc_t> dxhat = d * load_block<acc_t>(weight + i, c);
-      sum_dxhat = sum_dxhat + first(dxhat, c);
-      sum_dxhat_xhat = sum_dxhat_xhat + first(dxhat * xhat, c);
-      store_block(dweight_partial + i, load_block<acc_t>(dweight_partial + i, c) + d * xhat, c);
-      store_block(dbias_partial + i, load_block<acc_t>(dbias_partial + i, c) + d, c);
-    });
-    const Block<acc_t> mean_dxhat(total(sum_dxhat) / count);
-    const Block<acc_t> mean_dxhat_xhat(total(sum_dxhat_xhat) / count);
+    Block<acc_t> part_dxhat(acc_t(0)), part_dxhat_xhat(acc_t(0));
+    double sum_dxhat = 0.0, sum_dxhat_xhat = 0.0;
+    for_chunked_blocks<acc_t>(
+        n,
+        [&](int64_t i, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
+          const Block<acc_t> xhat = (load_block<acc_t>(xr + i, c) - mu) * rs;
+          const Block<acc_t> d = first(load_block<acc_t>(dr + i, c), c);
+          const Block<acc_t> dxhat = d * load_block<acc_t>(weight + i, c);
+          part_dxhat = part_dxhat + first(dxhat, c);
+          part_dxhat_xhat = part_dxhat_xhat + first(dxhat * xhat, c);
+          store_block(dweight_partial + i, load_block<acc_t>(dweight_partial + i, c) + d * xhat, c);
+          store_block(dbias_partial + i, load_block<acc_t>(dbias_partial + i, c) + d, c);
+        },
+        [&] {
+          add_total(sum_dxhat, part_dxhat);
+          add_total(sum_dxhat_xhat, part_dxhat_xhat);
+        });
+    const Block<acc_t> mean_dxhat(static_cast<acc_t>(sum_dxhat / count));
+    const Block<acc_t> mean_dxhat_xhat(static_cast<acc_t>(sum_dxhat_xhat / count));
     // Pass 2: dx, with the residual gradient added before the one rounding to dres_t.
     for_blocks<acc_t>(n, [&](int64_t i, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
       const Block<acc_t> xhat = (load_block<acc_t>(xr + i, c) - mu) * rs;
@@ -648,7 +680,7 @@ void bias_gelu_bwd(void* dx, const void* dy, int64_t dy_row_stride, const void* 
 // sample's S elements of one channel, and channel-contiguous (channels_last, (N, C) or S = 1;
 // c_stride 1), vectorised across a block of adjacent channels at each position. Sums are chunked
 // as in the scalar kernels (kernels/batch_norm.h): a chunk's blocks are summed lane-wise in a local
-// acc_t accumulator (at most kBnChunk blocks), whose sum is then added in fp64.
+// acc_t accumulator (at most kSumChunk blocks), whose sum is then added in fp64.
 
 enum class BnPath { Spatial, Channels, Scalar };
 
@@ -669,24 +701,19 @@ struct Lanes {
 };
 
 // Spatial path: fn(i, j, k) over the blocks of each sample i's S elements (j the offset, k the
-// count), in chunks of at most kBnChunk blocks; done() after each chunk.
+// count), in chunks of at most kSumChunk blocks; done() after each chunk.
 template <typename acc_t, typename Fn, typename Done>
 C10_ALWAYS_INLINE void for_spatial_chunks(const BnView& v, Fn&& fn, Done&& done) {
-  constexpr int64_t chunk = kBnChunk * kBlock<acc_t>;
   for (int64_t i = 0; i < v.n; ++i) {
-    for (int64_t j0 = 0; j0 < v.s; j0 += chunk) {
-      for_blocks<acc_t>(std::min(chunk, v.s - j0),
-                        [&](int64_t j, int64_t k) C10_ALWAYS_INLINE_ATTRIBUTE { fn(i, j0 + j, k); });
-      done();
-    }
+    for_chunked_blocks<acc_t>(v.s, [&](int64_t j, int64_t k) C10_ALWAYS_INLINE_ATTRIBUTE { fn(i, j, k); }, done);
   }
 }
 
 // Channels path: fn(i, j) over the positions (sample i, position j) in memory order, in chunks of
-// at most kBnChunk positions (crossing samples when S is small); done() after each chunk.
+// at most kSumChunk positions (crossing samples when S is small); done() after each chunk.
 template <typename Fn, typename Done>
 C10_ALWAYS_INLINE void for_position_chunks(const BnView& v, Fn&& fn, Done&& done) {
-  int64_t room = kBnChunk;
+  int64_t room = kSumChunk;
   for (int64_t i = 0; i < v.n; ++i) {
     for (int64_t j = 0; j < v.s;) {
       const int64_t end = std::min(v.s, j + room);
@@ -694,11 +721,11 @@ C10_ALWAYS_INLINE void for_position_chunks(const BnView& v, Fn&& fn, Done&& done
       for (; j < end; ++j) fn(i, j);
       if (room == 0) {
         done();
-        room = kBnChunk;
+        room = kSumChunk;
       }
     }
   }
-  if (room < kBnChunk) done();
+  if (room < kSumChunk) done();
 }
 
 // totals[l] += part's lane l, in fp64; part reset to zero.
@@ -706,13 +733,6 @@ template <typename acc_t>
 C10_ALWAYS_INLINE void add_lanes(double* totals, Block<acc_t>& part) {
   const Lanes<acc_t> p(part);
   for (int64_t l = 0; l < kBlock<acc_t>; ++l) totals[l] += p.v[l];
-  part = Block<acc_t>(acc_t(0));
-}
-
-// sum += the sum of part's lanes (folded pairwise), in fp64; part reset to zero.
-template <typename acc_t>
-C10_ALWAYS_INLINE void add_total(double& sum, Block<acc_t>& part) {
-  sum += total(part);
   part = Block<acc_t>(acc_t(0));
 }
 

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "lane_sums.h"
 #include "scalar.h"
 
 namespace revkernels {
@@ -24,35 +25,26 @@ struct BnView {
   int64_t n_stride = 0, c_stride = 0, s_stride = 0;    // element strides of the (N, C, S) view
 };
 
-// Channel sums are carried in kBnLanes independent partial sums (over the elements in memory order),
-// folded pairwise and added into an fp64 total every kBnChunk terms per lane: no acc_t running sum
-// takes more than kBnChunk terms, so the error does not grow with M (the vector kernels in
-// cpu/vec_kernels.cpp chunk their lanes alike).
-constexpr int64_t kBnLanes = 8;
-constexpr int64_t kBnChunk = 64;
-
+// Channel sums are carried in lanes over the elements in memory order and flushed into an fp64
+// total every kSumChunk terms per lane (lane_sums.h), across samples: the error does not grow with M.
 template <typename acc_t, typename Fn>
 inline double bn_channel_sum(const BnView& v, Fn&& term) {
   double total = 0.0;
-  acc_t lanes[kBnLanes] = {};
+  acc_t lanes[kSumLanes] = {};
   int64_t terms = 0;  // per lane, since the last flush
   auto flush = [&] {
-    for (int64_t width = kBnLanes / 2; width > 0; width /= 2) {
-      for (int64_t lane = 0; lane < width; ++lane) lanes[lane] += lanes[lane + width];
-    }
-    total += lanes[0];
-    for (acc_t& lane : lanes) lane = acc_t(0);
+    flush_lanes(total, lanes);
     terms = 0;
   };
   for (int64_t i = 0; i < v.n; ++i) {
     int64_t j = 0;
-    for (; j + kBnLanes <= v.s; j += kBnLanes) {
-      for (int64_t lane = 0; lane < kBnLanes; ++lane) lanes[lane] += term(i, j + lane);
-      if (++terms == kBnChunk) flush();
+    for (; j + kSumLanes <= v.s; j += kSumLanes) {
+      for (int64_t lane = 0; lane < kSumLanes; ++lane) lanes[lane] += term(i, j + lane);
+      if (++terms == kSumChunk) flush();
     }
     if (j < v.s) {
       for (int64_t lane = 0; j < v.s; ++j, ++lane) lanes[lane] += term(i, j);
-      if (++terms == kBnChunk) flush();
+      if (++terms == kSumChunk) flush();
     }
   }
   flush();

@@ -15,39 +15,10 @@
 #include <cmath>
 #include <cstdint>
 
+#include "lane_sums.h"
 #include "scalar.h"
 
 namespace revkernels {
-
-// Row sums are carried in kLnLanes independent partial sums, folded pairwise at the end: the
-// loop vectorises without -ffast-math and the rounding error grows with n / kLnLanes, not n.
-constexpr int64_t kLnLanes = 8;
-
-// fn(i, lane) for i in [0, n), with lane = i % kLnLanes, in blocks of kLnLanes.
-template <typename Fn>
-inline void for_each_lane(int64_t n, Fn&& fn) {
-  int64_t i = 0;
-  for (; i + kLnLanes <= n; i += kLnLanes) {
-    for (int64_t lane = 0; lane < kLnLanes; ++lane) fn(i + lane, lane);
-  }
-  for (int64_t lane = 0; i < n; ++i, ++lane) fn(i, lane);
-}
-
-template <typename acc_t>
-inline acc_t fold_lanes(acc_t (&lanes)[kLnLanes]) {
-  for (int64_t width = kLnLanes / 2; width > 0; width /= 2) {
-    for (int64_t lane = 0; lane < width; ++lane) lanes[lane] += lanes[lane + width];
-  }
-  return lanes[0];
-}
-
-// sum_{i < n} term(i) in acc_t.
-template <typename acc_t, typename Fn>
-inline acc_t lane_sum(int64_t n, Fn&& term) {
-  acc_t lanes[kLnLanes] = {};
-  for_each_lane(n, [&](int64_t i, int64_t lane) { lanes[lane] += term(i); });
-  return fold_lanes(lanes);
-}
 
 // Rows [row_begin, row_end) of x = y - g and ln = LayerNorm(x) * weight + bias; mean and rstd
 // (1 / sqrt(biased variance + eps)) per row. The statistics and ln are computed from the stored,
@@ -63,12 +34,12 @@ void sub_layer_norm_cpu(x_t* x, x_t* ln, acc_t* mean, acc_t* rstd, const x_t* y,
     x_t* xr = x + r * n;
     x_t* lr = ln + r * n;
     for (int64_t i = 0; i < n; ++i) store<acc_t>(xr + i, load<acc_t>(yr + i) - load<acc_t>(gr + i));
-    const acc_t count = static_cast<acc_t>(n);
-    const acc_t mu = lane_sum<acc_t>(n, [&](int64_t i) { return load<acc_t>(xr + i); }) / count;
-    const acc_t var = lane_sum<acc_t>(n, [&](int64_t i) {
-                        const acc_t d = load<acc_t>(xr + i) - mu;
-                        return d * d;
-                      }) / count;
+    const double count = static_cast<double>(n);
+    const acc_t mu = static_cast<acc_t>(lane_sum<acc_t>(n, [&](int64_t i) { return load<acc_t>(xr + i); }) / count);
+    const acc_t var = static_cast<acc_t>(lane_sum<acc_t>(n, [&](int64_t i) {
+                                           const acc_t d = load<acc_t>(xr + i) - mu;
+                                           return d * d;
+                                         }) / count);
     const acc_t rs = acc_t(1) / std::sqrt(var + eps);
     for (int64_t i = 0; i < n; ++i) store<acc_t>(lr + i, (load<acc_t>(xr + i) - mu) * rs * weight[i] + bias[i]);
     mean[r] = mu;
@@ -88,7 +59,7 @@ void layer_norm_bwd_add_cpu(dres_t* dx, acc_t* dweight_partial, acc_t* dbias_par
     dweight_partial[i] = acc_t(0);
     dbias_partial[i] = acc_t(0);
   }
-  const acc_t count = static_cast<acc_t>(n);
+  const double count = static_cast<double>(n);
   for (int64_t r = row_begin; r < row_end; ++r) {
     const x_t* dr = dln + r * dln_row_stride;
     const x_t* xr = x + r * x_row_stride;
@@ -96,18 +67,25 @@ void layer_norm_bwd_add_cpu(dres_t* dx, acc_t* dweight_partial, acc_t* dbias_par
     dres_t* out = dx + r * n;
     const acc_t mu = mean[r], rs = rstd[r];
     // Pass 1: the row means of dxhat and dxhat * xhat, and the dweight/dbias partial sums.
-    acc_t sum_dxhat[kLnLanes] = {}, sum_dxhat_xhat[kLnLanes] = {};
-    for_each_lane(n, [&](int64_t i, int64_t lane) {
-      const acc_t xhat = (load<acc_t>(xr + i) - mu) * rs;
-      const acc_t d = load<acc_t>(dr + i);
-      const acc_t dxhat = d * weight[i];
-      sum_dxhat[lane] += dxhat;
-      sum_dxhat_xhat[lane] += dxhat * xhat;
-      dweight_partial[i] += d * xhat;
-      dbias_partial[i] += d;
-    });
-    const acc_t mean_dxhat = fold_lanes(sum_dxhat) / count;
-    const acc_t mean_dxhat_xhat = fold_lanes(sum_dxhat_xhat) / count;
+    acc_t sum_dxhat[kSumLanes] = {}, sum_dxhat_xhat[kSumLanes] = {};
+    double total_dxhat = 0.0, total_dxhat_xhat = 0.0;
+    for_each_lane(
+        n,
+        [&](int64_t i, int64_t lane) {
+          const acc_t xhat = (load<acc_t>(xr + i) - mu) * rs;
+          const acc_t d = load<acc_t>(dr + i);
+          const acc_t dxhat = d * weight[i];
+          sum_dxhat[lane] += dxhat;
+          sum_dxhat_xhat[lane] += dxhat * xhat;
+          dweight_partial[i] += d * xhat;
+          dbias_partial[i] += d;
+        },
+        [&] {
+          flush_lanes(total_dxhat, sum_dxhat);
+          flush_lanes(total_dxhat_xhat, sum_dxhat_xhat);
+        });
+    const acc_t mean_dxhat = static_cast<acc_t>(total_dxhat / count);
+    const acc_t mean_dxhat_xhat = static_cast<acc_t>(total_dxhat_xhat / count);
     // Pass 2: dx, with the residual gradient added before the one rounding to dres_t.
     for (int64_t i = 0; i < n; ++i) {
       const acc_t xhat = (load<acc_t>(xr + i) - mu) * rs;

@@ -44,8 +44,10 @@ dbias are each rounded once, to their parameter's dtype).
 
 layer_norm_bwd_add itself has no autograd formula (no double backward through sub_layer_norm).
 
-Kernels: C++ on CPU (``csrc/cpu/vec_kernels.cpp``, semantics ``csrc/kernels/layer_norm.h``;
-sub_layer_norm calls larger than the last-level cache write x and ln with streaming stores); Triton on CUDA (``revkernels/triton/layer_norm.py``;
+Kernels: C++ on CPU (``csrc/cpu/vec_kernels.cpp``, semantics ``csrc/kernels/layer_norm.h``; a
+row's sums are chunked, partial sums of at most 64 terms per lane added in fp64, so their error does
+not grow with N; sub_layer_norm calls larger than the last-level cache write x and ln with
+streaming stores); Triton on CUDA (``revkernels/triton/layer_norm.py``;
 there is no CUDA C++ kernel for these ops); without a compiled CPU kernel, the references below.
 Entry points: ``sub_layer_norm`` / ``layer_norm_bwd_add`` are the ops themselves when the compiled
 library is loaded (C++ checks and autograd); without it, Python functions that check the arguments

@@ -124,6 +124,8 @@ def check_all():
                         _check(t, e, o, f"bias_gelu_bwd {approx} {name} {what}")
         if dtype in (torch.float32, torch.bfloat16):
             _check_streamed(dtype, gen)
+        if dtype == torch.float32:
+            _check_wide_row(gen)
         # BatchNorm + ReLU: NCHW, channels_last, (N, C) and a permuted (copied) input.
         for shape, fmt in (((4, 19, 5, 7), "nchw"), ((4, 19, 5, 7), "channels_last"), ((33, 19), "nc"),
                            ((4, 5, 7, 19), "permuted")):
@@ -170,6 +172,25 @@ def _check_streamed(dtype, gen):
     _check(ln, exact[1], once[1], f"sub_layer_norm ln {what}")
     _check(mean, exact[2], exact[2], f"sub_layer_norm mean {what}")
     _check(rstd, exact[3], exact[3], f"sub_layer_norm rstd {what}")
+
+
+def _check_wide_row(gen):
+    """sub_layer_norm and layer_norm_bwd_add on one fp32 row of 2^22 values away from zero: the row
+    sums must not lose accuracy with the width (each of 16 fp32 lanes summed 2^18 terms: 3.4e-5)."""
+    ops = torch.ops.revkernels
+    n = 1 << 22
+    y, g = torch.randn(1, n, generator=gen) + 10, torch.randn(1, n, generator=gen)
+    w, b = 1 + 0.5 * torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    dln, dres = torch.randn(1, n, generator=gen), torch.randn(1, n, generator=gen)
+    x, ln, mean, rstd = ops.sub_layer_norm(y, g, w, b, 1e-5)
+    exact = sub_layer_norm_reference(x.double(), torch.zeros((), dtype=torch.float64).expand(x.shape), w.double(),
+                                     b.double(), 1e-5)
+    for got, e, name in zip((ln, mean, rstd), exact[1:], ("ln", "mean", "rstd")):
+        _check(got, e, e, f"sub_layer_norm {name} float32 1x{n}")
+    exact = layer_norm_bwd_add_reference(dln.double(), x.double(), w.double(), exact[2], exact[3], dres.double())
+    got = ops.layer_norm_bwd_add(dln, x, w, mean, rstd, dres)
+    for t, e, name in zip(got, exact, ("dx", "dweight", "dbias")):
+        _check(t, e, e, f"layer_norm_bwd_add {name} float32 1x{n}")
 
 
 def test_last_level_cache_bytes():
