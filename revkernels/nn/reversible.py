@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import _engine_run_backward
 from torch.func import functional_call
+from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_leaves
 
 from revkernels.engine.state import NO_CONTEXT, RngState, cuda_devices_of, maybe_replay
@@ -330,6 +331,9 @@ class ReversibleSequential(nn.Module):
     blocks through autograd; the memory-saving engines save each context tensor once per run,
     under torch.compile too (the opaque op carries the context; its plain values other than
     numbers must be hashable constants of the traced code).
+
+    Lazy modules (``nn.LazyLinear``, ...): the call that creates their parameters runs ordinary
+    autograd through the blocks (it stores its activations); the engine runs the calls after it.
     """
 
     def __init__(self, *blocks, engine="sequential", preserve_rng_state=True):
@@ -381,12 +385,18 @@ class ReversibleSequential(nn.Module):
             from revkernels.engine.opaque import run_opaque
 
             return run_opaque(self, x1, x2, context)
+        run = self._engine_fn
+        if self._engine_name != "autograd" and _uninitialized_params(self.blocks):
+            # A lazy module (nn.LazyLinear, ...) creates its parameters' shapes in its first forward,
+            # after the memory-saving engines take the parameters as inputs of their autograd
+            # Function: this call runs ordinary autograd through the blocks (storing activations).
+            from revkernels.engine.autograd import run_autograd as run
         if context:
             check_context(self, self.blocks, context)
             if self._engine_name != "autograd" and torch.is_grad_enabled():
                 check_context_grads(context)
-            return self._engine_fn(self, x1, x2, context)
-        return self._engine_fn(self, x1, x2)
+            return run(self, x1, x2, context)
+        return run(self, x1, x2)
 
     def inverse(self, y1, y2, **context):
         """Rebuilds the run's input from its output without autograd (no RNG replay); `context`:
@@ -462,6 +472,13 @@ def _new_handle(seq):
     from revkernels.engine.opaque import new_handle  # (engine imports this module)
 
     return new_handle(seq)
+
+
+def _uninitialized_params(blocks):
+    """Whether a lazy module under `blocks` has not initialized its parameters yet (the lazy ones
+    are cached; each is checked on every call, as initializing keeps the Parameter object)."""
+    lazy = cached(blocks, "lazy_params", lambda m: [p for p in m.parameters() if is_lazy(p)])
+    return bool(lazy) and any(map(is_lazy, lazy))
 
 
 def unique_params(blocks):

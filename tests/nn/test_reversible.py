@@ -131,6 +131,39 @@ def test_engine_can_be_switched():
     assert seq.engine == "sequential"
 
 
+@pytest.mark.parametrize("engine", [e for e in rk.engine.ENGINES if e != "autograd"])
+def test_lazy_modules_initialize_in_the_first_step(engine):
+    """A lazy module creates its parameters in its first forward: the memory-saving engines took
+    the uninitialized ones as inputs of their Function and failed in the backward ("invalid
+    gradient ... shape compatible with [0]"). The first step runs plain autograd; the next ones
+    the engine; both give plain autograd's grads."""
+    def build(engine):
+        torch.manual_seed(0)
+        blocks = [rk.nn.ReversibleBlock(nn.Sequential(nn.LazyLinear(WIDTH), nn.Tanh()),
+                                        nn.Sequential(nn.LazyLinear(WIDTH), nn.GELU())) for _ in range(2)]
+        seq = rk.nn.ReversibleSequential(*blocks, engine=engine)
+        seq.compile_options = {"backend": "eager"}
+        return seq
+
+    seq, reference = build(engine), build("autograd")
+    w1, w2 = torch.randn(5, WIDTH), torch.randn(5, WIDTH)
+    for step in range(2):
+        x1, x2 = _streams(requires_grad=True)
+        results = []
+        for model in (seq, reference):
+            for p in model.parameters():
+                p.grad = None
+            a, b = x1.detach().requires_grad_(), x2.detach().requires_grad_()
+            torch.manual_seed(step)  # the lazy modules draw their initial weights in the first step
+            y1, y2 = model(a, b)
+            if model is seq:  # the engine's autograd Function (a Python one) from the second step on
+                assert isinstance(y1.grad_fn, torch.autograd.function.BackwardCFunction) == (step == 1)
+            loss_of(y1, y2, w1, w2).backward()
+            results.append([y1, y2, a.grad, b.grad] + grads_of(model.parameters()))
+        for i, (got, expected) in enumerate(zip(*results, strict=True)):
+            assert_close_rel(got, expected, 1e-5, f"step {step}: output/grad {i}")
+
+
 # --- bad input: a clear exception naming the argument -------------------------------------------
 
 def test_streams_of_different_shapes():
