@@ -164,6 +164,33 @@ def test_lazy_modules_initialize_in_the_first_step(engine):
             assert_close_rel(got, expected, 1e-5, f"step {step}: output/grad {i}")
 
 
+@pytest.mark.parametrize("engine", rk.engine.ENGINES)
+def test_gradient_penalty_needs_the_autograd_engine(engine):
+    """README, limits: a loss built with create_graph=True through a memory-saving run raises (its
+    backward is once_differentiable); the autograd engine gives plain autograd's second-order grads."""
+    seq = make_seq(2, WIDTH, engine=engine)
+    seq.compile_options = {"backend": "eager"}
+    x = torch.randn(5, WIDTH, requires_grad=True)
+
+    def penalty(run):
+        y1, y2 = run(x, x)
+        (dx,) = torch.autograd.grad(y1.square().sum() + y2.sum(), x, create_graph=True)
+        dx.square().sum().backward()
+        return grads_of(seq.parameters())
+
+    if engine != "autograd":
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            penalty(seq)
+        return
+    got = penalty(seq)
+    for p in seq.parameters():
+        p.grad = None
+    for a, b in zip(got, penalty(lambda a, b: plain_forward(seq, a, b)), strict=True):
+        assert (a is None) == (b is None)  # (the last biases do not move dx)
+        if b is not None:
+            assert_close_rel(a, b, 1e-5)
+
+
 # --- bad input: a clear exception naming the argument -------------------------------------------
 
 def test_streams_of_different_shapes():
