@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from revkernels.engine.structure import frozen_batchnorm_stats
+from revkernels.engine.structure import recompute_context
 from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential, check_context, check_streams
 
 
@@ -63,7 +63,7 @@ def check_reversibility(module, x1, x2, **context):
     report = ReversibilityReport(dtype=x1.dtype)
     inputs, states = [], []
     rng_before = torch.get_rng_state()
-    with frozen_batchnorm_stats(*blocks):
+    with recompute_context(*blocks):
         for block in blocks:
             inputs.append((x1, x2))
             y1, y2, state = block.forward_with_state(x1, x2, preserve_rng_state=True, **with_context)

@@ -28,7 +28,7 @@ compiles one forward and one backward graph (``torch._dynamo.config.recompile_li
 bounds the signatures per step; past it Dynamo runs the step eagerly).
 
 - BatchNorm: the forward step updates the running statistics (an input mutation of the compiled
-  graph); the backward step runs with `frozen_batchnorm_stats` (batch statistics, no update).
+  graph); the backward step runs with `recompute_context` (batch statistics, no update).
 - Randomness: a block that draws random numbers runs its two branches as separate steps
   (`branch_forward`, `branch_backward`), with the generator state taken before each branch in the
   forward and replayed around it in the backward. The steps are compiled with inductor's
@@ -58,7 +58,7 @@ from revkernels.engine.sequential import (as_in_the_forward, forward_step, outpu
                                           save_forward_state, save_with_context, saved_with_context, without_unused)
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of,
                                      grad_tensors, maybe_replay)
-from revkernels.engine.structure import (cached, coupling_kind, frozen_batchnorm_stats, invalidate, param_slots,
+from revkernels.engine.structure import (cached, coupling_kind, recompute_context, invalidate, param_slots,
                                          submodule_hooked)
 import revkernels.nn.reversible as _reversible  # (a module object: the import is circular)
 
@@ -391,7 +391,7 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
             del rec, grads
             continue
         f_names, g_names, grad_params = layout.grad_plan()
-        with autocast(), frozen_batchnorm_stats(block):
+        with autocast(), recompute_context(block):
             if state is None:
                 y1, y2, dy1, dy2, f_grads, g_grads, context_grads = _step(
                     steps, "block_backward", block, i, block, layout.kind, f_names, g_names,

@@ -16,7 +16,7 @@ from torch.func import functional_call
 
 from revkernels.engine.fsdp import enter, module_units
 from revkernels.engine.state import AutocastState, RngState, cuda_devices_of, in_mode, maybe_replay
-from revkernels.engine.structure import frozen_batchnorm_stats
+from revkernels.engine.structure import recompute_context
 
 
 class _Recomputed(torch.autograd.Function):
@@ -40,7 +40,7 @@ class _Recomputed(torch.autograd.Function):
     def backward(ctx, *grads):
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
         aliases = {name: p.detach().requires_grad_() for name, p in zip(ctx.names, ctx.params)}
-        with torch.enable_grad(), in_mode(ctx.module, ctx.training), frozen_batchnorm_stats(ctx.module), \
+        with torch.enable_grad(), in_mode(ctx.module, ctx.training), recompute_context(ctx.module), \
                 maybe_replay(ctx.rng), ctx.autocast_state.enter():
             out = functional_call(ctx.module, aliases, tuple(inputs))
         outs = out if isinstance(out, tuple) else (out,)

@@ -28,7 +28,8 @@ import weakref
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.modules import module as module_hooks
 from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.utils.parametrizations import _SpectralNorm
@@ -212,12 +213,13 @@ def submodule_hooked(module, backward=False):
                       if backward else (sub._forward_hooks, sub._forward_pre_hooks))]))
 
 
-def batchnorm_layers(module):
-    """The `_BatchNorm` layers under `module` (cached; `module` itself is not part of its own cache
-    entry, which must not keep its key alive)."""
-    layers = cached(module, "batchnorm", lambda m: [layer for layer in m.modules()
-                                                    if layer is not m and isinstance(layer, _BatchNorm)])
-    return [module, *layers] if isinstance(module, _BatchNorm) else layers
+def running_stats_layers(module):
+    """The layers under `module` that keep running statistics (BatchNorm and InstanceNorm, both
+    `_NormBase`; cached; `module` itself is not part of its own cache entry, which must not keep
+    its key alive)."""
+    layers = cached(module, "running_stats", lambda m: [layer for layer in m.modules()
+                                                        if layer is not m and isinstance(layer, _NormBase)])
+    return [module, *layers] if isinstance(module, _NormBase) else layers
 
 
 def _stochastic_modules(module):
@@ -251,26 +253,36 @@ def spectral_norms(module):
     return cached(module, "spectral_norms", lambda m: [n for n in m.modules() if isinstance(n, _SpectralNorm)])
 
 
-def frozen_batchnorm_stats(*modules):
-    """A context for a recompute of what the forward ran: the BatchNorm layers in training mode
-    under `modules` use batch statistics without updating running_mean/running_var/
-    num_batches_tracked, and the spectral-norm parametrizations in training mode skip their power
-    iteration (the forward updated both; the recomputed weight is then bitwise the forward's, from
-    the updated vectors). Under ``parametrize.cached()`` the parametrized tensors are computed
-    afresh: the cache holds the forward's, computed without grad, so the recompute would not
-    differentiate them. A no-op context where there is none of these."""
-    layers = [layer for module in modules for layer in batchnorm_layers(module)
+def recompute_context(*modules):
+    """A context for a recompute of what the forward ran: the BatchNorm and InstanceNorm layers in
+    training mode under `modules` use batch (instance) statistics without updating running_mean/
+    running_var/num_batches_tracked, and the spectral-norm parametrizations in training mode skip
+    their power iteration (the forward updated both; the recomputed weight is then bitwise the
+    forward's, from the updated vectors). Under ``parametrize.cached()`` the parametrized tensors
+    are computed afresh: the cache holds the forward's, computed without grad, so the recompute
+    would not differentiate them. A no-op context where there is none of these."""
+    layers = [layer for module in modules for layer in running_stats_layers(module)
               if layer.training and layer.track_running_stats]
     norms = [norm for module in modules for norm in spectral_norms(module) if norm.training]
     uncached = parametrize._cache_enabled > 0 and any(param_slots(module).parametrized for module in modules)
     return _untracked(layers, norms, uncached) if layers or norms or uncached else contextlib.nullcontext()
 
 
+_RUNNING_STATS = ("running_mean", "running_var")
+
+
 @contextlib.contextmanager
 def _untracked(layers, norms, uncached):
     cache_enabled = parametrize._cache_enabled
+    # InstanceNorm hands its running statistics to F.instance_norm whatever track_running_stats says,
+    # and the op updates them: they are hidden instead (BatchNorm passes None when it is off).
+    hidden = [(layer, [layer._buffers[name] for name in _RUNNING_STATS])
+              for layer in layers if isinstance(layer, _InstanceNorm)]
     for layer in layers:
         layer.track_running_stats = False
+    for layer, _ in hidden:
+        for name in _RUNNING_STATS:
+            layer._buffers[name] = None
     for norm in norms:
         norm.training = False
     if uncached:
@@ -282,6 +294,9 @@ def _untracked(layers, norms, uncached):
             parametrize._cache_enabled = cache_enabled
         for layer in layers:
             layer.track_running_stats = True
+        for layer, buffers in hidden:
+            for name, buffer in zip(_RUNNING_STATS, buffers):
+                layer._buffers[name] = buffer
         for norm in norms:
             norm.training = True
 
@@ -291,5 +306,5 @@ def detached_aliases(slots):
     return {i: p.detach().requires_grad_() for i, p in enumerate(slots.params) if p.requires_grad}
 
 
-__all__ = ["structure_version", "invalidate", "cached", "ParamSlots", "param_slots", "batchnorm_layers", "draws_random",
-           "frozen_batchnorm_stats", "detached_aliases"]
+__all__ = ["structure_version", "invalidate", "cached", "ParamSlots", "param_slots", "running_stats_layers", "draws_random",
+           "recompute_context", "detached_aliases"]

@@ -3,7 +3,7 @@
 `BatchNormAct2d` is a drop-in for ``nn.BatchNorm2d`` (optionally followed by a ReLU): it subclasses
 it, so it has the same parameters, buffers and state_dict keys (weight, bias, running_mean,
 running_var, num_batches_tracked) and everything that recognises a BatchNorm (``isinstance`` checks,
-`revkernels.engine.structure.frozen_batchnorm_stats`) keeps working. One exception: a module with
+`revkernels.engine.structure.recompute_context`) keeps working. One exception: a module with
 ``relu=True`` is not a plain BatchNorm, and ``nn.SyncBatchNorm.convert_sync_batchnorm`` would
 replace it by a SyncBatchNorm and drop the ReLU.
 

@@ -28,7 +28,7 @@ from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_leaves
 
 from revkernels.engine.state import NO_CONTEXT, RngState, cuda_devices_of, maybe_replay
-from revkernels.engine.structure import (cached, detached_aliases, draws_random, frozen_batchnorm_stats, invalidate,
+from revkernels.engine.structure import (cached, detached_aliases, draws_random, recompute_context, invalidate,
                                          param_slots)
 from revkernels.ops.coupling import coupling_add, coupling_sub
 
@@ -198,7 +198,7 @@ class ReversibleBlock(nn.Module):
         alone; stochastic layers replay `state` when given, else draw fresh randomness. `context`:
         the forward's keywords (a dict)."""
         check_streams(y1, y2, ("y1", "y2"))
-        with torch.no_grad(), frozen_batchnorm_stats(self):
+        with torch.no_grad(), recompute_context(self):
             with maybe_replay(None if state is None else state.rng_g):
                 x2 = coupling_sub(y2, self.g(y1, **context))
             with maybe_replay(None if state is None else state.rng_f):
@@ -212,7 +212,7 @@ class ReversibleBlock(nn.Module):
         into ``.grad`` (see `_call_with_aliases`); the grads reach ``.grad`` once, through the
         engine's Function."""
         y1_leaf = y1.detach().requires_grad_()  # the local graphs must not reach back into the caller's
-        with torch.enable_grad(), frozen_batchnorm_stats(self):
+        with torch.enable_grad(), recompute_context(self):
             with maybe_replay(None if state is None else state.rng_g):
                 g_out, g_aliases = _call_with_aliases(self.g, y1_leaf, context)
             x2 = coupling_sub(y2.detach(), g_out.detach()).requires_grad_()
@@ -292,12 +292,12 @@ class HalfCouplingBlock(ReversibleBlock):
 
     def inverse(self, y1, y2, state=None, context=NO_CONTEXT):
         check_streams(y1, y2, ("y1", "y2"))
-        with torch.no_grad(), frozen_batchnorm_stats(self), maybe_replay(None if state is None else state.rng_f):
+        with torch.no_grad(), recompute_context(self), maybe_replay(None if state is None else state.rng_f):
             return coupling_sub(y2, self.f(y1, **context)), y1
 
     def recompute(self, y1, y2, state=None, context=NO_CONTEXT):
         x2 = y1.detach().requires_grad_()
-        with torch.enable_grad(), frozen_batchnorm_stats(self), maybe_replay(None if state is None else state.rng_f):
+        with torch.enable_grad(), recompute_context(self), maybe_replay(None if state is None else state.rng_f):
             f_out, f_aliases = _call_with_aliases(self.f, x2, context)
         x1 = coupling_sub(y2.detach(), f_out.detach())
         return BlockRecompute(x1=x1, x2=x2, y1=None, f_out=f_out, g_out=None, f_aliases=f_aliases, g_aliases={})

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from revkernels.engine.structure import frozen_batchnorm_stats
+from revkernels.engine.structure import recompute_context
 from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential
 
 KINDS = ("stem", "reversible", "down", "head")
@@ -223,7 +223,7 @@ class Stage:
 
     def _vjp(self, x, y, dy, context):
         leaves = self._leaves(x)
-        with torch.enable_grad(), frozen_batchnorm_stats(self.module):
+        with torch.enable_grad(), recompute_context(self.module):
             out = _as_tuple(self.module(*leaves, **context), f"the output of stage {self.index}")
         if len(out) != len(dy):
             raise ValueError(f"revkernels: stage {self.index} has {len(out)} outputs but got {len(dy)} output grads")

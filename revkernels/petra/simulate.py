@@ -85,7 +85,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from revkernels.engine.state import NO_CONTEXT
-from revkernels.engine.structure import frozen_batchnorm_stats
+from revkernels.engine.structure import recompute_context
 from revkernels.nn.reversible import ReversibleSequential
 from revkernels.petra.partition import check_constant_context, count_sizes, partition
 
@@ -486,7 +486,7 @@ class Trainer:
             for p in ps:
                 p.grad = None
         try:
-            with torch.random.fork_rng(devices=[]), torch.enable_grad(), frozen_batchnorm_stats(*modules):
+            with torch.random.fork_rng(devices=[]), torch.enable_grad(), recompute_context(*modules):
                 for b in batch_ids:
                     images, labels, context = self._inputs[b]
                     out = modules[0](images, **context)

@@ -112,6 +112,27 @@ def test_batchnorm_running_stats_updated_once():
     assert all(int(b) == 1 for n, b in seq.named_buffers() if n.endswith("num_batches_tracked"))
 
 
+@pytest.mark.parametrize("engine", [e for e in rk.engine.ENGINES if e != "autograd"])
+def test_instance_norm_running_stats_updated_once(engine):
+    """InstanceNorm with track_running_stats passes its running statistics to F.instance_norm
+    whatever track_running_stats says: the recompute updated them a second time."""
+    def build():
+        torch.manual_seed(0)
+        branch = lambda: nn.Sequential(nn.InstanceNorm1d(4, affine=True, track_running_stats=True),  # noqa: E731
+                                       nn.Conv1d(4, 4, 3, padding=1))
+        seq = rk.nn.ReversibleSequential(*[rk.nn.ReversibleBlock(branch(), branch()) for _ in range(3)], engine=engine)
+        seq.compile_options = {"backend": "eager"}
+        return perturb_parameters(seq)
+
+    seq, reference = build(), build()
+    x1, x2 = torch.randn(5, 4, 10, requires_grad=True), torch.randn(5, 4, 10, requires_grad=True)
+    w1, w2 = torch.randn(5, 4, 10), torch.randn(5, 4, 10)
+    for _ in range(2):
+        _assert_same_grads(_engine_grads(seq, x1, x2, w1, w2), _reference_grads(reference, x1, x2, w1, w2))
+        for (name, a), (_, e) in zip(seq.named_buffers(), reference.named_buffers(), strict=True):
+            assert torch.equal(a, e), f"{name} differs from plain autograd"
+
+
 @pytest.mark.parametrize("engine", ["sequential", "compiled"])
 def test_spectral_norm_power_iteration_runs_once(engine):
     """A spectral-norm parametrization in training mode updates its power-iteration vectors in every

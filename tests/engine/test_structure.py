@@ -254,7 +254,7 @@ def test_the_cache_keeps_no_module_alive(engine):
     gc.collect()
     assert [r() for r in refs if r() is not None] == []
     bn = nn.BatchNorm1d(WIDTH)
-    assert structure.batchnorm_layers(bn) == [bn]  # a BatchNorm layer is its own layer, not its own cache's
+    assert structure.running_stats_layers(bn) == [bn]  # a BatchNorm layer is its own layer, not its own cache's
     ref = weakref.ref(bn)
     del bn
     gc.collect()

@@ -354,14 +354,14 @@ def test_residual_functions_use_fused_batchnorm_with_unchanged_state_keys():
 def test_recompute_is_bitwise_the_forward(residual):
     # An engine runs F under no_grad in the forward and again with autograd (BN statistics frozen)
     # in the recompute; at the same input the two are the same ops, so bitwise the same output.
-    from revkernels.engine.structure import frozen_batchnorm_stats
+    from revkernels.engine.structure import recompute_context
 
     f = BasicResidual(8) if residual == "basic" else BottleneckResidual(16, 4, 16)
     x = torch.randn(2, 8 if residual == "basic" else 16, 6, 6)
     with torch.no_grad():
         forward = f(x)
     buffers = [b.clone() for b in f.buffers()]
-    with frozen_batchnorm_stats(f):
+    with recompute_context(f):
         recompute = f(x.clone().requires_grad_())
     assert recompute.requires_grad and torch.equal(forward, recompute.detach())
     assert all(torch.equal(a, b) for a, b in zip(buffers, f.buffers()))  # counted once
