@@ -191,6 +191,28 @@ def test_gradient_penalty_needs_the_autograd_engine(engine):
             assert_close_rel(a, b, 1e-5)
 
 
+@pytest.mark.parametrize("engine", rk.engine.ENGINES)
+def test_torch_func_transforms_need_the_autograd_engine(engine):
+    """README, limits: torch.func.grad through a memory-saving run raises torch's error; through the
+    autograd engine it gives plain autograd's parameter grads."""
+    seq = make_seq(2, WIDTH, engine=engine)
+    seq.compile_options = {"backend": "eager"}
+    params = {name: p.detach() for name, p in seq.named_parameters()}
+    x1, x2 = _streams()
+
+    def loss(p):
+        return torch.func.functional_call(seq, p, (x1, x2))[1].square().sum()
+
+    if engine != "autograd":
+        with pytest.raises(RuntimeError, match="functorch transforms"):
+            torch.func.grad(loss)(params)
+        return
+    got = torch.func.grad(loss)(params)
+    plain_forward(seq, x1, x2)[1].square().sum().backward()
+    for name, p in seq.named_parameters():
+        assert_close_rel(got[name], p.grad, 1e-5, name)
+
+
 # --- bad input: a clear exception naming the argument -------------------------------------------
 
 def test_streams_of_different_shapes():
