@@ -3,8 +3,9 @@
 A reversible step must not walk ``named_parameters``/``named_modules`` on every block of every
 step (at small sizes the walks cost more than the kernels). `cached(module, key, build)` keeps
 ``build(module)`` until the structure of any module changes: a global version counter is bumped
-by torch's module registration hooks, which fire whenever a parameter, buffer or submodule is
-registered or replaced (``module.weight = nn.Parameter(...)``, ``add_module``, ...). What can
+by torch's module registration hooks, which fire whenever a parameter or submodule is registered
+or replaced (``module.weight = nn.Parameter(...)``, ``add_module``, ...) and a buffer is
+registered under a new name. What can
 change without a registration (``requires_grad``, ``training``, dropout probabilities) is read at
 step time from the cached lists. FSDP2 (``fully_shard``) swaps its modules' sharded and unsharded
 parameters by writing ``module._parameters`` directly, which no hook sees: `param_slots` re-reads
@@ -46,8 +47,17 @@ def _bump(*_args):
     _version += 1
 
 
+def _bump_for_new_buffer(module, name, _buffer):
+    # No cache holds buffers: one assigned again under its name (``Module.__setattr__`` registers it
+    # again; spectral norm's power iteration does so in every training forward) changes nothing
+    # cached, and a bump there would rebuild every cache each step (and, traced inside a compiled
+    # step, make Dynamo guard on the counter and compile the step again on every call).
+    if name not in module._buffers:
+        _bump()
+
+
 register_module_parameter_registration_hook(_bump)
-register_module_buffer_registration_hook(_bump)
+register_module_buffer_registration_hook(_bump_for_new_buffer)
 register_module_module_registration_hook(_bump)
 
 _CACHE = weakref.WeakKeyDictionary()

@@ -85,6 +85,18 @@ def test_caches_rebuild_when_a_parameter_or_submodule_is_replaced():
     assert new_weight.grad is not None and seq.blocks[1].g[3].weight.grad is not None
 
 
+def test_a_buffer_assigned_again_keeps_the_caches_and_a_new_one_rebuilds_them():
+    """Spectral norm's power iteration assigns its vectors (buffers) in every training forward; no
+    cache holds buffers, so that must not rebuild every cache each step. A buffer under a new name
+    still counts as a structure change."""
+    norm = nn.utils.parametrizations.spectral_norm(nn.Linear(WIDTH, WIDTH))
+    version = structure.structure_version()
+    norm(torch.randn(3, WIDTH))
+    assert structure.structure_version() == version
+    norm.register_buffer("extra", torch.zeros(1))
+    assert structure.structure_version() > version
+
+
 def _conversion_run(kind, device=None):
     with torch.device(device or "cpu"):
         if kind == "generic":
