@@ -231,6 +231,29 @@ def test_parametrized_blocks_compile_one_forward_and_one_backward_step(kind):
         assert torch.equal(a, b), name
 
 
+class _Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.net, x, use_reentrant=False)
+
+
+def test_branches_that_checkpoint_raise_in_the_compiled_backward():
+    """README (compiled runs, not supported): torch.func.vjp does not support the saved-tensor hooks
+    of torch.utils.checkpoint inside F or G; the sequential engine gives plain autograd's grads."""
+    seq = ReversibleSequential(*[rk.nn.ReversibleBlock(_Checkpointed(), _Checkpointed()) for _ in range(2)],
+                               engine="compiled")
+    seq.compile_options = AOT
+    data = _data(4, 8)
+    with pytest.raises(RuntimeError, match="saved tensor hooks"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the compile failure's warning before the eager step raises)
+        run_grads(seq, seq, *data)
+    seq.engine = "sequential"
+    _assert_all_close(run_grads(seq, seq, *data), run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data), 1e-5)
+
+
 def test_steps_are_shared_by_stride_0_grads_and_by_calls_from_the_opaque_op():
     """A loss like y.sum() hands down expanded grads, and under torch.compile the steps run inside
     the opaque op's kernels: neither is a signature of its own (one forward and one backward graph)."""
