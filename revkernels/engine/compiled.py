@@ -58,7 +58,7 @@ from revkernels.engine.sequential import (as_in_the_forward, forward_step, outpu
                                           save_forward_state, save_with_context, saved_with_context, without_unused)
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of,
                                      grad_tensors, maybe_replay)
-from revkernels.engine.structure import (cached, coupling_kind, recompute_context, invalidate, param_slots,
+from revkernels.engine.structure import (cached, coupling_kind, invalidate, param_slots, recompute_context,
                                          submodule_hooked)
 import revkernels.nn.reversible as _reversible  # (a module object: the import is circular)
 

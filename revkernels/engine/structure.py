@@ -5,9 +5,8 @@ step (at small sizes the walks cost more than the kernels). `cached(module, key,
 ``build(module)`` until the structure of any module changes: a global version counter is bumped
 by torch's module registration hooks, which fire whenever a parameter or submodule is registered
 or replaced (``module.weight = nn.Parameter(...)``, ``add_module``, ...) and a buffer is
-registered under a new name. What can
-change without a registration (``requires_grad``, ``training``, dropout probabilities) is read at
-step time from the cached lists. FSDP2 (``fully_shard``) swaps its modules' sharded and unsharded
+registered under a new name. What can change without a registration (``requires_grad``,
+``training``, dropout probabilities) is read at step time from the cached lists. FSDP2 (``fully_shard``) swaps its modules' sharded and unsharded
 parameters by writing ``module._parameters`` directly, which no hook sees: `param_slots` re-reads
 the parameters of FSDP-managed modules on every access, and `invalidate` lets the engines drop the
 cache when they see a run that was sharded after its structure was cached. ``Module._apply``

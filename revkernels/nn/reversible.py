@@ -28,8 +28,8 @@ from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_leaves
 
 from revkernels.engine.state import NO_CONTEXT, RngState, cuda_devices_of, maybe_replay
-from revkernels.engine.structure import (cached, detached_aliases, draws_random, recompute_context, invalidate,
-                                         param_slots)
+from revkernels.engine.structure import (cached, detached_aliases, draws_random, invalidate, param_slots,
+                                         recompute_context)
 from revkernels.ops.coupling import coupling_add, coupling_sub
 
 
