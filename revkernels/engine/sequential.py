@@ -18,10 +18,11 @@ leaves), so its grad is summed over the blocks before it leaves the Function.
 import contextlib
 
 import torch
+from torch.nn.utils import parametrize
 
 from revkernels.engine.fsdp import block_units, run_sharded
 from revkernels.engine.state import NO_CONTEXT, AutocastState, grad_tensors, in_mode
-from revkernels.engine.structure import invalidate, param_slots, y2_only_params
+from revkernels.engine.structure import invalidate, param_slots, parametrize_cache_off, y2_only_params
 
 
 def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None, monitor=None, context=NO_CONTEXT):
@@ -63,7 +64,15 @@ def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None
 
 def forward_step(block, x1, x2, preserve_rng_state, context=NO_CONTEXT):
     """``block.forward_with_state`` (without context: the steps' pre-context signature, so blocks
-    that override them still work)."""
+    that override them still work), under ``parametrize.cached()`` without filling its cache
+    (`parametrize_cache_off`: the forward runs without grad)."""
+    if parametrize._cache_enabled:
+        with parametrize_cache_off(block):
+            return _forward_with_state(block, x1, x2, preserve_rng_state, context)
+    return _forward_with_state(block, x1, x2, preserve_rng_state, context)
+
+
+def _forward_with_state(block, x1, x2, preserve_rng_state, context):
     if context:
         return block.forward_with_state(x1, x2, preserve_rng_state, context)
     return block.forward_with_state(x1, x2, preserve_rng_state)

@@ -273,8 +273,20 @@ def recompute_context(*modules):
     layers = [layer for module in modules for layer in running_stats_layers(module)
               if layer.training and layer.track_running_stats]
     norms = [norm for module in modules for norm in spectral_norms(module) if norm.training]
-    uncached = parametrize._cache_enabled > 0 and any(param_slots(module).parametrized for module in modules)
+    uncached = _cache_holds_parametrizations(modules)
     return _untracked(layers, norms, uncached) if layers or norms or uncached else contextlib.nullcontext()
+
+
+def parametrize_cache_off(*modules):
+    """For a forward without grad under ``parametrize.cached()``: the parametrized tensors of
+    `modules` are computed without filling the cache, whose tensor (without a graph) another use of
+    the module in the same scope would get instead of one it can differentiate. A no-op context
+    outside ``cached()`` or without parametrizations."""
+    return _untracked((), (), True) if _cache_holds_parametrizations(modules) else contextlib.nullcontext()
+
+
+def _cache_holds_parametrizations(modules):
+    return parametrize._cache_enabled > 0 and any(param_slots(module).parametrized for module in modules)
 
 
 _RUNNING_STATS = ("running_mean", "running_var")
@@ -316,4 +328,4 @@ def detached_aliases(slots):
 
 
 __all__ = ["structure_version", "invalidate", "cached", "ParamSlots", "param_slots", "running_stats_layers", "draws_random",
-           "recompute_context", "detached_aliases"]
+           "recompute_context", "parametrize_cache_off", "detached_aliases"]

@@ -178,6 +178,28 @@ def test_weight_norm_grads_under_parametrize_cached(engine):
     _assert_same_grads(actual, expected)
 
 
+@pytest.mark.parametrize("engine", [e for e in rk.engine.ENGINES if e != "autograd"])
+def test_a_weight_norm_layer_shared_with_code_after_the_run_under_parametrize_cached(engine):
+    """The forward, run without grad, filled parametrize's cache with a weight that has no graph: a
+    use of the same layer after the run, in the same ``cached()`` scope, got it and gave its
+    parameters no grad from that use."""
+    def build():
+        torch.manual_seed(0)
+        shared = nn.utils.parametrizations.weight_norm(nn.Linear(WIDTH, WIDTH))
+        blocks = [rk.nn.ReversibleBlock(nn.Sequential(shared, nn.Tanh()), residual_fn(WIDTH)) for _ in range(2)]
+        seq = rk.nn.ReversibleSequential(*blocks, engine=engine)
+        seq.compile_options = {"backend": "eager"}
+        return perturb_parameters(seq), shared
+
+    (seq, shared), (reference, reference_shared) = build(), build()
+    x1, x2, w1, w2 = _inputs()
+    with nn.utils.parametrize.cached():
+        expected = run_grads(lambda a, b: [reference_shared(y) for y in plain_forward(reference, a, b)],
+                             reference, x1, x2, w1, w2)
+        actual = run_grads(lambda a, b: [shared(y) for y in seq(a, b)], seq, x1, x2, w1, w2)
+    _assert_same_grads(actual, expected)
+
+
 def test_saved_memory_is_flat_in_depth():
     def saved_bytes(engine, depth):
         seq = make_seq(depth, WIDTH, engine=engine)
