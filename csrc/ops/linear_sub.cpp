@@ -10,17 +10,10 @@
 #include <optional>
 #include <vector>
 
-#include "coupling_layout.h"  // check_defined
+#include "coupling_layout.h"  // scalar_kind (the float dtype check)
 
 namespace revkernels {
 namespace {
-
-void check_floating(const at::Tensor& t, const char* name) {
-  check_defined(t, name);
-  const auto dtype = t.scalar_type();
-  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16,
-                   "revkernels: ", name, " must be a float16, bfloat16, float32 or float64 tensor, got ", dtype);
-}
 
 void check_device(const at::Tensor& t, const char* name, const at::Tensor& y) {
   TORCH_CHECK_VALUE(t.device() == y.device(), "revkernels: ", name, " must be on the device of y (", y.device(),
@@ -30,10 +23,10 @@ void check_device(const at::Tensor& t, const char* name, const at::Tensor& y) {
 // y (..., N), a (..., K), weight (N, K), bias (N,) or None: float dtypes, y's device.
 void check_linear_sub_args(const at::Tensor& y, const at::Tensor& a, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias) {
-  check_floating(y, "y");
-  check_floating(a, "a");
-  check_floating(weight, "weight");
-  if (bias) check_floating(*bias, "bias");
+  scalar_kind(y, "y");
+  scalar_kind(a, "a");
+  scalar_kind(weight, "weight");
+  if (bias) scalar_kind(*bias, "bias");
   TORCH_CHECK_VALUE(weight.dim() == 2, "revkernels: weight must be 2-D (out_features, in_features), got shape ",
                     weight.sizes());
   const int64_t n = weight.size(0), k = weight.size(1);

@@ -97,10 +97,8 @@ def branch_backward(module, names, a, b, da, db, context, grad_context):
 def _slot(module, name):
     """What the slot `name` ("sub.weight") of `module` holds: ``module.get_parameter(name)``, also
     when it is a plain tensor (``torch.func.functional_call``'s, swapped back in for a backward)."""
-    *path, last = name.split(".")
-    for part in path:
-        module = getattr(module, part)
-    return module._parameters[last]
+    owner, _, last = name.rpartition(".")
+    return module.get_submodule(owner)._parameters[last]
 
 
 def block_backward(block, kind, f_names, g_names, y1, y2, dy1, dy2, context, grad_context):

@@ -5,7 +5,8 @@
 - `AutocastState` records the autocast mode of the forward so the recompute runs in the same
   dtypes.
 - `in_mode` puts a module back in the train/eval mode its forward ran in.
-(BatchNorm, InstanceNorm and spectral norm in a recompute: `revkernels.engine.structure.recompute_context`.)
+(BatchNorm, InstanceNorm and spectral norm in a recompute:
+`revkernels.engine.structure.recompute_context`.)
 """
 import contextlib
 from dataclasses import dataclass

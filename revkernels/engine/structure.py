@@ -6,10 +6,11 @@ step (at small sizes the walks cost more than the kernels). `cached(module, key,
 by torch's module registration hooks, which fire whenever a parameter or submodule is registered
 or replaced (``module.weight = nn.Parameter(...)``, ``add_module``, ...) and a buffer is
 registered under a new name. What can change without a registration (``requires_grad``,
-``training``, dropout probabilities) is read at step time from the cached lists. FSDP2 (``fully_shard``) swaps its modules' sharded and unsharded
-parameters by writing ``module._parameters`` directly, which no hook sees: `param_slots` re-reads
-the parameters of FSDP-managed modules on every access, and `invalidate` lets the engines drop the
-cache when they see a run that was sharded after its structure was cached. ``Module._apply``
+``training``, dropout probabilities) is read at step time from the cached lists. FSDP2
+(``fully_shard``) swaps its modules' sharded and unsharded parameters by writing
+``module._parameters`` directly, which no hook sees: `param_slots` re-reads the parameters of
+FSDP-managed modules on every access, and `invalidate` lets the engines drop the cache when they
+see a run that was sharded after its structure was cached. ``Module._apply``
 (``.to()``, ``.double()``, ``.to_empty()``) also writes new Parameters into ``_parameters`` without
 a registration where it cannot convert in place (between device types such as meta and CPU, or
 with ``torch.__future__.set_overwrite_module_params_on_conversion(True)``); it replaces every
@@ -327,5 +328,5 @@ def detached_aliases(slots):
     return {i: p.detach().requires_grad_() for i, p in enumerate(slots.params) if p.requires_grad}
 
 
-__all__ = ["structure_version", "invalidate", "cached", "ParamSlots", "param_slots", "running_stats_layers", "draws_random",
-           "recompute_context", "parametrize_cache_off", "detached_aliases"]
+__all__ = ["structure_version", "invalidate", "cached", "ParamSlots", "param_slots", "running_stats_layers",
+           "draws_random", "recompute_context", "parametrize_cache_off", "detached_aliases"]

@@ -275,8 +275,8 @@ class RevNet(StagedModel, nn.Module):
 
     def forward(self, x):
         if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
-            raise ValueError("revkernels: images must be a float tensor (batch, channels, height, width), got "
-                             + (f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__))
+            got = f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"revkernels: images must be a float tensor (batch, channels, height, width), got {got}")
         # With a memory-saving engine the stem and downsampling blocks keep only their input and
         # recompute in the backward, so no high-resolution activation is stored anywhere.
         recompute = self.recompute_nonreversible and self.engine != "autograd"

@@ -13,16 +13,16 @@ GEMM adds to it, so the op computes ``y - addmm(b, a, W^T)`` instead, F.linear's
 composition's error where y and b nearly cancel). The accumulator has the promoted dtype of y and
 the GEMM, bias or not (a 16-bit y with fp32 a and W accumulates in fp32: the product is not
 rounded to 16 bits), and ``y - b`` is formed in the wider of that dtype and b's (a bf16 y and b are
-not rounded to bf16 before an fp32 GEMM adds to them). Where it is a tensor of the op's own (``y - b``, or y converted), the GEMM
-accumulates into it in place (``addmm_``; addmm would copy it into a new output first); otherwise
-it is y itself, which addmm leaves alone.
+not rounded to bf16 before an fp32 GEMM adds to them). Where it is a tensor of the op's own
+(``y - b``, or y converted), the GEMM accumulates into it in place (``addmm_``; addmm would copy it
+into a new output first); otherwise it is y itself, which addmm leaves alone.
 
 Shapes: y (..., N), a (..., K), W (N, K), b (N,) or None, K or N possibly 0 (as for F.linear); x
 has y's shape and dtype and is contiguous, whatever y's layout; y, a, W and b are float16, bfloat16,
 float32 or float64. Under autocast the GEMM runs in the autocast dtype like ``F.linear`` would (not
-with a float64 a or W, which autocast leaves alone) while an fp32 stream stays the fp32 accumulator (on CUDA,
-``addmm(..., out_dtype=float32)``; CPU BLAS has no mixed-dtype GEMM, so there the product is
-formed in the autocast dtype and subtracted in fp32).
+with a float64 a or W, which autocast leaves alone) while an fp32 stream stays the fp32 accumulator
+(on CUDA, ``addmm(..., out_dtype=float32)``; CPU BLAS has no mixed-dtype GEMM, so there the product
+is formed in the autocast dtype and subtracted in fp32).
 
 VJP (linear in every input)::
 
@@ -40,7 +40,8 @@ import math
 
 import torch
 
-from revkernels.ops._library import FLOAT_DTYPES, define_op, entry_point, fill_missing_kernel, register_autograd_fallback
+from revkernels.ops._library import (check_float_tensor, define_op, entry_point, fill_missing_kernel,
+                                     register_autograd_fallback)
 
 _linear_sub = define_op("linear_sub", "(Tensor y, Tensor a, Tensor weight, Tensor? bias=None) -> Tensor")
 
@@ -58,10 +59,7 @@ def linear_sub_reference(y, a, weight, bias=None):
 
 def _check_linear_sub_args(y, a, weight, bias):
     for t, name in ((y, "y"), (a, "a"), (weight, "weight")) + (((bias, "bias"),) if bias is not None else ()):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"revkernels: {name} must be a float16, bfloat16, float32 or float64 tensor, got {t.dtype}")
+        check_float_tensor(t, name)
     if weight.dim() != 2:
         raise ValueError(f"revkernels: weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
     n, k = weight.shape

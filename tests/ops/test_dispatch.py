@@ -213,7 +213,7 @@ def _rg(*shape):
     (ValueError, "a must have last dim 4", lambda: R.linear_sub(_rg(3, 6), _rg(3, 5), _rg(6, 4))),
     (ValueError, r"y must have shape \[3, 6\]", lambda: R.linear_sub(_rg(3, 5), _rg(3, 4), _rg(6, 4))),
     (ValueError, "weight must be 2-D", lambda: R.linear_sub(_rg(3, 6), _rg(3, 4), _rg(6))),
-    (TypeError, "a must be a float16, bfloat16, float32 or float64 tensor", lambda: R.linear_sub(_rg(3, 6), torch.ones(3, 4, dtype=torch.int64), _rg(6, 4))),
+    (TypeError, "a must be float32, float64, float16 or bfloat16", lambda: R.linear_sub(_rg(3, 6), torch.ones(3, 4, dtype=torch.int64), _rg(6, 4))),
     (ValueError, r"weight must be on the device of y \(cpu\), got meta",
      lambda: R.linear_sub(_rg(3, 6), _rg(3, 4), torch.randn(6, 4, device="meta"))),
     # None for a Tensor argument reaches C++ as an undefined tensor.

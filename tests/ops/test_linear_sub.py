@@ -71,8 +71,8 @@ def test_opcheck_and_gradcheck():
     ("a_width", "a must have last dim"),
     ("y_shape", "y must have shape"),
     ("bias_shape", r"bias must have shape \(6,\)"),
-    ("int_y", "y must be a float16, bfloat16, float32 or float64 tensor"),
-    ("float8_a", "a must be a float16, bfloat16, float32 or float64 tensor"),
+    ("int_y", "y must be float32, float64, float16 or bfloat16"),
+    ("float8_a", "a must be float32, float64, float16 or bfloat16"),
     ("device", r"bias must be on the device of y \(cpu\), got meta"),
 ])
 def test_bad_input_names_the_argument(bad, match):
