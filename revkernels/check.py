@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from revkernels.engine.sequential import forward_step
 from revkernels.engine.structure import recompute_context
 from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential, check_context, check_streams
 
@@ -48,7 +49,8 @@ class ReversibilityReport:
 def check_reversibility(module, x1, x2, **context):
     """Runs `module` (a ReversibleSequential or ReversibleBlock) forward on (x1, x2), inverts it,
     and reports the reconstruction error per block. Randomness is replayed exactly and BatchNorm
-    running statistics are left untouched, so the check changes no module state. `context`: the
+    running statistics are left untouched, and buffers a forward changes (an EMA, a counter) are
+    put back, so the check changes no module state. `context`: the
     keywords of every F and G, as in ``seq(x1, x2, **context)``."""
     if isinstance(module, ReversibleBlock):
         blocks = [module]
@@ -63,18 +65,26 @@ def check_reversibility(module, x1, x2, **context):
     report = ReversibilityReport(dtype=x1.dtype)
     inputs, states = [], []
     rng_before = torch.get_rng_state()
-    with recompute_context(*blocks):
-        for block in blocks:
-            inputs.append((x1, x2))
-            y1, y2, state = block.forward_with_state(x1, x2, preserve_rng_state=True, **with_context)
-            states.append(state)
-            r1, r2 = block.inverse(y1, y2, state, **with_context)
-            report.block_errors.append((_relative_error(r1, x1), _relative_error(r2, x2)))
-            x1, x2 = y1, y2
-        chained = []
-        for block, state, exact in zip(reversed(blocks), reversed(states), reversed(inputs)):
-            x1, x2 = block.inverse(x1, x2, state, **with_context)
-            chained.append((_relative_error(x1, exact[0]), _relative_error(x2, exact[1])))
+    try:
+        with recompute_context(*blocks):
+            for block in blocks:
+                inputs.append((x1, x2))
+                # the engines' forward step: it records the buffers the forward changes (an EMA, a
+                # counter) in the state, and the inverse rebuilds with their old values
+                y1, y2, state = forward_step(block, x1, x2, True, context)
+                states.append(state)
+                r1, r2 = block.inverse(y1, y2, state, **with_context)
+                report.block_errors.append((_relative_error(r1, x1), _relative_error(r2, x2)))
+                x1, x2 = y1, y2
+            chained = []
+            for block, state, exact in zip(reversed(blocks), reversed(states), reversed(inputs)):
+                x1, x2 = block.inverse(x1, x2, state, **with_context)
+                chained.append((_relative_error(x1, exact[0]), _relative_error(x2, exact[1])))
+    finally:
+        for state in reversed(states):  # the buffers as they were before the check
+            for holder, name, before in getattr(state, "buffers", ()):
+                if before is not None:
+                    holder._buffers[name] = before
     report.chained_errors = chained[::-1]
     torch.set_rng_state(rng_before)
     return report

@@ -149,3 +149,29 @@ def assert_low_precision_rule(actual, same_dtype_torch, exact, what="tensor"):
     most twice the error of the same-dtype PyTorch op (relative to max |exact|)."""
     ours, torch_err = rel_err(actual, exact), rel_err(same_dtype_torch, exact)
     assert ours <= 2 * torch_err, f"{what}: relative error {ours:.3e} > 2 x PyTorch's {torch_err:.3e}"
+
+
+class TrackingLinear(nn.Module):
+    """A linear layer that uses its buffers, then changes them in a training forward: `shift` in
+    place (add saves nothing, so plain autograd allows it), `scale` assigned anew (an EMA of the
+    input's spread), `steps` counted in place; `late` in place once `change_late` is set."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.register_buffer("shift", torch.randn(width))
+        self.register_buffer("scale", torch.rand(()) + 0.5)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("late", torch.randn(width))
+        self.change_late = False
+
+    def forward(self, x):
+        y = torch.tanh(self.linear(x) / self.scale + self.shift + self.late)
+        if self.training:
+            with torch.no_grad():
+                self.shift.add_(x.mean(0))
+                self.scale = 0.9 * self.scale + 0.1 * x.std()
+                if self.change_late:
+                    self.late.mul_(0.5)
+                self.steps += 1
+        return y

@@ -37,6 +37,9 @@ bounds the signatures per step; past it Dynamo runs the step eagerly).
 - Parametrized modules (``torch.nn.utils.parametrize``, e.g. ``weight_norm``) run under a class
   shared by every module of the same class with the same parametrized tensors (see
   `_shared_classes`): parametrize makes a class per module, which would be a signature per block.
+- Buffers a forward step changed (an EMA, a counter: `revkernels.engine.structure.BufferRecord`)
+  go into the block's state with their old values; such a block's backward runs the eager steps,
+  whose recompute puts copies of the old values in (``torch.func.vjp`` rejects a change in place).
 - A step that fails to compile warns once, naming the block, and that block runs its steps eagerly.
 - Blocks with module hooks below them, and subclasses whose forward is not the plain coupling
   (other than `RevViTBlock`, whose forward is), run the sequential engine's eager steps
@@ -55,11 +58,12 @@ from torch.nn.utils import parametrize
 
 from revkernels.engine.fsdp import block_units, run_sharded_compiled
 from revkernels.engine.sequential import (as_in_the_forward, forward_step, output_grads, recompute_step,
-                                          save_forward_state, save_with_context, saved_with_context, without_unused)
+                                          save_forward_state, save_with_context, saved_with_context, with_buffers,
+                                          without_unused)
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of,
                                      grad_tensors, maybe_replay)
 from revkernels.engine.structure import (cached, coupling_kind, invalidate, param_slots, recompute_context,
-                                         submodule_hooked)
+                                         record_buffers, submodule_hooked)
 import revkernels.nn.reversible as _reversible  # (a module object: the import is circular)
 
 
@@ -312,11 +316,16 @@ def forward_blocks(blocks, x1, x2, steps, preserve_rng_state=True, context=NO_CO
             layout = _layout(block)
             if _eager_block(block, layout):
                 x1, x2, state = forward_step(block, x1, x2, preserve_rng_state, context)
-            elif preserve_rng_state and block.draws_random():
+                states.append(state)
+                continue
+            record = record_buffers(block)
+            if preserve_rng_state and block.draws_random():
                 x1, x2, state = _random_forward(block, i, layout, x1, x2, steps, context)
             else:
                 x1, x2 = _step(steps, "block_forward", block, i, block, layout.kind, x1, x2, context)
                 state = None
+            if record is not None:
+                state = with_buffers(state, record.changed(lambda: f"blocks[{i}] ({type(block).__name__})"))
             states.append(state)
     return x1, x2, states
 
@@ -376,7 +385,10 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
     for i in reversed(range(len(blocks))):
         block, state = blocks[i], None if states is None else states[i]
         layout = _layout(block)
-        if _eager_block(block, layout):
+        if _eager_block(block, layout) or getattr(state, "buffers", ()):
+            # A block whose forward changed buffers too: its recompute puts their old values in
+            # (recompute_step), which the pure steps cannot take (torch.func.vjp rejects a change in
+            # place of a tensor it did not get as an input).
             # autograd_recording: inside the opaque op's backward kernel (torch.compile) too
             with autograd_recording():
                 with torch.enable_grad(), autocast():

@@ -33,10 +33,11 @@ import weakref
 from collections.abc import Sequence
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from revkernels.engine import compiled
-from revkernels.engine.sequential import forward_step
+from revkernels.engine.sequential import forward_step, with_buffers
 from revkernels.engine.state import NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of
 
 
@@ -168,6 +169,25 @@ def _random_rows(seq):
     return sum((1 if isinstance(b, HalfCouplingBlock) else 2) for b, r in zip(seq.blocks, _random_flags(seq)) if r)
 
 
+# The buffers the forward kernel's blocks changed, with their old values (for the recompute, see
+# revkernels.engine.structure.BufferRecord), stay on the host, keyed by a weak reference to the
+# memory of the run's output y1, which the backward kernel gets (saved). The tensor objects are
+# not the same (nor alive throughout: a loss of the outputs drops them), the memory is; an entry
+# whose memory was freed (its backward ran, or never will) goes at the next forward that keeps one.
+_BUFFERS = {}  # StorageWeakRef -> (run handle, the changed buffers of each block)
+
+
+def _keep_buffers(handle, y1, changed):
+    for ref in [ref for ref in _BUFFERS if ref.expired()]:
+        del _BUFFERS[ref]
+    _BUFFERS[StorageWeakRef(y1.untyped_storage())] = (int(handle), changed)
+
+
+def _kept_buffers(handle, y1):
+    entry = _BUFFERS.get(StorageWeakRef(y1.untyped_storage()))
+    return entry[1] if entry is not None and entry[0] == int(handle) else ()
+
+
 def _outputs(outputs, layouts, inputs):
     """`outputs` as the fake kernels describe them: each laid out as ``torch.empty_like`` of its
     entry of `layouts` (the streams as the run's inputs, the grads as what they are the grads of),
@@ -213,6 +233,9 @@ def reversible_run(handle: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, par
         else:
             x1, x2, states = compiled.forward_blocks(list(seq.blocks), x1, x2, steps, seq.preserve_rng_state, context)
     y1, y2 = _outputs((x1, x2), inputs, inputs)
+    changed = [getattr(state, "buffers", ()) for state in states]
+    if any(changed):
+        _keep_buffers(handle, y1, changed)
     return y1, y2, _pack(states, devices)
 
 
@@ -234,6 +257,8 @@ def reversible_run_backward(handle: torch.Tensor, y1: torch.Tensor, y2: torch.Te
     seq = _run(handle)
     blocks = list(seq.blocks)
     states = _unpack(rng, blocks, _random_flags(seq), cuda_devices_of(y1, y2))
+    for i, changed in enumerate(_kept_buffers(handle, y1)):
+        states[i] = with_buffers(states[i], changed)
     autocast_state = AutocastState(y1.device.type, autocast_dtype is not None, autocast_dtype or torch.float32, True)
     run_params = _grad_params(seq)
     context, leaves = _context(context, context_tensors, context_numbers, leaves=True)

@@ -1,7 +1,8 @@
 """The sequential engine: one autograd Function over a run of reversible blocks.
 
 Forward: the blocks run without autograd; only the run's outputs (y1, y2) are saved, with each
-block's generator states (a few KB of host memory) so the recompute replays its randomness.
+block's generator states (a few KB of host memory) so the recompute replays its randomness, and
+the old values of buffers its forward changed (`forward_step`).
 Backward, last block first: ``recompute`` rebuilds the block's input from its output under the
 forward's autocast mode, ``grads`` turns the output grads into input and parameter grads. The
 parameters are inputs of the Function, so their grads reach ``.grad`` through autograd's normal
@@ -16,13 +17,16 @@ leaf per such tensor and differentiates it like a parameter (the walker's `param
 leaves), so its grad is summed over the blocks before it leaves the Function.
 """
 import contextlib
+import dataclasses
+import warnings
 
 import torch
 from torch.nn.utils import parametrize
 
 from revkernels.engine.fsdp import block_units, run_sharded
-from revkernels.engine.state import NO_CONTEXT, AutocastState, grad_tensors, in_mode
-from revkernels.engine.structure import invalidate, param_slots, parametrize_cache_off, y2_only_params
+from revkernels.engine.state import NO_CONTEXT, AutocastState, BlockState, grad_tensors, in_mode
+from revkernels.engine.structure import (buffers_as_before, invalidate, param_slots, parametrize_cache_off,
+                                         record_buffers, y2_only_params)
 
 
 def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None, monitor=None, context=NO_CONTEXT):
@@ -65,11 +69,18 @@ def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None
 def forward_step(block, x1, x2, preserve_rng_state, context=NO_CONTEXT):
     """``block.forward_with_state`` (without context: the steps' pre-context signature, so blocks
     that override them still work), under ``parametrize.cached()`` without filling its cache
-    (`parametrize_cache_off`: the forward runs without grad)."""
+    (`parametrize_cache_off`: the forward runs without grad). The buffers the forward changed go
+    into the returned state with their old values (`record_buffers`), for `recompute_step`."""
+    record = record_buffers(block)
     if parametrize._cache_enabled:
         with parametrize_cache_off(block):
-            return _forward_with_state(block, x1, x2, preserve_rng_state, context)
-    return _forward_with_state(block, x1, x2, preserve_rng_state, context)
+            out = _forward_with_state(block, x1, x2, preserve_rng_state, context)
+    else:
+        out = _forward_with_state(block, x1, x2, preserve_rng_state, context)
+    if record is None:
+        return out
+    x1, x2, state = out
+    return x1, x2, with_buffers(state, record.changed(lambda: type(block).__name__))
 
 
 def _forward_with_state(block, x1, x2, preserve_rng_state, context):
@@ -78,8 +89,34 @@ def _forward_with_state(block, x1, x2, preserve_rng_state, context):
     return block.forward_with_state(x1, x2, preserve_rng_state)
 
 
+def with_buffers(state, changed):
+    """A block's forward `state` holding `changed` (`BufferRecord.changed`) as its ``buffers``."""
+    if not changed:
+        return state
+    if state is None:
+        return BlockState(None, None, changed)
+    if isinstance(state, BlockState):
+        return dataclasses.replace(state, buffers=changed)
+    try:
+        state.buffers = changed  # a state of a block's own kind
+    except AttributeError:
+        warnings.warn(f"revkernels: a {type(state).__name__} (a block's forward state) cannot hold the buffers "
+                      "its forward changed; the recompute sees their new values (return a BlockState)",
+                      UserWarning, stacklevel=3)
+    return state
+
+
 def recompute_step(block, y1, y2, state, context=NO_CONTEXT):
-    """``block.recompute`` (without context: the pre-context signature, as `forward_step`)."""
+    """``block.recompute`` (without context: the pre-context signature, as `forward_step`), with
+    the buffers the forward changed as they were before it (`buffers_as_before`)."""
+    changed = getattr(state, "buffers", ())
+    if changed:
+        with buffers_as_before(changed):
+            return _recompute(block, y1, y2, state, context)
+    return _recompute(block, y1, y2, state, context)
+
+
+def _recompute(block, y1, y2, state, context):
     if context:
         return block.recompute(y1, y2, state, context)
     return block.recompute(y1, y2, state)

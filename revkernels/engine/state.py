@@ -60,6 +60,17 @@ class RngState:
                 torch.cuda.set_rng_state(state, device)
 
 
+@dataclass
+class BlockState:
+    """What a block's forward leaves for its recompute: the generator states right before F and
+    right before G ran (None: no replay), and the buffers the forward changed with their values
+    before it (`revkernels.engine.structure.BufferRecord.changed`; the engines fill it in)."""
+
+    rng_f: RngState | None
+    rng_g: RngState | None
+    buffers: tuple = ()
+
+
 def grad_tensors(context):
     """The context tensors that require grad (inputs of the engines' autograd nodes)."""
     return [v for v in context.values() if isinstance(v, torch.Tensor) and v.requires_grad] if context else []

@@ -25,6 +25,7 @@ per-call walks.
 """
 import contextlib
 import operator
+import warnings
 import weakref
 
 import torch
@@ -323,10 +324,107 @@ def _untracked(layers, norms, uncached):
             norm.training = True
 
 
+# ---- buffers a forward changes ----
+# A module may change its buffers in a training forward (an EMA of its inputs, a step counter, a
+# quantization observer). The recompute must see them as the forward saw them, and leave them as the
+# forward left them (plain autograd runs the forward once): `BufferRecord` keeps the values a block's
+# forward changed, `buffers_as_before` puts copies of them in for the recompute. The buffers that
+# `recompute_context` handles (running statistics, spectral norm's vectors) are left to it.
+
+_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+class _WatchedBuffers:
+    """The buffer slots of a block that a forward may change (cached per structure), with the slots
+    seen changed in place (their values are copied before each forward; a buffer assigned anew
+    keeps its old tensor, which needs no copy)."""
+
+    __slots__ = ("slots", "in_place", "first", "warned")
+
+    def __init__(self, module):
+        handled = {id(m) for m in running_stats_layers(module)}
+        vectors = {id(m) for m in spectral_norms(module)}
+        self.slots = [(weakref.ref(m), name, f"{prefix}.{name}" if prefix else name)
+                      for prefix, m in module.named_modules() for name in m._buffers
+                      if id(m) not in vectors and not (id(m) in handled and name in _STATISTICS)]
+        self.in_place = set()  # indices into slots
+        self.first = True  # no forward seen yet: every value is copied
+        self.warned = False
+
+
+class BufferRecord:
+    """What a block's buffers held before its forward (`record_buffers`); `changed` lists, after
+    it, those the forward changed (assigned anew or changed in place) with their old values."""
+
+    __slots__ = ("watched", "entries")
+
+    def __init__(self, watched):
+        self.watched = watched
+        copy_all = watched.first
+        self.entries = []
+        for i, (ref, name, _) in enumerate(watched.slots):
+            holder = ref()
+            t = None if holder is None else holder._buffers.get(name)
+            if t is None:
+                continue
+            version = None if t.is_inference() else t._version
+            copy = t.clone() if (copy_all or i in watched.in_place) and version is not None else None
+            self.entries.append((i, holder, name, t, version, copy))
+
+    def changed(self, label):
+        """``((holder, name, value before the forward), ...)`` for the buffers the forward changed;
+        `label()` names the block in the warning for a buffer first seen changed in place (its old
+        value was not kept, None here: that step's recompute sees the new one)."""
+        watched, changed, missed = self.watched, [], []
+        for i, holder, name, t, version, copy in self.entries:
+            now = holder._buffers.get(name)
+            in_place = version is not None and t._version != version
+            if now is t and not in_place:
+                continue
+            if in_place:
+                watched.in_place.add(i)
+                if copy is None:
+                    missed.append(watched.slots[i][2])
+            changed.append((holder, name, copy if in_place else t))
+        watched.first = False
+        if missed and not watched.warned:
+            watched.warned = True
+            warnings.warn(f"revkernels: the forward of {label()} changed buffer(s) {missed} in place for the first "
+                          "time since its first step; their values before it were not kept, so this step's "
+                          "recompute sees the new ones (later steps keep them)", UserWarning, stacklevel=4)
+        return tuple(changed)
+
+
+def record_buffers(block):
+    """A `BufferRecord` of `block`'s buffers before a forward, or None when it holds none that a
+    forward could change unseen."""
+    watched = cached(block, "watched_buffers", _WatchedBuffers)
+    return BufferRecord(watched) if watched.slots else None
+
+
+@contextlib.contextmanager
+def buffers_as_before(changed):
+    """The body (a recompute) runs with each buffer of `changed` (`BufferRecord.changed`) holding a
+    copy of its value before the forward (of the value the forward left, where that was not kept);
+    the values the forward left are put back after, whatever the body did to the copies."""
+    if not changed:
+        yield
+        return
+    now = [(holder, name, holder._buffers.get(name)) for holder, name, _ in changed]
+    for (holder, name, before), (_, _, value) in zip(changed, now):
+        holder._buffers[name] = (value if before is None else before).clone()
+    try:
+        yield
+    finally:
+        for holder, name, value in now:
+            holder._buffers[name] = value
+
+
 def detached_aliases(slots):
     """{index: detached leaf requiring grad} for the parameters of `slots` that require grad."""
     return {i: p.detach().requires_grad_() for i, p in enumerate(slots.params) if p.requires_grad}
 
 
 __all__ = ["structure_version", "invalidate", "cached", "ParamSlots", "param_slots", "running_stats_layers",
-           "draws_random", "recompute_context", "parametrize_cache_off", "detached_aliases"]
+           "draws_random", "recompute_context", "parametrize_cache_off", "record_buffers", "buffers_as_before",
+           "detached_aliases"]

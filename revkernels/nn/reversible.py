@@ -27,9 +27,9 @@ from torch.func import functional_call
 from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_leaves
 
-from revkernels.engine.state import NO_CONTEXT, RngState, cuda_devices_of, maybe_replay
-from revkernels.engine.structure import (cached, detached_aliases, draws_random, invalidate, param_slots,
-                                         recompute_context)
+from revkernels.engine.state import NO_CONTEXT, BlockState, RngState, cuda_devices_of, maybe_replay
+from revkernels.engine.structure import (buffers_as_before, cached, detached_aliases, draws_random, invalidate,
+                                         param_slots, recompute_context)
 from revkernels.ops.coupling import coupling_add, coupling_sub
 
 
@@ -123,14 +123,6 @@ def _context_leaves(context):
 
 
 @dataclass
-class BlockState:
-    """Generator states right before F and right before G ran in the forward (None: no replay)."""
-
-    rng_f: RngState | None
-    rng_g: RngState | None
-
-
-@dataclass
 class BlockRecompute:
     """A rebuilt block input with the local graphs the gradient step differentiates."""
 
@@ -195,10 +187,11 @@ class ReversibleBlock(nn.Module):
 
     def inverse(self, y1, y2, state=None, context=NO_CONTEXT):
         """Rebuilds (x1, x2) from (y1, y2) without autograd. BatchNorm running statistics are left
-        alone; stochastic layers replay `state` when given, else draw fresh randomness. `context`:
-        the forward's keywords (a dict)."""
+        alone; stochastic layers replay `state` when given, else draw fresh randomness, and buffers
+        the forward changed (recorded in `state` by the engines) hold their values before it for the
+        rebuild. `context`: the forward's keywords (a dict)."""
         check_streams(y1, y2, ("y1", "y2"))
-        with torch.no_grad(), recompute_context(self):
+        with torch.no_grad(), recompute_context(self), buffers_as_before(_changed_buffers(state)):
             with maybe_replay(None if state is None else state.rng_g):
                 x2 = coupling_sub(y2, self.g(y1, **context))
             with maybe_replay(None if state is None else state.rng_f):
@@ -256,6 +249,10 @@ def _call_with_aliases(module, x, context=NO_CONTEXT):
     return out, wrt
 
 
+def _changed_buffers(state):
+    return getattr(state, "buffers", ())
+
+
 def _vjp(out, leaf, aliases, grad_out):
     """(d out/d leaf)^T grad_out and the grads of `aliases`' values; None for what `out` does
     not depend on."""
@@ -292,7 +289,8 @@ class HalfCouplingBlock(ReversibleBlock):
 
     def inverse(self, y1, y2, state=None, context=NO_CONTEXT):
         check_streams(y1, y2, ("y1", "y2"))
-        with torch.no_grad(), recompute_context(self), maybe_replay(None if state is None else state.rng_f):
+        with torch.no_grad(), recompute_context(self), buffers_as_before(_changed_buffers(state)), \
+                maybe_replay(None if state is None else state.rng_f):
             return coupling_sub(y2, self.f(y1, **context)), y1
 
     def recompute(self, y1, y2, state=None, context=NO_CONTEXT):

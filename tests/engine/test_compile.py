@@ -22,7 +22,8 @@ from revkernels.engine import opaque
 from revkernels.engine.state import NO_CONTEXT
 from revkernels.nn.reversible import HalfCouplingBlock, ReversibleBlock, ReversibleSequential
 from revkernels.nn.revvit import RevViTBlock
-from tests.helpers import assert_close_rel, make_seq, perturb_parameters, plain_forward, residual_fn, run_grads
+from tests.helpers import (TrackingLinear, assert_close_rel, grads_of, loss_of, make_seq, perturb_parameters,
+                           plain_forward, residual_fn, run_grads)
 
 # Under torch.compile every memory-saving engine is the same opaque op running the sequential
 # schedule on CPU, so "sequential" stands for pareprop and graphs too (compiled steps: test_compiled.py).
@@ -277,6 +278,36 @@ def test_compile_dropout_batchnorm_and_autocast(engine):
         y1, y2 = fn(torch.randn(4, 8, requires_grad=True), torch.randn(4, 8))
     assert y1.dtype == y2.dtype == torch.float32
     (y1.sum() + y2.sum()).backward()
+
+
+@pytest.mark.parametrize("engine", ["sequential", "compiled"])
+def test_compile_blocks_changing_their_buffers(engine):
+    # The forward kernel keeps the buffers its blocks changed (an EMA, a counter) with their old
+    # values for the backward kernel's recompute, keyed by the memory of the run's output (the
+    # compiled function returns the loss alone, so the output tensor objects die before the
+    # backward; the memory lives on in the graph). Two steps give plain autograd's grads and
+    # buffers (before, the recompute saw the changed buffers, and the pure steps of the backward
+    # raised on the change in place); the entries expire with the graph.
+    def build():
+        torch.manual_seed(0)
+        seq = ReversibleSequential(*[ReversibleBlock(TrackingLinear(8), TrackingLinear(8)) for _ in range(2)],
+                                   engine=engine)
+        seq.compile_options = {"backend": "aot_eager"}
+        return perturb_parameters(seq)
+
+    seq, ref = build(), build()
+    x1, x2, w1, w2 = _data(4, 8)
+    fn = torch.compile(lambda a, b: loss_of(*seq(a, b), w1, w2), fullgraph=True, backend="aot_eager")
+    for _ in range(2):  # (grads accumulate over the steps in both)
+        a1, a2, b1, b2 = (t.clone().requires_grad_() for t in (x1, x2, x1, x2))
+        fn(a1, a2).backward()
+        loss_of(*plain_forward(ref, b1, b2), w1, w2).backward()
+        for got, expected in zip([a1.grad, a2.grad, *grads_of(seq.parameters())],
+                                 [b1.grad, b2.grad, *grads_of(ref.parameters())], strict=True):
+            assert_close_rel(got, expected, 1e-5)
+        for (name, a), (_, b) in zip(seq.named_buffers(), ref.named_buffers(), strict=True):
+            assert torch.equal(a, b), name
+    assert opaque._BUFFERS and all(weak.expired() for weak in opaque._BUFFERS)
 
 
 def test_reduce_overhead_inductor_runs_on_cpu():

@@ -1,11 +1,14 @@
 """The sequential engine against plain autograd: gradients, memory, and the DESIGN.md invariants."""
+import warnings
+
 import pytest
 import torch
 from torch import nn
 
 import revkernels as rk
-from tests.helpers import (CPU_ENGINES, assert_close_rel, loss_of, make_seq, perturb_parameters, plain_forward, rel_err,
-                           residual_fn, run_grads)
+from revkernels.engine.state import NO_CONTEXT
+from tests.helpers import (CPU_ENGINES, TrackingLinear, assert_close_rel, loss_of, make_seq, perturb_parameters,
+                           plain_forward, rel_err, residual_fn, run_grads)
 
 WIDTH = 16
 ENGINES = CPU_ENGINES  # pareprop/graphs run this file's sequential code on CPU (see tests/helpers.py)
@@ -154,6 +157,84 @@ def test_spectral_norm_power_iteration_runs_once(engine):
         _assert_same_grads(actual, expected)
         for (name, a), (_, e) in zip(seq.named_buffers(), reference.named_buffers()):
             assert torch.equal(a, e), f"{name} differs from plain autograd"
+
+
+def _tracking_seq(engine, depth=3):
+    torch.manual_seed(0)
+    seq = rk.nn.ReversibleSequential(*[rk.nn.ReversibleBlock(TrackingLinear(WIDTH), TrackingLinear(WIDTH))
+                                       for _ in range(depth)], engine=engine)
+    seq.compile_options = {"backend": "eager"}
+    return perturb_parameters(seq)
+
+
+def _assert_same_buffers(seq, reference):
+    for (name, a), (_, e) in zip(seq.named_buffers(), reference.named_buffers(), strict=True):
+        assert torch.equal(a, e), f"{name} differs from plain autograd"
+
+
+@pytest.mark.parametrize("engine", [e for e in rk.engine.ENGINES if e != "autograd"])
+def test_buffers_a_forward_changes_hold_their_old_values_in_the_recompute(engine):
+    """A module that changes its buffers in a training forward (an EMA, a counter): the recompute
+    ran it with the values the forward left (wrong rebuild and grads) and changed them again (the
+    compiled engine's pure steps raised: torch.func.vjp rejects the change in place). From the
+    second step on `late` changes too, for the first time since the first step: that step warns
+    once and its recompute sees the new value; the step after it is exact again. No other warning
+    (the compiled engine compiles these blocks' forward steps)."""
+    seq, reference = _tracking_seq(engine), _tracking_seq(engine)
+    x1, x2, w1, w2 = _inputs(batch=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _assert_same_grads(_engine_grads(seq, x1, x2, w1, w2), _reference_grads(reference, x1, x2, w1, w2))
+    _assert_same_buffers(seq, reference)
+    for m in [*seq.modules(), *reference.modules()]:
+        if isinstance(m, TrackingLinear):
+            m.change_late = True
+    with pytest.warns(UserWarning, match=r"changed buffer\(s\) \['f.late', 'g.late'\] in place for the first time"):
+        _engine_grads(seq, x1, x2, w1, w2)
+    _reference_grads(reference, x1, x2, w1, w2)
+    _assert_same_buffers(seq, reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _assert_same_grads(_engine_grads(seq, x1, x2, w1, w2), _reference_grads(reference, x1, x2, w1, w2))
+    _assert_same_buffers(seq, reference)
+
+
+class _OwnState:
+    """A forward state of a block's own kind (no replay)."""
+
+    rng_f = rng_g = None
+
+
+class _SlottedState:
+    __slots__ = ("rng_f", "rng_g")
+
+    def __init__(self):
+        self.rng_f = self.rng_g = None
+
+
+@pytest.mark.parametrize("state_kind", [_OwnState, _SlottedState])
+def test_a_forward_state_of_a_blocks_own_kind_holds_the_changed_buffers(state_kind):
+    """A block whose forward_with_state returns a state of its own kind gets the changed buffers
+    as its ``buffers`` attribute; one that cannot take the attribute warns, and its recompute sees
+    the new values."""
+    class OwnStateBlock(rk.nn.ReversibleBlock):
+        def forward_with_state(self, x1, x2, preserve_rng_state=True, context=NO_CONTEXT):
+            y1, y2, _ = super().forward_with_state(x1, x2, False, context)
+            return y1, y2, state_kind()
+
+    def build():
+        torch.manual_seed(0)
+        return perturb_parameters(rk.nn.ReversibleSequential(
+            *[OwnStateBlock(TrackingLinear(WIDTH), TrackingLinear(WIDTH)) for _ in range(2)]))
+
+    seq, reference = build(), build()
+    x1, x2, w1, w2 = _inputs(batch=8)
+    if state_kind is _OwnState:
+        _assert_same_grads(_engine_grads(seq, x1, x2, w1, w2), _reference_grads(reference, x1, x2, w1, w2))
+        _assert_same_buffers(seq, reference)
+    else:
+        with pytest.warns(UserWarning, match="_SlottedState .* cannot hold the buffers its forward changed"):
+            _engine_grads(seq, x1, x2, w1, w2)
 
 
 @pytest.mark.parametrize("engine", [e for e in rk.engine.ENGINES if e != "autograd"])
