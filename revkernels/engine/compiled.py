@@ -40,7 +40,10 @@ bounds the signatures per step; past it Dynamo runs the step eagerly).
 - Buffers a forward step changed (an EMA, a counter: `revkernels.engine.structure.BufferRecord`)
   go into the block's state with their old values; such a block's backward runs the eager steps,
   whose recompute puts copies of the old values in (``torch.func.vjp`` rejects a change in place).
-- A step that fails to compile warns once, naming the block, and that block runs its steps eagerly.
+- A block whose pure step fails (to compile, or eagerly: ``torch.func.vjp`` takes no saved-tensor
+  hooks, such as torch.utils.checkpoint's, nor an autograd.Function without ``setup_context``, such
+  as a nested reversible run's) runs the sequential engine's eager steps from then on, with a
+  warning naming it (`StepFailed`).
 - Blocks with module hooks below them, and subclasses whose forward is not the plain coupling
   (other than `RevViTBlock`, whose forward is), run the sequential engine's eager steps
   (``forward_with_state``, ``recompute``, ``grads``): hooks fire in the forward and in the
@@ -161,27 +164,51 @@ class CompiledSteps:
         self.functions = {name: torch.compile(isolated(fn), fullgraph=True, **(
             {**self.options, "dynamic": branch_dynamic} if name.startswith("branch") else self.options))
             for name, fn in _STEPS.items()}
-        self.failed = weakref.WeakSet()  # blocks whose steps run eagerly after a compile failure
+        self.failed = weakref.WeakSet()  # blocks that run the eager steps after a failed compile
 
     def call(self, name, block, position, *args):
-        """``step(*args)`` compiled for `block` (blocks[`position`] of its run); eagerly (warning
-        once) for a block whose compile failed."""
-        if block in self.failed:
-            return _STEPS[name](*args)
+        """``step(*args)`` compiled for `block` (blocks[`position`] of its run); raises
+        `StepFailed` where it does not compile."""
+        hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled()
         try:
             classes = cached(block, "shared_classes", _shared_classes)
             if not classes:
                 return self.functions[name](*args)
             with _under_shared_classes(classes):
                 return self.functions[name](*args)
-        except Exception as error:  # noqa: BLE001  (any compile error: the block runs eagerly)
-            out = _STEPS[name](*args)  # a genuine error in the block raises here, from eager code
-            self.failed.add(block)
-            first_line = (str(error).splitlines() or [""])[0]
-            warnings.warn(f"revkernels: compiling the {name} step of blocks[{position}] ({type(block).__name__}) "
-                          f"failed; that block runs its steps eagerly ({type(error).__name__}: {first_line})",
-                          UserWarning, stacklevel=3)
-            return out
+        except Exception as error:  # noqa: BLE001  (any compile error: the block runs the eager steps)
+            if hooks_enabled and not torch._C._autograd._saved_tensors_hooks_is_enabled():
+                # A failed compile of torch.func.vjp over saved-tensor hooks (torch.utils.checkpoint
+                # in F or G) leaves them disabled for the whole process (torch 2.13)
+                torch._C._autograd._saved_tensors_hooks_enable()
+            raise StepFailed(self.failed, block, f"compiling the {name} step of blocks[{position}] "
+                             f"({type(block).__name__}) failed", error) from error
+
+
+class StepFailed(Exception):
+    """A pure step of `block` failed (its compile, or eagerly: ``torch.func.vjp`` rejects an
+    autograd.Function without ``setup_context``, e.g. torch.utils.checkpoint's or a nested
+    reversible run's). The walkers run the block's eager autograd steps instead (an error of the
+    block itself raises from them) and then call `fall_back`: the block is added to `failed` (it
+    runs the eager steps from then on) and a warning names it, once."""
+
+    def __init__(self, failed, block, what, error):
+        first_line = (str(error).splitlines() or [""])[0]
+        super().__init__(f"revkernels: {what}; that block runs the sequential engine's eager steps "
+                         f"({type(error).__name__}: {first_line})")
+        self.failed, self.block = failed, block
+
+    def fall_back(self):
+        self.failed.add(self.block)
+        warnings.warn(str(self), UserWarning, stacklevel=4)
+
+
+_EAGER_FAILED = weakref.WeakSet()  # blocks whose pure steps failed eagerly (no CompiledSteps)
+
+
+def _failed(steps):
+    """The blocks that run the eager autograd steps after a pure step of theirs failed."""
+    return _EAGER_FAILED if steps is None else steps.failed
 
 
 # ---- parametrized modules ----
@@ -309,25 +336,35 @@ def forward_blocks(blocks, x1, x2, steps, preserve_rng_state=True, context=NO_CO
     `BlockState` (None: nothing to replay). `steps`: a `CompiledSteps`, or None for eager steps.
     `context`: the keywords of every F and G."""
     states = []
+    failed = _failed(steps)
     # requires_grad of the run's inputs and context must not split signatures
     x1, x2, context = x1.detach(), x2.detach(), _detached(context)
     with torch.no_grad():
         for i, block in enumerate(blocks):
             layout = _layout(block)
-            if _eager_block(block, layout):
+            if _eager_block(block, layout) or block in failed:
                 x1, x2, state = forward_step(block, x1, x2, preserve_rng_state, context)
-                states.append(state)
-                continue
-            record = record_buffers(block)
-            if preserve_rng_state and block.draws_random():
-                x1, x2, state = _random_forward(block, i, layout, x1, x2, steps, context)
             else:
-                x1, x2 = _step(steps, "block_forward", block, i, block, layout.kind, x1, x2, context)
-                state = None
-            if record is not None:
-                state = with_buffers(state, record.changed(lambda: f"blocks[{i}] ({type(block).__name__})"))
+                try:
+                    x1, x2, state = _pure_forward(block, i, layout, x1, x2, steps, preserve_rng_state, context)
+                except StepFailed as failure:
+                    # (a block that draws random numbers draws anew here: its recompute replays these)
+                    x1, x2, state = forward_step(block, x1, x2, preserve_rng_state, context)
+                    failure.fall_back()
             states.append(state)
     return x1, x2, states
+
+
+def _pure_forward(block, position, layout, x1, x2, steps, preserve_rng_state, context):
+    record = record_buffers(block)
+    if preserve_rng_state and block.draws_random():
+        y1, y2, state = _random_forward(block, position, layout, x1, x2, steps, context)
+    else:
+        y1, y2 = _step(steps, "block_forward", block, position, block, layout.kind, x1, x2, context)
+        state = None
+    if record is not None:
+        state = with_buffers(state, record.changed(lambda: f"blocks[{position}] ({type(block).__name__})"))
+    return y1, y2, state
 
 
 def _eager_block(block, layout):
@@ -358,7 +395,13 @@ def _unexpanded(t):
 
 
 def _step(steps, name, block, position, *args):
-    return _STEPS[name](*args) if steps is None else steps.call(name, block, position, *args)
+    if steps is not None:
+        return steps.call(name, block, position, *args)
+    try:
+        return _STEPS[name](*args)
+    except Exception as error:  # noqa: BLE001  (the eager autograd steps run instead, see StepFailed)
+        raise StepFailed(_EAGER_FAILED, block, f"the pure {name} step of blocks[{position}] "
+                         f"({type(block).__name__}) failed", error) from error
 
 
 def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_state=None, context=NO_CONTEXT):
@@ -382,53 +425,67 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
     leaves = {k: v for k, v in context.items() if isinstance(v, torch.Tensor) and v.requires_grad}
     grad_context = {k: v.detach() for k, v in leaves.items()}
     plain_context = _detached({k: v for k, v in context.items() if k not in leaves})
+    failed = _failed(steps)
     for i in reversed(range(len(blocks))):
         block, state = blocks[i], None if states is None else states[i]
         layout = _layout(block)
-        if _eager_block(block, layout) or getattr(state, "buffers", ()):
-            # A block whose forward changed buffers too: its recompute puts their old values in
-            # (recompute_step), which the pure steps cannot take (torch.func.vjp rejects a change in
-            # place of a tensor it did not get as an input).
-            # autograd_recording: inside the opaque op's backward kernel (torch.compile) too
-            with autograd_recording():
-                with torch.enable_grad(), autocast():
-                    rec = recompute_step(block, y1, y2, state, context)
-                grads = block.grads(rec, dy1, dy2)
-            for p, grad in zip(grads.params, grads.param_grads):
-                if grad is not None:
-                    accumulate(p, grad)
-            y1, y2, dy1, dy2 = rec.x1.detach(), rec.x2.detach(), grads.dx1, grads.dx2
-            del rec, grads
-            continue
-        f_names, g_names, grad_params = layout.grad_plan()
-        with autocast(), recompute_context(block):
-            if state is None:
-                y1, y2, dy1, dy2, f_grads, g_grads, context_grads = _step(
-                    steps, "block_backward", block, i, block, layout.kind, f_names, g_names,
-                    y1, y2, dy1, dy2, plain_context, grad_context)
-            elif layout.kind == "half":
-                with maybe_replay(state.rng_f):
-                    x1, dx2, f_grads, context_grads = _step(
-                        steps, "branch_backward", block, i, block.f, f_names, y1, y2, dy1, dy2,
-                        plain_context, grad_context)
-                y1, y2, dy1, dy2, g_grads = x1, y1, dy2, dx2, ()
-            else:
-                with maybe_replay(state.rng_g):
-                    x2, dy1_total, g_grads, g_context = _step(
-                        steps, "branch_backward", block, i, block.g, g_names, y1, y2, dy1, dy2,
-                        plain_context, grad_context)
-                with maybe_replay(state.rng_f):
-                    x1, dx2, f_grads, context_grads = _step(
-                        steps, "branch_backward", block, i, block.f, f_names, x2, y1, dy2, dy1_total,
-                        plain_context, grad_context)
-                for k, grad in g_context.items():
-                    accumulate(leaves[k], grad)
-                y1, y2, dy1, dy2 = x1, x2, dy1_total, dx2
-        for p, grad in zip(grad_params, (*f_grads, *g_grads)):
-            accumulate(p, grad)
-        for k, grad in context_grads.items():
-            accumulate(leaves[k], grad)
+        # A block whose forward changed buffers: its recompute puts their old values in
+        # (recompute_step), which the pure steps cannot take (torch.func.vjp rejects a change in
+        # place of a tensor it did not get as an input)
+        if _eager_block(block, layout) or getattr(state, "buffers", ()) or block in failed:
+            y1, y2, dy1, dy2, grads = _eager_backward(block, state, y1, y2, dy1, dy2, autocast, context)
+        else:
+            try:
+                y1, y2, dy1, dy2, grads = _pure_backward(block, i, layout, state, y1, y2, dy1, dy2, steps, autocast,
+                                                         plain_context, grad_context, leaves)
+            except StepFailed as failure:
+                y1, y2, dy1, dy2, grads = _eager_backward(block, state, y1, y2, dy1, dy2, autocast, context)
+                failure.fall_back()
+        for p, grad in grads:
+            if grad is not None:
+                accumulate(p, grad)
     return y1, y2, dy1, dy2, param_grads
+
+
+def _eager_backward(block, state, y1, y2, dy1, dy2, autocast, context):
+    """The sequential engine's steps for one block: ``(x1, x2, dx1, dx2, [(parameter or context
+    leaf, grad)])``."""
+    # autograd_recording: inside the opaque op's backward kernel (torch.compile) too
+    with autograd_recording():
+        with torch.enable_grad(), autocast():
+            rec = recompute_step(block, y1, y2, state, context)
+        grads = block.grads(rec, dy1, dy2)
+    return rec.x1.detach(), rec.x2.detach(), grads.dx1, grads.dx2, list(zip(grads.params, grads.param_grads))
+
+
+def _pure_backward(block, position, layout, state, y1, y2, dy1, dy2, steps, autocast, plain_context, grad_context,
+                   leaves):
+    """The pure backward step(s) of one block, as `_eager_backward` returns them."""
+    f_names, g_names, grad_params = layout.grad_plan()
+    with autocast(), recompute_context(block):
+        if state is None:
+            x1, x2, dx1, dx2, f_grads, g_grads, context_grads = _step(
+                steps, "block_backward", block, position, block, layout.kind, f_names, g_names,
+                y1, y2, dy1, dy2, plain_context, grad_context)
+        elif layout.kind == "half":
+            with maybe_replay(state.rng_f):
+                x1, dx2, f_grads, context_grads = _step(
+                    steps, "branch_backward", block, position, block.f, f_names, y1, y2, dy1, dy2,
+                    plain_context, grad_context)
+            x2, dx1, g_grads = y1, dy2, ()
+        else:
+            with maybe_replay(state.rng_g):
+                x2, dx1, g_grads, g_context = _step(
+                    steps, "branch_backward", block, position, block.g, g_names, y1, y2, dy1, dy2,
+                    plain_context, grad_context)
+            with maybe_replay(state.rng_f):
+                x1, dx2, f_grads, f_context = _step(
+                    steps, "branch_backward", block, position, block.f, f_names, x2, y1, dy2, dx1,
+                    plain_context, grad_context)
+            context_grads = {k: f_context[k] + g_context[k] for k in grad_context}
+    grads = list(zip(grad_params, (*f_grads, *g_grads)))
+    grads += [(leaves[k], grad) for k, grad in context_grads.items()]
+    return x1, x2, dx1, dx2, grads
 
 
 # ---- the engine ----

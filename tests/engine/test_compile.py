@@ -310,6 +310,37 @@ def test_compile_blocks_changing_their_buffers(engine):
     assert opaque._BUFFERS and all(weak.expired() for weak in opaque._BUFFERS)
 
 
+class _Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.net, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("engine", ["sequential", "compiled"])
+def test_compile_blocks_that_checkpoint_inside_f(engine):
+    # The backward kernel's pure steps (torch.func.vjp) take no saved-tensor hooks: such blocks run
+    # the eager autograd steps there, with a warning, and give plain autograd's grads.
+    def build():
+        torch.manual_seed(0)
+        seq = ReversibleSequential(*[ReversibleBlock(_Checkpointed(), residual_fn(8)) for _ in range(2)],
+                                   engine=engine)
+        seq.compile_options = {"backend": "aot_eager"}
+        return perturb_parameters(seq)
+
+    seq, ref = build(), build()
+    data = _data(4, 8)
+    fn = torch.compile(lambda a, b: seq(a, b), fullgraph=True, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run_grads(fn, seq, *data)
+    assert any("runs the sequential engine's eager steps" in str(w.message) for w in caught)
+    for a, b in zip(got, run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data)):
+        assert_close_rel(a, b, 1e-5)
+
+
 def test_reduce_overhead_inductor_runs_on_cpu():
     # mode="reduce-overhead" adds CUDA graphs, which do not apply on CPU: it runs as inductor.
     seq = make_seq(1, 8, engine="sequential")

@@ -232,26 +232,69 @@ def test_parametrized_blocks_compile_one_forward_and_one_backward_step(kind):
 
 
 class _Checkpointed(nn.Module):
-    def __init__(self):
+    def __init__(self, reentrant=False):
         super().__init__()
-        self.net = _mlp()
+        self.net, self.reentrant = _mlp(), reentrant
 
     def forward(self, x):
-        return torch.utils.checkpoint.checkpoint(self.net, x, use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(self.net, x, use_reentrant=self.reentrant)
 
 
-def test_branches_that_checkpoint_raise_in_the_compiled_backward():
-    """README (compiled runs, not supported): torch.func.vjp does not support the saved-tensor hooks
-    of torch.utils.checkpoint inside F or G; the sequential engine gives plain autograd's grads."""
-    seq = ReversibleSequential(*[rk.nn.ReversibleBlock(_Checkpointed(), _Checkpointed()) for _ in range(2)],
-                               engine="compiled")
-    seq.compile_options = AOT
+class _Nested(nn.Module):
+    """F holding a reversible run of its own (its autograd.Function has no setup_context)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = ReversibleSequential(*[rk.nn.ReversibleBlock(_mlp(), _mlp()) for _ in range(2)])
+
+    def forward(self, x):
+        y1, y2 = self.inner(x, 0.5 * x)
+        return torch.tanh(y1 + y2)
+
+
+@pytest.mark.parametrize("compile_it", [True, False], ids=["compiled", "pure-eager"])
+@pytest.mark.parametrize("branch", [_Checkpointed, _Nested], ids=["checkpoint", "nested-run"])
+def test_blocks_whose_pure_steps_fail_run_the_eager_steps(branch, compile_it):
+    """torch.func.vjp takes no saved-tensor hooks (torch.utils.checkpoint in F) and no
+    autograd.Function without setup_context (a nested run): the compiled backward raised, also
+    from its eager fallback. Such a block now runs the sequential engine's eager steps, warning
+    once per block, with plain autograd's grads over two steps. A failed compile leaves torch's
+    saved-tensor hooks disabled for the process; they are enabled again. Without compiled steps
+    (the opaque op's kernels for the eager engines) the pure steps fail eagerly: the same."""
+    def build():
+        torch.manual_seed(0)
+        seq = _perturbed(ReversibleSequential(*[rk.nn.ReversibleBlock(branch(), _mlp()) for _ in range(2)]))
+        seq.compile_options = AOT
+        return seq
+
+    seq, ref = build(), build()
+    seq.engine = "compiled"
+    run = seq if compile_it else _eager_steps(seq)
     data = _data(4, 8)
-    with pytest.raises(RuntimeError, match="saved tensor hooks"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (the compile failure's warning before the eager step raises)
-        run_grads(seq, seq, *data)
-    seq.engine = "sequential"
-    _assert_all_close(run_grads(seq, seq, *data), run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data), 1e-5)
+    for step in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = run_grads(run, seq, *data)
+        messages = [str(w.message) for w in caught if "revkernels" in str(w.message)]
+        if step == 0:
+            assert sorted(m.split("blocks[")[1][0] for m in messages) == ["0", "1"], messages
+            assert all("runs the sequential engine's eager steps" in m for m in messages), messages
+        else:
+            assert not messages, messages
+        assert torch._C._autograd._saved_tensors_hooks_is_enabled()
+        _assert_all_close(got, run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data), 1e-5)
+
+
+def test_branches_that_checkpoint_with_reentrant_autograd_raise_torchs_error():
+    """README (torch.utils.checkpoint): with use_reentrant=True inside F or G the memory-saving
+    engines' backward, which differentiates with respect to given inputs, gets torch's error."""
+    for engine in ("sequential", "compiled"):
+        seq = ReversibleSequential(*[rk.nn.ReversibleBlock(_Checkpointed(reentrant=True), _mlp()) for _ in range(2)],
+                                   engine=engine)
+        seq.compile_options = AOT
+        with pytest.raises(RuntimeError, match="incompatible with .grad()"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run_grads(seq, seq, *_data(4, 8))
 
 
 def test_steps_are_shared_by_stride_0_grads_and_by_calls_from_the_opaque_op():
