@@ -377,6 +377,13 @@ class ReversibleSequential(nn.Module):
     def forward(self, x1, x2, **context):
         check_streams(x1, x2)
         if torch.compiler.is_compiling() and self._engine_name != "autograd":
+            if torch.compiler.is_exporting() or not _differentiates(self, x1, x2, context):
+                # Nothing to differentiate (inference): the blocks' forward is traced, for the
+                # compiler to optimize; and an exported program must not call an op whose kernel
+                # looks the run up in this process
+                for block in self.blocks:
+                    x1, x2 = block(x1, x2, **context)
+                return x1, x2
             # Under torch.compile a memory-saving run is one opaque op (its backward rebuilds the
             # inputs), so the compiled graph saves only the run's outputs and context
             # (revkernels.engine.opaque, which also checks the context keywords, at trace time).
@@ -470,6 +477,14 @@ def _new_handle(seq):
     from revkernels.engine.opaque import new_handle  # (engine imports this module)
 
     return new_handle(seq)
+
+
+def _differentiates(seq, x1, x2, context):
+    """Whether a call of `seq` records a graph: grad mode on and a stream, parameter or context
+    tensor requiring grad (read when traced: Dynamo guards on each)."""
+    return torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad or bool(unique_grad_params(seq.blocks))
+                                        or any(isinstance(v, torch.Tensor) and v.requires_grad
+                                               for v in context.values()))
 
 
 def _uninitialized_params(blocks):

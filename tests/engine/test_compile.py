@@ -341,6 +341,62 @@ def test_compile_blocks_that_checkpoint_inside_f(engine):
         assert_close_rel(a, b, 1e-5)
 
 
+def _traced_ops(fn, *args):
+    """The call_function targets of the graph Dynamo traces for ``fn(*args)`` (and its output)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    out = torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    return {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}, out
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "frozen"])
+def test_compile_of_a_call_that_differentiates_nothing_traces_the_blocks(mode):
+    # Without grad (inference) the run is not an opaque op: the blocks' forward is in the graph,
+    # for the compiler to optimize; with grad it is the op.
+    seq = perturb_parameters(ReversibleSequential(*[RevViTBlock(16, 2) for _ in range(2)]))
+    x = torch.randn(2, 5, 16)
+    expected = plain_forward(seq, x, x)
+    if mode == "frozen":
+        seq.requires_grad_(False)
+        ops, out = _traced_ops(lambda a, b: seq(a, b), x, x)
+    else:
+        with torch.no_grad():
+            ops, out = _traced_ops(lambda a, b: seq(a, b), x, x)
+    assert not any("reversible_run" in op for op in ops) and any("layer_norm" in op for op in ops), ops
+    for a, e in zip(out, expected):
+        assert_close_rel(a, e, 1e-6)
+    seq.requires_grad_(True)
+    ops, _ = _traced_ops(lambda a, b: seq(a, b), x, x)
+    assert any("reversible_run" in op for op in ops), ops
+
+
+def test_export_holds_the_blocks_ops_and_runs_without_revkernels(tmp_path):
+    # An exported program must not call the opaque op (its kernel looks the run up in this
+    # process): it holds the blocks' ops, and a process that never imports revkernels runs it.
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seq = ReversibleSequential(*[RevViTBlock(16, 2) for _ in range(2)])
+
+        def forward(self, x):
+            y1, y2 = self.seq(x, x)
+            return y1 + y2
+
+    model = perturb_parameters(Model()).eval()
+    x = torch.randn(2, 5, 16)
+    program = torch.export.export(model, (x,))
+    assert not [n for n in program.graph.nodes if "revkernels" in str(n.target)]
+    torch.export.save(program, tmp_path / "model.pt2")
+    torch.save({"x": x, "y": model(x)}, tmp_path / "io.pt")
+    code = ("import sys, torch; io = torch.load(sys.argv[2]); y = torch.export.load(sys.argv[1]).module()(io['x']); "
+            "assert 'revkernels' not in sys.modules; assert torch.allclose(y, io['y'], atol=1e-6), (y - io['y']).abs().max()")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "model.pt2"), str(tmp_path / "io.pt")], check=True)
+
+
 def test_reduce_overhead_inductor_runs_on_cpu():
     # mode="reduce-overhead" adds CUDA graphs, which do not apply on CPU: it runs as inductor.
     seq = make_seq(1, 8, engine="sequential")

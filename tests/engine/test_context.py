@@ -245,7 +245,7 @@ def test_fullgraph_compile_context_errors_name_the_problem():
             return x * len(shift)
 
     seq = rk.nn.ReversibleSequential(rk.nn.ReversibleBlock(Shifted(), Shifted()))
-    x = torch.randn(BATCH, TOKENS, WIDTH)
+    x = torch.randn(BATCH, TOKENS, WIDTH, requires_grad=True)  # (without grad the blocks' forward is traced)
     with pytest.raises(Exception, match=r"context values that are not tensors or numbers must be hashable, "
                                         r"got \{'shift': \[1, 2\]\}"):
         torch.compile(lambda a, b: seq(a, b, shift=[1, 2]), fullgraph=True, backend="aot_eager")(x, x)
