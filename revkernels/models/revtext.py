@@ -60,8 +60,12 @@ class RevText(OneRunModel, nn.Module):
         if tokens.dim() != 2 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise ValueError(f"revkernels: tokens must be integer ids of shape (batch, tokens), got "
                              f"{tokens.dtype} of shape {tuple(tokens.shape)}")
-        # (on CPU only: on a GPU the check would wait for the device; the embedding asserts there)
-        if tokens.device.type == "cpu" and tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+        # (on CPU only: on a GPU the check would wait for the device; the embedding asserts there.
+        # Compiled or exported, an assert op: a branch on the values would break the graph)
+        if tokens.device.type == "cpu" and tokens.numel() and torch.compiler.is_compiling():
+            torch._assert_async((tokens.min() >= 0) & (tokens.max() < self.vocab_size),
+                                f"revkernels: tokens must be ids in [0, vocab_size={self.vocab_size})")
+        elif tokens.device.type == "cpu" and tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
             raise ValueError(f"revkernels: tokens must be ids in [0, vocab_size={self.vocab_size}), got ids from "
                              f"{tokens.min().item()} to {tokens.max().item()}")
         if tokens.shape[1] > self.max_len:

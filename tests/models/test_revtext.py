@@ -53,6 +53,28 @@ def test_sequential_grads_equal_autograd(name):
         assert_close_rel(a, e, 1e-5, f"output/grad {i}")
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("name", ["gpt2_small", "roberta_base"])
+def test_fullgraph_compile_equals_eager_and_checks_the_ids(name):
+    """The id range check branched on the values: torch.compile(fullgraph=True) failed on it
+    ("data-dependent branching"), and torch.export too. Compiled, it is an assert op: outputs and
+    grads equal eager's (with dropout: the same seed), and a bad id raises naming vocab_size."""
+    model = _tiny(name, dropout=0.2)
+    tokens, mask = torch.randint(0, VOCAB, (2, 8)), _padding_mask(2, 8)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    results = []
+    for run in (model, compiled):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        out = run(tokens, attention_mask=mask)
+        out.square().mean().backward()
+        results.append([out.detach()] + [p.grad for p in model.parameters()])
+    for i, (a, e) in enumerate(zip(results[1], results[0])):
+        assert_close_rel(a, e, 1e-5, f"output/grad {i}")
+    with pytest.raises(RuntimeError, match=rf"tokens must be ids in \[0, vocab_size={VOCAB}\)"):
+        compiled(torch.full((2, 8), VOCAB), attention_mask=mask)
+
+
 def test_gpt2_is_causal_with_tied_weights():
     model = _tiny("gpt2_small").eval()
     tokens = torch.randint(0, VOCAB, (2, 8))
