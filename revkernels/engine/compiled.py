@@ -186,9 +186,9 @@ class CompiledSteps:
 
 
 class StepFailed(Exception):
-    """A pure step of `block` failed (its compile, or eagerly: ``torch.func.vjp`` rejects an
-    autograd.Function without ``setup_context``, e.g. torch.utils.checkpoint's or a nested
-    reversible run's). The walkers run the block's eager autograd steps instead (an error of the
+    """A pure step of `block` failed (its compile, or eagerly: ``torch.func.vjp`` takes no
+    saved-tensor hooks, such as torch.utils.checkpoint's, nor an autograd.Function without
+    ``setup_context``, such as a nested reversible run's). The walkers run the block's eager autograd steps instead (an error of the
     block itself raises from them) and then call `fall_back`: the block is added to `failed` (it
     runs the eager steps from then on) and a warning names it, once."""
 
