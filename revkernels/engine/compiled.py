@@ -42,8 +42,8 @@ bounds the signatures per step; past it Dynamo runs the step eagerly).
   whose recompute puts copies of the old values in (``torch.func.vjp`` rejects a change in place).
 - A block whose pure step fails (to compile, or eagerly: ``torch.func.vjp`` takes no saved-tensor
   hooks, such as torch.utils.checkpoint's, nor an autograd.Function without ``setup_context``, such
-  as a nested reversible run's) runs the sequential engine's eager steps from then on, with a
-  warning naming it (`StepFailed`).
+  as a nested reversible run's) runs the sequential engine's eager steps from then on, and so do
+  the blocks of its structure, without trying again; one warning names it (`StepFailed`).
 - Blocks with module hooks below them, and subclasses whose forward is not the plain coupling
   (other than `RevViTBlock`, whose forward is), run the sequential engine's eager steps
   (``forward_with_state``, ``recompute``, ``grads``): hooks fire in the forward and in the
@@ -53,7 +53,6 @@ bounds the signatures per step; past it Dynamo runs the step eagerly).
 import contextlib
 import types
 import warnings
-import weakref
 
 import torch
 from torch.func import functional_call, vjp
@@ -164,7 +163,11 @@ class CompiledSteps:
         self.functions = {name: torch.compile(isolated(fn), fullgraph=True, **(
             {**self.options, "dynamic": branch_dynamic} if name.startswith("branch") else self.options))
             for name, fn in _STEPS.items()}
-        self.failed = weakref.WeakSet()  # blocks that run the eager steps after a failed compile
+        self.failed = set()  # structures (`_Layout.key`) whose blocks run the eager steps
+
+    def fell_back(self, block):
+        """Whether `block` runs the eager steps after a step of its structure failed (`StepFailed`)."""
+        return _layout(block).key in self.failed
 
     def call(self, name, block, position, *args):
         """``step(*args)`` compiled for `block` (blocks[`position`] of its run); raises
@@ -181,7 +184,7 @@ class CompiledSteps:
                 # A failed compile of torch.func.vjp over saved-tensor hooks (torch.utils.checkpoint
                 # in F or G) leaves them disabled for the whole process (torch 2.13)
                 torch._C._autograd._saved_tensors_hooks_enable()
-            raise StepFailed(self.failed, block, f"compiling the {name} step of blocks[{position}] "
+            raise StepFailed(self.failed, _layout(block).key, f"compiling the {name} step of blocks[{position}] "
                              f"({type(block).__name__}) failed", error) from error
 
 
@@ -189,25 +192,28 @@ class StepFailed(Exception):
     """A pure step of `block` failed (its compile, or eagerly: ``torch.func.vjp`` takes no
     saved-tensor hooks, such as torch.utils.checkpoint's, nor an autograd.Function without
     ``setup_context``, such as a nested reversible run's). The walkers run the block's eager autograd steps instead (an error of the
-    block itself raises from them) and then call `fall_back`: the block is added to `failed` (it
-    runs the eager steps from then on) and a warning names it, once."""
+    block itself raises from them) and then call `fall_back`: the block's structure (`key`) is
+    added to `failed`, so that it and every block of the same structure (module types, parameter
+    shapes and dtypes), whose steps would fail alike, run the eager steps from then on without
+    trying again, and a warning names the block, once."""
 
-    def __init__(self, failed, block, what, error):
+    def __init__(self, failed, key, what, error):
         first_line = (str(error).splitlines() or [""])[0]
-        super().__init__(f"revkernels: {what}; that block runs the sequential engine's eager steps "
-                         f"({type(error).__name__}: {first_line})")
-        self.failed, self.block = failed, block
+        super().__init__(f"revkernels: {what}; that block and the blocks of its structure run the sequential "
+                         f"engine's eager steps ({type(error).__name__}: {first_line})")
+        self.failed, self.key = failed, key
 
     def fall_back(self):
-        self.failed.add(self.block)
+        self.failed.add(self.key)
         warnings.warn(str(self), UserWarning, stacklevel=4)
 
 
-_EAGER_FAILED = weakref.WeakSet()  # blocks whose pure steps failed eagerly (no CompiledSteps)
+_EAGER_FAILED = set()  # structures whose pure steps failed eagerly (no CompiledSteps)
 
 
 def _failed(steps):
-    """The blocks that run the eager autograd steps after a pure step of theirs failed."""
+    """The structures (`_Layout.key`) whose blocks run the eager autograd steps after a pure step
+    of such a block failed."""
     return _EAGER_FAILED if steps is None else steps.failed
 
 
@@ -283,10 +289,14 @@ def _under_shared_classes(classes):
 class _Layout:
     """What the steps need from a block's structure (cached per structure)."""
 
-    __slots__ = ("kind", "slots", "params", "f_slots", "g_slots", "_grad_plans")
+    __slots__ = ("kind", "slots", "params", "f_slots", "g_slots", "key", "_grad_plans")
 
     def __init__(self, block):
         self.kind = coupling_kind(block)
+        # what a compile of the steps depends on, short of attributes: the module types, the
+        # parameters' shapes and dtypes (the failures of `StepFailed` are grouped by it)
+        self.key = tuple((type(m), tuple((name, tuple(p.shape), p.dtype) for name, p in m._parameters.items()
+                                         if p is not None)) for m in block.modules())
         self.slots = slots = param_slots(block)
         self.params = slots.params
         index = {id(p): i for i, p in enumerate(slots.params)}
@@ -342,7 +352,7 @@ def forward_blocks(blocks, x1, x2, steps, preserve_rng_state=True, context=NO_CO
     with torch.no_grad():
         for i, block in enumerate(blocks):
             layout = _layout(block)
-            if _eager_block(block, layout) or block in failed:
+            if _eager_block(block, layout) or layout.key in failed:
                 x1, x2, state = forward_step(block, x1, x2, preserve_rng_state, context)
             else:
                 try:
@@ -400,7 +410,7 @@ def _step(steps, name, block, position, *args):
     try:
         return _STEPS[name](*args)
     except Exception as error:  # noqa: BLE001  (the eager autograd steps run instead, see StepFailed)
-        raise StepFailed(_EAGER_FAILED, block, f"the pure {name} step of blocks[{position}] "
+        raise StepFailed(_EAGER_FAILED, _layout(block).key, f"the pure {name} step of blocks[{position}] "
                          f"({type(block).__name__}) failed", error) from error
 
 
@@ -432,7 +442,7 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
         # A block whose forward changed buffers: its recompute puts their old values in
         # (recompute_step), which the pure steps cannot take (torch.func.vjp rejects a change in
         # place of a tensor it did not get as an input)
-        if _eager_block(block, layout) or getattr(state, "buffers", ()) or block in failed:
+        if _eager_block(block, layout) or getattr(state, "buffers", ()) or layout.key in failed:
             y1, y2, dy1, dy2, grads = _eager_backward(block, state, y1, y2, dy1, dy2, autocast, context)
         else:
             try:

@@ -336,7 +336,7 @@ def test_compile_blocks_that_checkpoint_inside_f(engine):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = run_grads(fn, seq, *data)
-    assert any("runs the sequential engine's eager steps" in str(w.message) for w in caught)
+    assert any("run the sequential engine's eager steps" in str(w.message) for w in caught)
     for a, b in zip(got, run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data)):
         assert_close_rel(a, b, 1e-5)
 

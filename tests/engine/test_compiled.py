@@ -257,8 +257,9 @@ class _Nested(nn.Module):
 def test_blocks_whose_pure_steps_fail_run_the_eager_steps(branch, compile_it):
     """torch.func.vjp takes no saved-tensor hooks (torch.utils.checkpoint in F) and no
     autograd.Function without setup_context (a nested run): the compiled backward raised, also
-    from its eager fallback. Such a block now runs the sequential engine's eager steps, warning
-    once per block, with plain autograd's grads over two steps. A failed compile leaves torch's
+    from its eager fallback. Such a block now runs the sequential engine's eager steps, and so do
+    the blocks of its structure without trying to compile: one warning; plain autograd's grads
+    over two steps. A failed compile leaves torch's
     saved-tensor hooks disabled for the process; they are enabled again. Without compiled steps
     (the opaque op's kernels for the eager engines) the pure steps fail eagerly: the same."""
     def build():
@@ -276,9 +277,9 @@ def test_blocks_whose_pure_steps_fail_run_the_eager_steps(branch, compile_it):
             warnings.simplefilter("always")
             got = run_grads(run, seq, *data)
         messages = [str(w.message) for w in caught if "revkernels" in str(w.message)]
-        if step == 0:
-            assert sorted(m.split("blocks[")[1][0] for m in messages) == ["0", "1"], messages
-            assert all("runs the sequential engine's eager steps" in m for m in messages), messages
+        if step == 0:  # blocks[1] fails first (the backward's first block); blocks[0] is of its structure
+            assert len(messages) == 1 and "blocks[1]" in messages[0], messages
+            assert "the blocks of its structure run the sequential engine's eager steps" in messages[0], messages
         else:
             assert not messages, messages
         assert torch._C._autograd._saved_tensors_hooks_is_enabled()
@@ -328,7 +329,7 @@ def test_a_new_batch_size_with_dropout_compiles_static_steps():
             data = _data(batch, 8)
             expected = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=batch)
             _assert_all_close(run_grads(seq, seq, *data, seed=batch), expected, 1e-5, f"batch {batch}")
-    assert not any(block in compiled_steps(seq, "cpu").failed for block in seq.blocks)
+    assert not any(compiled_steps(seq, "cpu").fell_back(block) for block in seq.blocks)
 
 
 def test_blocks_without_randomness_take_any_number_of_batch_sizes():
@@ -342,7 +343,7 @@ def test_blocks_without_randomness_take_any_number_of_batch_sizes():
             data = _data(batch, 8)
             expected = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data)
             _assert_all_close(run_grads(seq, seq, *data), expected, 1e-5, f"batch {batch}")
-    assert not any(block in compiled_steps(seq, "cpu").failed for block in seq.blocks)
+    assert not any(compiled_steps(seq, "cpu").fell_back(block) for block in seq.blocks)
 
 
 def _assert_low_precision_rule(seq, data, device_type, seed=None):
