@@ -65,6 +65,7 @@ def check_reversibility(module, x1, x2, **context):
     report = ReversibilityReport(dtype=x1.dtype)
     inputs, states = [], []
     rng_before = torch.get_rng_state()
+    held = {(id(m), name): t for block in blocks for m in block.modules() for name, t in m._buffers.items()}
     try:
         with recompute_context(*blocks):
             for block in blocks:
@@ -81,10 +82,14 @@ def check_reversibility(module, x1, x2, **context):
                 x1, x2 = block.inverse(x1, x2, state, **with_context)
                 chained.append((_relative_error(x1, exact[0]), _relative_error(x2, exact[1])))
     finally:
-        for state in reversed(states):  # the buffers as they were before the check
+        for state in reversed(states):  # the buffers as they were before the check, the same tensors
             for holder, name, before in getattr(state, "buffers", ()):
-                if before is not None:
-                    holder._buffers[name] = before
+                original = held.get((id(holder), name))
+                if before is None or original is None:
+                    continue
+                holder._buffers[name] = original
+                if original is not before:  # changed in place: `before` is a copy
+                    original.copy_(before)
     report.chained_errors = chained[::-1]
     torch.set_rng_state(rng_before)
     return report

@@ -108,9 +108,11 @@ def test_check_reversibility_of_blocks_changing_their_buffers_changes_no_state()
                                        for _ in range(3)])
     x1, x2 = _streams(batch=8)
     for _ in range(2):  # the second check starts from buffers the first put back
+        held = dict(seq.named_buffers())
         buffers = {k: v.clone() for k, v in seq.state_dict().items()}
         assert rk.check_reversibility(seq, x1, x2).max_error < 1e-5
         assert all(torch.equal(v, seq.state_dict()[k]) for k, v in buffers.items())
+        assert all(t is held[name] for name, t in seq.named_buffers())  # the same tensors
 
 
 def test_check_reversibility_detects_a_non_invertible_setup():
