@@ -25,8 +25,8 @@ from torch.nn.utils import parametrize
 
 from revkernels.engine.fsdp import block_units, run_sharded
 from revkernels.engine.state import NO_CONTEXT, AutocastState, BlockState, grad_tensors, in_mode
-from revkernels.engine.structure import (buffers_as_before, invalidate, param_slots, parametrize_cache_off,
-                                         record_buffers, y2_only_params)
+from revkernels.engine.structure import (buffers_as_before, buffers_kept, invalidate, param_slots,
+                                         parametrize_cache_off, record_buffers, y2_only_params)
 
 
 def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None, monitor=None, context=NO_CONTEXT):
@@ -46,7 +46,8 @@ def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None
     errors = [None] * len(blocks)
     for i in reversed(range(len(blocks))):
         block = blocks[i]
-        with autocast():
+        # (no forward record, `seq.reverse`: the recompute leaves the buffers as it found them)
+        with autocast(), buffers_kept(block) if states is None else contextlib.nullcontext():
             state = None if states is None else states[i]
             # Without context, the steps' pre-context signature (blocks that override them still work)
             rec = recompute_step(block, y1, y2, state, context)

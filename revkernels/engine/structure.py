@@ -395,11 +395,34 @@ class BufferRecord:
         return tuple(changed)
 
 
+    def put_back(self, label):
+        """Puts the buffers back as they were when recorded: a tensor assigned anew is replaced by
+        the old one, a value changed in place is copied back (where it was copied: see `changed`)."""
+        self.changed(label)
+        for i, holder, name, t, version, copy in self.entries:
+            holder._buffers[name] = t
+            if version is not None and t._version != version and copy is not None:
+                with torch.no_grad():
+                    t.copy_(copy)
+
+
 def record_buffers(block):
     """A `BufferRecord` of `block`'s buffers before a forward, or None when it holds none that a
     forward could change unseen."""
     watched = cached(block, "watched_buffers", _WatchedBuffers)
     return BufferRecord(watched) if watched.slots else None
+
+
+@contextlib.contextmanager
+def buffers_kept(block):
+    """The body (a rebuild with no forward record: ``inverse``, ``reverse``) leaves the buffers of
+    `block` as it found them (see `BufferRecord.put_back`)."""
+    record = record_buffers(block)
+    try:
+        yield
+    finally:
+        if record is not None:
+            record.put_back(lambda: type(block).__name__)
 
 
 @contextlib.contextmanager
@@ -426,5 +449,6 @@ def detached_aliases(slots):
 
 
 __all__ = ["structure_version", "invalidate", "cached", "ParamSlots", "param_slots", "running_stats_layers",
-           "draws_random", "recompute_context", "parametrize_cache_off", "record_buffers", "buffers_as_before",
+           "draws_random", "recompute_context", "parametrize_cache_off", "record_buffers", "buffers_kept",
+           "buffers_as_before",
            "detached_aliases"]

@@ -28,8 +28,8 @@ from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_leaves
 
 from revkernels.engine.state import NO_CONTEXT, BlockState, RngState, cuda_devices_of, maybe_replay
-from revkernels.engine.structure import (buffers_as_before, cached, detached_aliases, draws_random, invalidate,
-                                         param_slots, recompute_context)
+from revkernels.engine.structure import (buffers_as_before, buffers_kept, cached, detached_aliases, draws_random,
+                                         invalidate, param_slots, recompute_context)
 from revkernels.ops.coupling import coupling_add, coupling_sub
 
 
@@ -191,7 +191,7 @@ class ReversibleBlock(nn.Module):
         the forward changed (recorded in `state` by the engines) hold their values before it for the
         rebuild. `context`: the forward's keywords (a dict)."""
         check_streams(y1, y2, ("y1", "y2"))
-        with torch.no_grad(), recompute_context(self), buffers_as_before(_changed_buffers(state)):
+        with torch.no_grad(), recompute_context(self), _buffers_for_rebuild(self, state):
             with maybe_replay(None if state is None else state.rng_g):
                 x2 = coupling_sub(y2, self.g(y1, **context))
             with maybe_replay(None if state is None else state.rng_f):
@@ -249,8 +249,10 @@ def _call_with_aliases(module, x, context=NO_CONTEXT):
     return out, wrt
 
 
-def _changed_buffers(state):
-    return getattr(state, "buffers", ())
+def _buffers_for_rebuild(block, state):
+    """An inverse's buffers: those the forward recorded in `state` changed hold their old values;
+    without a state, whatever the rebuild changes is put back."""
+    return buffers_kept(block) if state is None else buffers_as_before(getattr(state, "buffers", ()))
 
 
 def _vjp(out, leaf, aliases, grad_out):
@@ -289,7 +291,7 @@ class HalfCouplingBlock(ReversibleBlock):
 
     def inverse(self, y1, y2, state=None, context=NO_CONTEXT):
         check_streams(y1, y2, ("y1", "y2"))
-        with torch.no_grad(), recompute_context(self), buffers_as_before(_changed_buffers(state)), \
+        with torch.no_grad(), recompute_context(self), _buffers_for_rebuild(self, state), \
                 maybe_replay(None if state is None else state.rng_f):
             return coupling_sub(y2, self.f(y1, **context)), y1
 

@@ -115,6 +115,28 @@ def test_check_reversibility_of_blocks_changing_their_buffers_changes_no_state()
         assert all(t is held[name] for name, t in seq.named_buffers())  # the same tensors
 
 
+def test_inverse_and_reverse_leave_the_buffers_a_rebuild_changes():
+    """Without a forward record (`seq.inverse`, `seq.reverse`, PETRA's stage workers) the rebuild
+    ran the blocks' training forward again, which changed their buffers (an EMA, a counter) a
+    second time; now they are put back (the same tensors, the same values)."""
+    torch.manual_seed(0)
+    seq = rk.nn.ReversibleSequential(*[rk.nn.ReversibleBlock(TrackingLinear(WIDTH), TrackingLinear(WIDTH))
+                                       for _ in range(2)])
+    for m in seq.modules():
+        if isinstance(m, TrackingLinear):
+            m.change_late = True
+    x1, x2 = _streams(batch=8)
+    with torch.no_grad():
+        y1, y2 = seq(x1, x2)
+    for rebuild in (lambda: seq.inverse(y1, y2), lambda: seq.reverse(y1, y2, torch.randn_like(y1), torch.randn_like(y2)),
+                    lambda: seq.blocks[0].inverse(y1, y2)):
+        held = dict(seq.named_buffers())
+        values = {k: v.clone() for k, v in held.items()}
+        rebuild()
+        for name, t in seq.named_buffers():
+            assert t is held[name] and torch.equal(t, values[name]), name
+
+
 def test_check_reversibility_detects_a_non_invertible_setup():
     class Drifting(nn.Module):
         """Returns something different on every call: the inverse cannot rebuild the input."""
