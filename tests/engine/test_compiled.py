@@ -232,12 +232,19 @@ def test_parametrized_blocks_compile_one_forward_and_one_backward_step(kind):
 
 
 class _Checkpointed(nn.Module):
-    def __init__(self, reentrant=False):
+    reentrant = False
+
+    def __init__(self):
         super().__init__()
-        self.net, self.reentrant = _mlp(), reentrant
+        self.net = _mlp()
 
     def forward(self, x):
         return torch.utils.checkpoint.checkpoint(self.net, x, use_reentrant=self.reentrant)
+
+
+class _ReentrantCheckpointed(_Checkpointed):
+    # (a class of its own: the structures whose steps failed are remembered by their module types)
+    reentrant = True
 
 
 class _Nested(nn.Module):
@@ -259,9 +266,9 @@ def test_blocks_whose_pure_steps_fail_run_the_eager_steps(branch, compile_it):
     autograd.Function without setup_context (a nested run): the compiled backward raised, also
     from its eager fallback. Such a block now runs the sequential engine's eager steps, and so do
     the blocks of its structure without trying to compile: one warning; plain autograd's grads
-    over two steps. A failed compile leaves torch's
-    saved-tensor hooks disabled for the process; they are enabled again. Without compiled steps
-    (the opaque op's kernels for the eager engines) the pure steps fail eagerly: the same."""
+    over two steps. A failed compile leaves torch's saved-tensor hooks disabled for the process;
+    they are enabled again. Without compiled steps (the opaque op's kernels for the eager engines)
+    the pure steps fail eagerly: the same."""
     def build():
         torch.manual_seed(0)
         seq = _perturbed(ReversibleSequential(*[rk.nn.ReversibleBlock(branch(), _mlp()) for _ in range(2)]))
@@ -290,7 +297,7 @@ def test_branches_that_checkpoint_with_reentrant_autograd_raise_torchs_error():
     """README (torch.utils.checkpoint): with use_reentrant=True inside F or G the memory-saving
     engines' backward, which differentiates with respect to given inputs, gets torch's error."""
     for engine in ("sequential", "compiled"):
-        seq = ReversibleSequential(*[rk.nn.ReversibleBlock(_Checkpointed(reentrant=True), _mlp()) for _ in range(2)],
+        seq = ReversibleSequential(*[rk.nn.ReversibleBlock(_ReentrantCheckpointed(), _mlp()) for _ in range(2)],
                                    engine=engine)
         seq.compile_options = AOT
         with pytest.raises(RuntimeError, match="incompatible with .grad()"), warnings.catch_warnings():
