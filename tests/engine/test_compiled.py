@@ -293,6 +293,16 @@ def test_blocks_whose_pure_steps_fail_run_the_eager_steps(branch, compile_it):
         _assert_all_close(got, run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data), 1e-5)
 
 
+@pytest.mark.parametrize("engine", ["sequential", "pareprop", "graphs"])
+def test_branches_that_checkpoint_run_with_the_eager_engines(engine):
+    """README (torch.utils.checkpoint inside F or G, use_reentrant=False): the eager engines' local
+    graphs take its saved-tensor hooks; plain autograd's grads."""
+    seq = _perturbed(ReversibleSequential(*[rk.nn.ReversibleBlock(_Checkpointed(), _mlp()) for _ in range(2)],
+                                          engine=engine))
+    data = _data(4, 8)
+    _assert_all_close(run_grads(seq, seq, *data), run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data), 1e-5)
+
+
 def test_branches_that_checkpoint_with_reentrant_autograd_raise_torchs_error():
     """README (torch.utils.checkpoint): with use_reentrant=True inside F or G the memory-saving
     engines' backward, which differentiates with respect to given inputs, gets torch's error."""
