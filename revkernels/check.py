@@ -4,13 +4,14 @@ grows when a whole run is rebuilt from its output (what the engines' backward do
 `monitor_reconstruction`: the same question asked at training time, opt-in and sampled: the
 sequential and pareprop engines compare each rebuilt block input with a small sample of the
 forward's and warn past a threshold."""
+import contextlib
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 from revkernels.engine.sequential import forward_step
-from revkernels.engine.structure import recompute_context
+from revkernels.engine.structure import buffers_kept, recompute_context
 from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential, check_context, check_streams
 
 
@@ -65,8 +66,10 @@ def check_reversibility(module, x1, x2, **context):
     report = ReversibilityReport(dtype=x1.dtype)
     inputs, states = [], []
     rng_before = torch.get_rng_state()
-    held = {(id(m), name): t for block in blocks for m in block.modules() for name, t in m._buffers.items()}
-    try:
+    # (buffers_kept: the buffers the forwards change are put back after, the same tensors)
+    with contextlib.ExitStack() as kept:
+        for block in blocks:
+            kept.enter_context(buffers_kept(block))
         with recompute_context(*blocks):
             for block in blocks:
                 inputs.append((x1, x2))
@@ -81,15 +84,6 @@ def check_reversibility(module, x1, x2, **context):
             for block, state, exact in zip(reversed(blocks), reversed(states), reversed(inputs)):
                 x1, x2 = block.inverse(x1, x2, state, **with_context)
                 chained.append((_relative_error(x1, exact[0]), _relative_error(x2, exact[1])))
-    finally:
-        for state in reversed(states):  # the buffers as they were before the check, the same tensors
-            for holder, name, before in getattr(state, "buffers", ()):
-                original = held.get((id(holder), name))
-                if before is None or original is None:
-                    continue
-                holder._buffers[name] = original
-                if original is not before:  # changed in place: `before` is a copy
-                    original.copy_(before)
     report.chained_errors = chained[::-1]
     torch.set_rng_state(rng_before)
     return report

@@ -63,7 +63,7 @@ from revkernels.engine.sequential import (as_in_the_forward, forward_step, outpu
                                           save_forward_state, save_with_context, saved_with_context, with_buffers,
                                           without_unused)
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of,
-                                     grad_tensors, maybe_replay)
+                                     grad_tensors, maybe_replay, records_graph)
 from revkernels.engine.structure import (cached, coupling_kind, invalidate, param_slots, recompute_context,
                                          record_buffers, submodule_hooked)
 import revkernels.nn.reversible as _reversible  # (a module object: the import is circular)
@@ -550,7 +550,7 @@ def run_compiled(seq, x1, x2, context=NO_CONTEXT):
     all_params = _reversible.unique_params(seq.blocks)
     params = [p for p in all_params if p.requires_grad]
     grad_context = grad_tensors(context)
-    if not torch.is_grad_enabled() or not (x1.requires_grad or x2.requires_grad or params or grad_context):
+    if not records_graph(x1, x2, params, grad_context):
         y1, y2, _ = forward_blocks(list(seq.blocks), x1, x2, compiled_steps(seq, x1.device.type), False, context)
         return y1, y2
     return CompiledRun.apply(seq, params, all_params, context or None, x1, x2, *params, *grad_context)

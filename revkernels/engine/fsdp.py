@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from revkernels.engine.state import NO_CONTEXT, AutocastState, grad_tensors
+from revkernels.engine.state import NO_CONTEXT, AutocastState, grad_tensors, records_graph
 from revkernels.engine.structure import cached, invalidate, param_slots
 
 _MANAGED = "_is_fsdp_managed_module"  # fully_shard's mark on every module whose parameters it manages
@@ -188,9 +188,8 @@ def run_sharded(seq, x1, x2, units, walker, forward_step, context=NO_CONTEXT):
     `walker` (`reverse_blocks`' signature, called with one block) are the engine's steps."""
     from revkernels.nn.reversible import unique_grad_params
 
-    needs_grad = torch.is_grad_enabled() and (
-        x1.requires_grad or x2.requires_grad or unique_grad_params(seq.blocks) or grad_tensors(context))
-    if not needs_grad:  # a plain forward that keeps nothing
+    if not records_graph(x1, x2, unique_grad_params(seq.blocks), grad_tensors(context)):
+        # a plain forward that keeps nothing
         for block, unit_list in zip(seq.blocks, units):
             x1, x2 = enter(unit_list, functools.partial(_plain_step, forward_step, block), x1, x2, context)
         return x1, x2

@@ -24,7 +24,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from revkernels.engine.fsdp import block_units, run_sharded
-from revkernels.engine.state import NO_CONTEXT, AutocastState, BlockState, grad_tensors, in_mode
+from revkernels.engine.state import NO_CONTEXT, AutocastState, BlockState, grad_tensors, in_mode, records_graph
 from revkernels.engine.structure import (buffers_as_before, buffers_kept, invalidate, param_slots,
                                          parametrize_cache_off, record_buffers, y2_only_params)
 
@@ -254,7 +254,7 @@ def run_reversible(seq, x1, x2, walker, context=NO_CONTEXT):
     all_params = unique_params(seq.blocks)
     params = [p for p in all_params if p.requires_grad]
     grad_context = grad_tensors(context)
-    if not torch.is_grad_enabled() or not (x1.requires_grad or x2.requires_grad or params or grad_context):
+    if not records_graph(x1, x2, params, grad_context):
         # Nothing to differentiate: a plain forward that keeps nothing.
         for block in seq.blocks:
             x1, x2 = block(x1, x2, **context)

@@ -76,6 +76,12 @@ def grad_tensors(context):
     return [v for v in context.values() if isinstance(v, torch.Tensor) and v.requires_grad] if context else []
 
 
+def records_graph(x1, x2, params, grad_context):
+    """Whether a run's call differentiates anything: grad mode on, and a stream, a parameter (of
+    `params`, those requiring grad) or a context tensor (`grad_context`) requiring grad."""
+    return torch.is_grad_enabled() and bool(x1.requires_grad or x2.requires_grad or params or grad_context)
+
+
 @contextlib.contextmanager
 def autograd_recording():
     """A context in which operations record autograd graphs again inside a custom op's kernel

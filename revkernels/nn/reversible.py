@@ -27,7 +27,8 @@ from torch.func import functional_call
 from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_leaves
 
-from revkernels.engine.state import NO_CONTEXT, BlockState, RngState, cuda_devices_of, maybe_replay
+from revkernels.engine.state import (NO_CONTEXT, BlockState, RngState, cuda_devices_of, grad_tensors, maybe_replay,
+                                     records_graph)
 from revkernels.engine.structure import (buffers_as_before, buffers_kept, cached, detached_aliases, draws_random,
                                          invalidate, param_slots, recompute_context)
 from revkernels.ops.coupling import coupling_add, coupling_sub
@@ -379,7 +380,8 @@ class ReversibleSequential(nn.Module):
     def forward(self, x1, x2, **context):
         check_streams(x1, x2)
         if torch.compiler.is_compiling() and self._engine_name != "autograd":
-            if torch.compiler.is_exporting() or not _differentiates(self, x1, x2, context):
+            if torch.compiler.is_exporting() or not records_graph(
+                    x1, x2, [p for p in self.blocks.parameters() if p.requires_grad], grad_tensors(context)):
                 # Nothing to differentiate (inference): the blocks' forward is traced, for the
                 # compiler to optimize; and an exported program must not call an op whose kernel
                 # looks the run up in this process
@@ -479,14 +481,6 @@ def _new_handle(seq):
     from revkernels.engine.opaque import new_handle  # (engine imports this module)
 
     return new_handle(seq)
-
-
-def _differentiates(seq, x1, x2, context):
-    """Whether a call of `seq` records a graph: grad mode on and a stream, parameter or context
-    tensor requiring grad (read when traced: Dynamo guards on each)."""
-    return torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad or bool(unique_grad_params(seq.blocks))
-                                        or any(isinstance(v, torch.Tensor) and v.requires_grad
-                                               for v in context.values()))
 
 
 def _uninitialized_params(blocks):
