@@ -59,7 +59,7 @@ from torch import nn
 
 from revkernels.engine.recompute import run_recomputed
 from revkernels.nn.batch_norm import BatchNormAct2d
-from revkernels.models.staged import StagedModel, check_positive_int
+from revkernels.models.staged import StagedModel, check_positive_int, streams_in
 from revkernels.nn.reversible import HalfCouplingBlock, ReversibleSequential, check_streams
 
 STEMS = ("cifar", "imagenet")
@@ -138,8 +138,7 @@ class Stem(nn.Module):
 
     def forward(self, x):
         x = self.pool(torch.relu(self.bn(self.conv(x))))
-        x1, x2 = x.chunk(2, dim=1)
-        return x1, x2
+        return streams_in(self.conv.weight.dtype, *x.chunk(2, dim=1))
 
 
 class DownBasic(nn.Module):
@@ -162,7 +161,7 @@ class DownBasic(nn.Module):
     def forward(self, x1, x2):
         check_streams(x1, x2)
         h = self.bn1(self.conv1(x2))
-        return h, self.shortcut(x1) + self.bn2(self.conv2(torch.relu(h)))
+        return streams_in(self.conv1.weight.dtype, h, self.shortcut(x1) + self.bn2(self.conv2(torch.relu(h))))
 
 
 class DownBottleneck(nn.Module):
@@ -182,7 +181,7 @@ class DownBottleneck(nn.Module):
 
     def forward(self, x1, x2):
         check_streams(x1, x2)
-        return self.carry(x2), self.shortcut(x1) + self.f(x2)
+        return streams_in(self.carry[0].weight.dtype, self.carry(x2), self.shortcut(x1) + self.f(x2))
 
 
 class Head(nn.Module):

@@ -43,7 +43,7 @@ from torch import nn
 from revkernels.engine.recompute import run_recomputed
 from revkernels.nn.attention import scaled_dot_product_attention
 from revkernels.nn.drop_path import DropPath, check_drop_probability
-from revkernels.models.staged import StagedModel, check_positive_int
+from revkernels.models.staged import StagedModel, check_positive_int, streams_in
 from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential, check_streams
 from revkernels.nn.revvit import MlpBranch
 
@@ -175,7 +175,7 @@ class PatchEmbed(nn.Module):
             raise ValueError(f"revkernels: images must be (batch, channels, {self.img_size}, {self.img_size}), "
                              f"got shape {tuple(images.shape)}")
         tokens = self.norm(self.proj(images).flatten(2).transpose(1, 2))
-        return tokens, tokens
+        return streams_in(self.proj.weight.dtype, tokens, tokens)
 
 
 class PatchMerging(nn.Module):
@@ -200,7 +200,7 @@ class PatchMerging(nn.Module):
         x = ((x1 + x2) * 0.5).view(-1, height, width, self.dim)
         x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], dim=-1)
         z = self.reduction(self.norm(x.flatten(1, 2)))
-        return z, z
+        return streams_in(self.reduction.weight.dtype, z, z)
 
 
 class Head(nn.Module):
