@@ -15,10 +15,15 @@ from revkernels.engine.structure import buffers_kept, recompute_context
 from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential, check_context, check_streams
 
 
+def _max_abs(t):
+    """max |t| as a 0-dim tensor; 0 for an empty `t` (an empty batch: torch's max rejects it)."""
+    return t.abs().max() if t.numel() else t.new_zeros(())
+
+
 def _relative_error(rebuilt, exact):
     exact64 = exact.double()
-    scale = exact64.abs().max().clamp_min(torch.finfo(exact.dtype).tiny)
-    return ((rebuilt.double() - exact64).abs().max() / scale).item()
+    scale = _max_abs(exact64).clamp_min(torch.finfo(exact.dtype).tiny)
+    return (_max_abs(rebuilt.double() - exact64) / scale).item()
 
 
 @dataclass
@@ -138,8 +143,8 @@ class ReconstructionMonitor:
         errs = []
         for kept, rebuilt in zip(sample, (x1, x2)):
             kept32 = kept.float()
-            diff = (self._take(rebuilt).float() - kept32).abs().max()
-            errs.append(diff / kept32.abs().max().clamp_min(torch.finfo(torch.float32).tiny))
+            diff = _max_abs(self._take(rebuilt).float() - kept32)
+            errs.append(diff / _max_abs(kept32).clamp_min(torch.finfo(torch.float32).tiny))
         return torch.maximum(errs[0], errs[1])
 
     def report(self, errors):

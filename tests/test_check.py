@@ -38,6 +38,18 @@ def test_no_warning_on_an_invertible_stack_and_grads_unchanged(engine):
     assert seq.reconstruction_monitor is None  # detached on exit
 
 
+def test_an_empty_batch_is_monitored_and_checked():
+    # (torch's max rejects empty tensors: both raised on the batch every engine accepts)
+    seq = make_seq(2, 8, engine="sequential")
+    x = torch.randn(0, 8, requires_grad=True)
+    with monitor_reconstruction(seq) as monitor:
+        y1, y2 = seq(x, x)
+        (y1.sum() + y2.sum()).backward()
+    assert monitor.errors == [0.0, 0.0] and x.grad.shape == (0, 8)
+    report = rk.check_reversibility(seq, torch.randn(0, 8), torch.randn(0, 8))
+    assert report.max_error == 0.0 and len(report.block_errors) == 2
+
+
 def test_revvit_stack_is_monitored_without_warning():
     seq = perturb_parameters(ReversibleSequential(*[RevViTBlock(16, 2) for _ in range(3)]))
     with warnings.catch_warnings(record=True) as caught, monitor_reconstruction(seq, threshold=1e-4) as monitor:
