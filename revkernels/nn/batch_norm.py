@@ -63,6 +63,8 @@ class BatchNormAct2d(nn.BatchNorm2d):
     @torch.no_grad()
     def _update_running_stats(self, mean, rstd, count):
         self.num_batches_tracked.add_(1)
+        if count == 0:  # an empty batch (mean and rstd NaN): counted, statistics kept, as ATen's batch_norm
+            return
         if self.momentum is None:  # cumulative moving average
             factor = 1.0 / float(self.num_batches_tracked)
         else:

@@ -60,6 +60,24 @@ def test_training_steps_match_batchnorm2d(relu, momentum):
     assert int(ours.num_batches_tracked) == int(ref.num_batches_tracked) == 3
 
 
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_an_empty_batch_keeps_the_running_statistics(momentum):
+    # (the fused op's mean and rstd of no values are NaN: they went into the statistics)
+    ours, ref = _pair(3, relu=False, momentum=momentum)
+    for batch in (4, 0, 4):
+        x = torch.randn(batch, 3, 2, 2) * 2 + 1
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out, want = ours(xa), _ref_forward(ref, xb, relu=False)
+        assert out.shape == want.shape == x.shape
+        dout = torch.randn(x.shape)
+        out.backward(dout)
+        want.backward(dout)
+        assert_close_rel(ours.running_mean, ref.running_mean, 1e-5, "running_mean")
+        assert_close_rel(ours.running_var, ref.running_var, 1e-5, "running_var")
+        assert int(ours.num_batches_tracked) == int(ref.num_batches_tracked)
+    assert_close_rel(ours.weight.grad, ref.weight.grad, 1e-5, "weight grad")
+
+
 @pytest.mark.parametrize("relu", [True, False])
 def test_eval_mode_uses_running_statistics(relu):
     ours, ref = _pair(5, relu)
