@@ -55,20 +55,8 @@ def coupling_add_reference(a, b):
     return (a.to(acc) + b.to(acc)).to(a.dtype)
 
 
-def _preserve_layout(reference):
-    # The kernels return the layout of torch.empty_like(first argument); so does the fallback.
-    def op(a, b):
-        out = torch.empty_like(a)
-        out.copy_(reference(a, b))
-        return out
-
-    return op
-
-
 _coupling_sub = define_op("coupling_sub", "(Tensor y, Tensor f) -> Tensor")
 _coupling_add = define_op("coupling_add", "(Tensor a, Tensor b) -> Tensor")
-fill_missing_kernel("coupling_sub", "CPU", _preserve_layout(coupling_sub_reference))
-fill_missing_kernel("coupling_add", "CPU", _preserve_layout(coupling_add_reference))
 
 
 def _check_pair(a, a_name, b, b_name):
@@ -78,6 +66,22 @@ def _check_pair(a, a_name, b, b_name):
         raise ValueError(f"revkernels: {b_name} must have the shape of {a_name} {tuple(a.shape)}, got {tuple(b.shape)}")
     if a.device != b.device:
         raise ValueError(f"revkernels: {b_name} must be on the device of {a_name} ({a.device}), got {b.device}")
+
+
+def _checked_reference(reference, a_name, b_name):
+    """The CPU kernel without the compiled library: the C++ kernels' checks, then `reference`,
+    returned in the layout of torch.empty_like(first argument) as the kernels return it."""
+    def op(a, b):
+        _check_pair(a, a_name, b, b_name)
+        out = torch.empty_like(a)
+        out.copy_(reference(a, b))
+        return out
+
+    return op
+
+
+fill_missing_kernel("coupling_sub", "CPU", _checked_reference(coupling_sub_reference, "y", "f"))
+fill_missing_kernel("coupling_add", "CPU", _checked_reference(coupling_add_reference, "a", "b"))
 
 
 def _coupling_sub_triton(y, f):

@@ -93,14 +93,6 @@ def layer_norm_bwd_add_reference(dln, x, weight, mean, rstd, dres):
     return (dres.to(acc) + dx).to(dres.dtype), dweight.to(weight.dtype), dbias.to(weight.dtype)
 
 
-def _contiguous_outputs(reference):
-    # The kernels return contiguous tensors; so does the fallback.
-    def op(*args):
-        return tuple(t.contiguous() for t in reference(*args))
-
-    return op
-
-
 _sub_layer_norm = define_op(
     "sub_layer_norm",
     "(Tensor y, Tensor g, Tensor weight, Tensor bias, float eps=1e-05) -> (Tensor x, Tensor ln, Tensor mean, Tensor rstd)")
@@ -108,8 +100,6 @@ _layer_norm_bwd_add = define_op(
     "layer_norm_bwd_add",
     "(Tensor dln, Tensor x, Tensor weight, Tensor mean, Tensor rstd, Tensor dres) "
     "-> (Tensor dx, Tensor dweight, Tensor dbias)")
-fill_missing_kernel("sub_layer_norm", "CPU", _contiguous_outputs(sub_layer_norm_reference))
-fill_missing_kernel("layer_norm_bwd_add", "CPU", _contiguous_outputs(layer_norm_bwd_add_reference))
 
 
 # --- argument checks (the C++ kernels repeat them; these also guard the Triton path) -------------
@@ -166,6 +156,23 @@ def _check_layer_norm_bwd_add_args(dln, x, weight, mean, rstd, dres):
             raise ValueError(f"revkernels: {name} must have shape x.shape[:-1] {tuple(x.shape[:-1])}, "
                              f"got {tuple(t.shape)}")
     _check_same_device([(dln, "dln"), (weight, "weight"), (mean, "mean"), (rstd, "rstd"), (dres, "dres")], x, "x")
+
+
+# --- CPU without the compiled library: the C++ kernels' checks, then the references (with the
+# kernels' contiguous outputs) ---------------------------------------------------------------------
+
+def _sub_layer_norm_checked_reference(y, g, weight, bias, eps=1e-5):
+    _check_sub_layer_norm_args(y, g, weight, bias, eps)
+    return tuple(t.contiguous() for t in sub_layer_norm_reference(y, g, weight, bias, eps))
+
+
+def _layer_norm_bwd_add_checked_reference(dln, x, weight, mean, rstd, dres):
+    _check_layer_norm_bwd_add_args(dln, x, weight, mean, rstd, dres)
+    return tuple(t.contiguous() for t in layer_norm_bwd_add_reference(dln, x, weight, mean, rstd, dres))
+
+
+fill_missing_kernel("sub_layer_norm", "CPU", _sub_layer_norm_checked_reference)
+fill_missing_kernel("layer_norm_bwd_add", "CPU", _layer_norm_bwd_add_checked_reference)
 
 
 # --- CUDA: Triton ----------------------------------------------------------------------------------
