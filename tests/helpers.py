@@ -106,8 +106,16 @@ def grads_of(params):
 
 def run_without_c_extension(body):
     """Runs `body` in a fresh interpreter where `revkernels._C` cannot be imported; it must print
-    'ok'. The preamble hides the library before anything imports revkernels."""
-    code = "import sys, warnings\nsys.modules['revkernels._C'] = None\n" + body
+    'ok'. The preamble hides the library before anything imports revkernels, and defines
+    ``expect_error(call, message)``: `call()` must raise ValueError or TypeError saying `message`."""
+    code = ("import sys, warnings\nsys.modules['revkernels._C'] = None\n"
+            "def expect_error(call, message):\n"
+            "    try:\n"
+            "        call()\n"
+            "    except (ValueError, TypeError) as e:\n"
+            "        assert message in str(e), e\n"
+            "    else:\n"
+            "        raise AssertionError(f'no error: {message}')\n" + body)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr
 
