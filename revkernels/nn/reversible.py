@@ -427,8 +427,19 @@ class ReversibleSequential(nn.Module):
         each context tensor that requires grad to its grad summed over the blocks (None if no
         block used it); those grads are returned, not added anywhere.
         """
+        return self.reverse_with_states(y1, y2, dy1, dy2, None, context)
+
+    def reverse_with_states(self, y1, y2, dy1, dy2, states, context=None):
+        """`reverse` with what the forward of each block left for its recompute: `states` holds one
+        state per block (`revkernels.engine.sequential.forward_step`'s third output: the generator
+        states its dropout and drop-path replay, the buffers its forward changed; None where there
+        is nothing to replay), or is None for `reverse`'s fresh randomness. `context`: a dict of
+        the forward's keywords (or None). What a PETRA stage whose block draws random numbers calls."""
         from revkernels.engine.sequential import reverse_blocks
 
+        context = context or {}
+        if states is not None and len(states) != len(self.blocks):
+            raise ValueError(f"revkernels: states must hold one state per block ({len(self.blocks)}), got {len(states)}")
         check_streams(y1, y2, ("y1", "y2"))
         if context:
             check_context(self, self.blocks, context)
@@ -446,7 +457,7 @@ class ReversibleSequential(nn.Module):
         leaves = {name: v.detach().requires_grad_() for name, v in context.items()
                   if isinstance(v, torch.Tensor) and v.requires_grad}
         with torch.no_grad():
-            x1, x2, dx1, dx2, grads = reverse_blocks(self.blocks, None, y1, y2, dy1, dy2,
+            x1, x2, dx1, dx2, grads = reverse_blocks(self.blocks, states, y1, y2, dy1, dy2,
                                                      params + list(leaves.values()), context={**context, **leaves})
             context_grads = dict(zip(leaves, grads[len(params):]))
             # A parameter's grad may be dy1/dy2 themselves, a returned grad or another

@@ -425,7 +425,8 @@ class PipelineRank:
                  "image_spec": self._image_spec, "fed": dict(self._fed), "last_fed": self._last_fed,
                  "modules": {i: self.stages[i].module.state_dict() for i in own},
                  "optimizers": {i: tr.optimizers[i].state_dict() for i in own},
-                 "fifos": {i: (self.stages[i].fifo_state(), self.stages[i].peak_buffer_bytes) for i in own},
+                 "fifos": {i: (self.stages[i].fifo_state(), self.stages[i].peak_buffer_bytes,
+                               self.stages[i].replay_state()) for i in own},
                  "fwd_in": fwd_in, "bwd_in": bwd_in, "labels": dict(self._labels),
                  "contexts": dict(self._contexts)}
         return _to_cpu(copy.deepcopy(state))
@@ -452,8 +453,8 @@ class PipelineRank:
         for i in self._own():
             self.stages[i].module.load_state_dict(state["modules"][i])
             tr.optimizers[i].load_state_dict(state["optimizers"][i])
-            fifo, peak = state["fifos"][i]
-            self.stages[i].load_fifo_state(_to(fifo, dev), peak)
+            fifo, peak, *replays = state["fifos"][i]  # (no replays: an older checkpoint; generator states stay on the host)
+            self.stages[i].load_fifo_state(_to(fifo, dev), peak, *replays)
         self.tick = tr.tick = state["tick"]
         self.batches_in, tr.batch_size = state["batches_in"], state["batch_size"]
         self._fed, self._last_fed = dict(state["fed"]), state["last_fed"]

@@ -14,6 +14,12 @@ parameters possibly updated in between; the backward always uses the *current* p
   BatchNorm running statistics are updated by the forward only, never by a recompute.
 - last stage (head + loss): forward, cross-entropy with the batch's labels and backward in the
   same call (`Stage.forward_backward`); keeps nothing.
+- randomness (dropout, drop-path: `revkernels.engine.structure.draws_random`): a stage that draws
+  random numbers keeps, per pending batch, the generator states its forward started from (a
+  reversible stage: the states before F and before G, `revkernels.engine.state.BlockState`; any
+  other: the state before the module), a few KB on the host, and its backward's rebuild or
+  recompute replays them, so it draws that batch's masks whatever ran in between; the global
+  generator is left as it was. Checkpoints keep them (`replay_state`).
 
 Delayed gradients (``delayed=True``, the PipeDream-like baseline, "weight stashing"): every stage but
 the last, reversible or not, pushes (its input, a copy of the parameters its forward used) onto its
@@ -39,6 +45,7 @@ of each stage and its share of an optimizer step, timed on the example's device)
 the user (``costs=``).
 """
 import copy
+import dataclasses
 import math
 import time
 from collections import deque
@@ -47,8 +54,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from revkernels.engine.structure import recompute_context
-from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential
+from revkernels.engine.sequential import forward_step
+from revkernels.engine.state import BlockState, RngState, cuda_devices_of, maybe_replay
+from revkernels.engine.structure import draws_random, recompute_context
+from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential, check_streams
 
 KINDS = ("stem", "reversible", "down", "head")
 
@@ -107,6 +116,11 @@ class Stage:
         # (batch id, input tuple, parameter copies or None) of the forwards whose backward is pending
         self._fifo = deque()
         self.peak_buffer_bytes = 0
+        # (forward number, generator state) of the pending forwards that drew random numbers, for
+        # their backward's rebuild or recompute to draw the same: a `BlockState` (reversible stage:
+        # the states before F and before G) or an `RngState` (the state before the module)
+        self._replays = deque()
+        self._forwards = self._backwards = 0
 
     def __repr__(self):
         return f"Stage({self.index}, kind={self.kind!r}, reversible={self.reversible}, buffered={len(self._fifo)})"
@@ -148,9 +162,32 @@ class Stage:
         """The FIFO's entries ``[(batch, inputs, parameter copies or None)]`` (for checkpoints)."""
         return list(self._fifo)
 
-    def load_fifo_state(self, entries, peak_buffer_bytes=0):
+    def load_fifo_state(self, entries, peak_buffer_bytes=0, replays=None):
+        """Restores `fifo_state()` and, when given, `replay_state()` (checkpoints from before it
+        have none: no pending forward drew random numbers)."""
         self._fifo = deque((b, tuple(x), None if p is None else tuple(p)) for b, x, p in entries)
         self.peak_buffer_bytes = int(peak_buffer_bytes)
+        in_flight, entries = replays if replays is not None else (0, [])
+        self._backwards, self._forwards = 0, int(in_flight)
+        self._replays = deque((int(k), self._with_buffers(state, self.module.get_submodule))
+                              for k, state in entries)
+
+    def replay_state(self):
+        """``(pending forwards, [(k, generator state)])``: the generator states of the pending
+        forwards that drew random numbers, k counting the pending forwards from the oldest (for
+        checkpoints, beside `fifo_state`; a buffer a forward changed is named by its module's path
+        in the stage, not held with its module)."""
+        paths = {id(m): name for name, m in self.module.named_modules()}
+        return (self._forwards - self._backwards,
+                [(number - self._backwards, self._with_buffers(state, lambda m: paths[id(m)]))
+                 for number, state in self._replays])
+
+    @staticmethod
+    def _with_buffers(state, holder):
+        """`state` with each changed buffer's holder mapped by `holder` (module <-> path)."""
+        if not isinstance(state, BlockState) or not state.buffers:
+            return state
+        return dataclasses.replace(state, buffers=tuple((holder(h), name, value) for h, name, value in state.buffers))
 
     def parameters(self):
         return [p for p in self.module.parameters() if p.requires_grad]
@@ -168,15 +205,37 @@ class Stage:
         if self.is_last:
             raise RuntimeError("revkernels: the last stage runs forward and backward together: call forward_backward")
         x = tuple(t.detach() for t in _as_tuple(x))
+        stochastic = draws_random(self.module)
+        if self.reversible and not self.delayed and stochastic and len(x) != 2:
+            raise ValueError(f"revkernels: a reversible stage's input has two streams, got {len(x)} tensors")
         if self.delayed:
             self._fifo.append((batch, x, tuple(p.detach().clone() for p in self.parameters())))
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
         elif not self.reversible:
             self._fifo.append((batch, x, None))
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
+        number = self._forwards
+        self._forwards += 1
         with torch.no_grad():
+            if self.reversible and not self.delayed and stochastic:
+                check_streams(*x)
+                y1, y2, state = forward_step(self.module, *x, True, context)
+                self._replays.append((number, state))
+                return y1, y2
+            rng = RngState(cuda_devices_of(*x)) if stochastic else None
             out = self.module(*x, **context)
+        if rng is not None:
+            self._replays.append((number, rng))
         return _as_tuple(out, f"the output of stage {self.index}")
+
+    def _next_replay(self):
+        """The generator state of the forward the next backward differentiates (a stage's
+        backwards run in its forwards' order), or None where it drew no random numbers."""
+        number = self._backwards
+        self._backwards += 1
+        if self._replays and self._replays[0][0] == number:
+            return self._replays.popleft()[1]
+        return None
 
     def backward(self, y, dy, batch=None, **context):
         """Backward of the oldest pending batch: from (output y, output grad dy) to (input x, input grad dx).
@@ -195,7 +254,10 @@ class Stage:
         if self.reversible and not self.delayed:
             if len(y) != 2:
                 raise ValueError(f"revkernels: a reversible stage's output has two streams, got {len(y)} tensors")
-            x1, x2, dx1, dx2 = self._run.reverse(y[0].detach(), y[1].detach(), dy[0], dy[1], **context)
+            state = self._next_replay()
+            x1, x2, dx1, dx2 = self._run.reverse(y[0].detach(), y[1].detach(), dy[0], dy[1], **context) \
+                if state is None else self._run.reverse_with_states(y[0].detach(), y[1].detach(), dy[0], dy[1],
+                                                                    [state], context)
             return (x1, x2), (None if self.is_first else (dx1, dx2))
         if not self._fifo:
             raise RuntimeError(f"revkernels: stage {self.index} has no pending input for a backward")
@@ -203,14 +265,15 @@ class Stage:
         if batch is not None and stored_batch is not None and batch != stored_batch:
             raise RuntimeError(f"revkernels: stage {self.index} backward of batch {batch} but its oldest input "
                                f"is batch {stored_batch}")
+        rng = self._next_replay()
         if stored_params is None:
-            return x, self._vjp(x, y, dy, context)
+            return x, self._vjp(x, y, dy, context, rng)
         params = self.parameters()
         current = [p.data for p in params]
         for p, old in zip(params, stored_params):  # the forward's (stale) parameters for the recompute
             p.data = old
         try:
-            dx = self._vjp(x, y, dy, context)
+            dx = self._vjp(x, y, dy, context, rng)
         finally:
             for p, now in zip(params, current):
                 p.data = now
@@ -221,9 +284,9 @@ class Stage:
             return x
         return tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in x)
 
-    def _vjp(self, x, y, dy, context):
+    def _vjp(self, x, y, dy, context, rng=None):
         leaves = self._leaves(x)
-        with torch.enable_grad(), recompute_context(self.module):
+        with torch.enable_grad(), recompute_context(self.module), maybe_replay(rng):
             out = _as_tuple(self.module(*leaves, **context), f"the output of stage {self.index}")
         if len(out) != len(dy):
             raise ValueError(f"revkernels: stage {self.index} has {len(out)} outputs but got {len(dy)} output grads")

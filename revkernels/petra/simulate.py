@@ -533,7 +533,7 @@ class Trainer:
                  "batch_size": self.batch_size,
                  "modules": [s.module.state_dict() for s in self.stages],
                  "optimizers": [opt.state_dict() for opt in self.optimizers],
-                 "fifos": [(s.fifo_state(), s.peak_buffer_bytes) for s in self.stages],
+                 "fifos": [(s.fifo_state(), s.peak_buffer_bytes, s.replay_state()) for s in self.stages],
                  "fwd_msgs": self._fwd_msgs, "bwd_msgs": self._bwd_msgs, "labels": self._labels,
                  "contexts": self._contexts, "inputs": self._inputs, "analysis": self.analysis, "fed": self._fed}
         return copy.deepcopy(state)
@@ -549,8 +549,8 @@ class Trainer:
             s.module.load_state_dict(module_state)
         for opt, opt_state in zip(self.optimizers, state["optimizers"]):
             opt.load_state_dict(opt_state)
-        for s, (fifo, peak) in zip(self.stages, state["fifos"]):
-            s.load_fifo_state(fifo, peak)
+        for s, (fifo, peak, *replays) in zip(self.stages, state["fifos"]):  # (no replays: an older checkpoint)
+            s.load_fifo_state(fifo, peak, *replays)
         self.tick, self.batches_in, self.batch_size = state["tick"], state["batches_in"], state["batch_size"]
         self._fwd_msgs, self._bwd_msgs = state["fwd_msgs"], state["bwd_msgs"]
         self._labels, self._inputs, self.analysis = state["labels"], state["inputs"], state["analysis"]

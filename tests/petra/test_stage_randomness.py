@@ -1,0 +1,143 @@
+"""PETRA stages whose modules draw random numbers (dropout, drop-path): each backward replays the
+draws of its own batch's forward (a reversible stage's rebuild and VJP, a non-reversible stage's
+recompute), with other batches' forwards in between, and leaves the global generator as it found
+it; a checkpoint taken with such batches in flight resumes bit for bit."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import revkernels as rk
+from revkernels.models import ReversibleStage
+from revkernels.petra import Trainer, partition
+from revkernels.petra.distributed import merge_rank_states, split_trainer_state
+from tests.helpers import assert_close_rel, perturb_parameters
+from tests.petra.test_simulate import TwoStreamHead
+
+WIDTH, D_IN, CLASSES, BATCH = 6, 5, 3, 8
+
+
+class NoisyStem(nn.Module):
+    reversible = False
+    kind = "stem"
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, 2 * WIDTH)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        return tuple(self.drop(torch.tanh(self.lin(x))).chunk(2, dim=1))
+
+
+class NoisyMix(nn.Module):
+    reversible = False
+    kind = "down"
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.drop = nn.Dropout(0.4)
+
+    def forward(self, x1, x2):
+        return self.drop(torch.tanh(self.lin(x2))), x1 + x2
+
+
+def _branch(p):
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Dropout(p))
+
+
+def _model(tokens=True):
+    """Stem, a half-coupling stage, a full coupling, a non-reversible stage, a `RevViTBlock` with
+    drop-path on (batch, tokens, width) streams (`tokens`), head: every kind of stage draws random
+    numbers."""
+    torch.manual_seed(0)
+    stages = [NoisyStem(), ReversibleStage(_branch(0.5)), rk.nn.ReversibleBlock(_branch(0.3), _branch(0.2)),
+              NoisyMix()] + ([rk.nn.RevViTBlock(WIDTH, 2, drop_path=0.5)] if tokens else []) + [TwoStreamHead(CLASSES, WIDTH)]
+    return perturb_parameters(nn.ModuleList(stages))
+
+
+def _input_of(stages, i):
+    """A random input for stage i: a tensor for the stem, two streams of the right shape after it."""
+    if i == 0:
+        return torch.randn(BATCH, D_IN)
+    shape = (BATCH, 3, WIDTH) if isinstance(stages[i], rk.nn.RevViTBlock) else (BATCH, WIDTH)
+    return torch.randn(shape), torch.randn(shape)
+
+
+def _reference(module, x, dy, seed):
+    """Plain autograd through a copy of `module` from the generator state `seed`: output, input
+    grads, parameter grads."""
+    module = copy.deepcopy(module)
+    leaves = tuple(t.clone().requires_grad_() for t in (x if isinstance(x, tuple) else (x,)))
+    torch.manual_seed(seed)
+    out = module(*leaves)
+    torch.autograd.backward(out, dy)
+    return out, [t.grad for t in leaves], [p.grad for p in module.parameters()]
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_a_backward_replays_its_own_forwards_draws(delayed):
+    model = _model()
+    stages = partition(list(model), delayed=delayed)
+    seeds = (11, 12)
+    for i, stage in enumerate(stages[:-1]):
+        inputs = [_input_of(model, i) for _ in seeds]
+        outputs = []
+        for x, seed in zip(inputs, seeds):  # two batches in flight, as in a pipeline
+            torch.manual_seed(seed)
+            outputs.append(stage.forward(x))
+        torch.randn(7)  # other stages draw in between
+        for x, y, seed in zip(inputs, outputs, seeds):
+            dy = tuple(torch.randn_like(t) for t in y)
+            ref_out, ref_dx, ref_grads = _reference(stage.module, x, dy, seed)
+            for a, b in zip(y, ref_out):  # the forward drew what plain autograd draws
+                assert torch.equal(a, b), f"stage {i}: forward"
+            for p in stage.module.parameters():
+                p.grad = None
+            generator = torch.get_rng_state()
+            x_back, dx = stage.backward(y, dy)
+            assert torch.equal(torch.get_rng_state(), generator), f"stage {i}: the backward moved the generator"
+            for a, b in zip(x_back, x if isinstance(x, tuple) else (x,)):
+                assert_close_rel(a, b, 1e-6, f"stage {i}: rebuilt input")
+            if i > 0:
+                for a, b in zip(dx, ref_dx):
+                    assert_close_rel(a, b, 1e-5, f"stage {i}: input grad")
+            for (name, p), b in zip(stage.module.named_parameters(), ref_grads):
+                assert_close_rel(p.grad, b, 1e-5, f"stage {i}: grad of {name}")
+
+
+def _batches(n):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(BATCH, D_IN, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)) for _ in range(n)]
+
+
+def _train(trainer, batches):
+    for x, y in batches:
+        trainer.train_step(x, y)
+
+
+def test_a_checkpoint_keeps_the_draws_of_the_batches_in_flight():
+    # Stopped mid-pipeline, saved, loaded into a fresh trainer: with the generator where the
+    # uninterrupted run had it, the rest of the run is bit for bit the uninterrupted one's.
+    # (Without the in-flight forwards' generator states the resumed backwards would draw anew.)
+    batches = _batches(6)
+    whole = Trainer(_model(tokens=False), "petra", groups=3, base_lr=0.05)
+    _train(whole, batches[:3])
+    state = whole.state_dict()
+    assert any(replays[1] for _, _, replays in state["fifos"])
+    generator = torch.get_rng_state()
+    _train(whole, batches[3:])
+    whole.flush()
+    # directly, and through the distributed runtime's per-rank checkpoints
+    image_spec = ((BATCH, D_IN), torch.float32)
+    for checkpoint in (state, merge_rank_states([split_trainer_state(state, r, image_spec) for r in range(3)])):
+        resumed = Trainer(_model(tokens=False), "petra", groups=3, base_lr=0.05)
+        resumed.load_state_dict(checkpoint)
+        torch.set_rng_state(generator)
+        _train(resumed, batches[3:])
+        resumed.flush()
+        for mine, other in zip(resumed.stages, whole.stages):
+            for (name, a), b in zip(mine.module.state_dict().items(), other.module.state_dict().values()):
+                assert torch.equal(a, b), f"stage {mine.index} {name}"
