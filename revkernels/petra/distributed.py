@@ -91,7 +91,7 @@ from torch import nn
 
 from revkernels.engine.state import NO_CONTEXT
 from revkernels.petra.partition import _stage_modules
-from revkernels.petra.simulate import PIPELINED, Trainer, check_batch
+from revkernels.petra.simulate import PIPELINED, Trainer, check_batch, own_batch
 
 FAULT_ENV = "REVKERNELS_PETRA_FAULT_AFTER"
 ATTEMPT_ENV = "REVKERNELS_PETRA_ATTEMPT"
@@ -274,6 +274,7 @@ class PipelineRank:
 
     def train_step(self, images, labels, **context):
         check_batch(images, labels, context)
+        images, labels, context = own_batch(images, labels, context)
         if self._specs is None:
             self._image_spec = (tuple(images.shape), images.dtype)
             self._specs = boundary_specs(self.stages, self.trainer.groups, tuple(images.shape), images.dtype, context)

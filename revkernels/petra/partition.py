@@ -47,6 +47,7 @@ the user (``costs=``).
 import copy
 import dataclasses
 import math
+import numbers
 import time
 from collections import deque
 
@@ -340,7 +341,7 @@ def _stage_modules(model):
     return modules
 
 
-def partition(model, delayed=False, groups=None, balance="count", costs=None, example=None):
+def partition(model, delayed=False, groups=None, balance="count", costs=None, example=None, context=None):
     """The PETRA stages of `model`: one `Stage` per entry of ``model.stages``, in order
     (``delayed=True``: the delayed-gradient baseline's stages, see the module docstring).
 
@@ -354,15 +355,16 @@ def partition(model, delayed=False, groups=None, balance="count", costs=None, ex
     "Groups"): `balance` "count" or "time"; for "time", `costs` (J non-negative per-stage costs) or
     `example` (the first stage's input, e.g. a batch of images, on the model's device: `stage_costs`
     times the stages on it, an optimizer step every tick; for accumulation over k batches pass
-    ``costs=stage_costs(model, example, accum_k=k)``).
+    ``costs=stage_costs(model, example, accum_k=k)``; `context`: a dict of the keywords the stages
+    take, as `train_step` gets them, for timing a model whose stages need them).
     """
     modules = _stage_modules(model)
     stages = [Stage(m, i, len(modules), delayed=delayed) for i, m in enumerate(modules)]
     if groups is None:
-        if balance != "count" or costs is not None or example is not None:
-            raise ValueError("revkernels: balance, costs and example apply to partition(model, groups=R) only")
+        if balance != "count" or costs is not None or example is not None or context is not None:
+            raise ValueError("revkernels: balance, costs, example and context apply to partition(model, groups=R) only")
         return stages
-    sizes = group_sizes(modules, groups, balance, costs, example)
+    sizes = group_sizes(modules, groups, balance, costs, example, context)
     out, start = [], 0
     for n in sizes:
         out.append(stages[start:start + n])
@@ -370,7 +372,7 @@ def partition(model, delayed=False, groups=None, balance="count", costs=None, ex
     return out
 
 
-def group_sizes(model, groups, balance="count", costs=None, example=None):
+def group_sizes(model, groups, balance="count", costs=None, example=None, context=None):
     """The sizes of the R = `groups` contiguous stage groups `partition(model, groups=R, ...)` makes."""
     n = len(_stage_modules(model))
     if isinstance(groups, bool) or not isinstance(groups, int) or not 1 <= groups <= n:
@@ -378,17 +380,35 @@ def group_sizes(model, groups, balance="count", costs=None, example=None):
     if balance not in BALANCES:
         raise ValueError(f"revkernels: balance must be one of {list(BALANCES)}, got {balance!r}")
     if balance == "count":
-        if costs is not None or example is not None:
-            raise ValueError('revkernels: costs and example apply to balance="time" only')
+        if costs is not None or example is not None or context is not None:
+            raise ValueError('revkernels: costs, example and context apply to balance="time" only')
         return count_sizes(n, groups)
     if (costs is None) == (example is None):
         raise ValueError('revkernels: balance="time" needs exactly one of costs (per-stage costs) and example '
                          '(an input batch to time the stages on)')
     if costs is None:
-        costs = stage_costs(model, example)
-    elif len(costs) != n:
-        raise ValueError(f"revkernels: costs must have one entry per stage ({n}), got {len(costs)}")
+        costs = stage_costs(model, example, context=context)
+    else:
+        if context is not None:
+            raise ValueError("revkernels: context applies to timing an example, not to given costs")
+        costs = _as_costs(costs)
+        if len(costs) != n:
+            raise ValueError(f"revkernels: costs must have one entry per stage ({n}), got {len(costs)}")
     return balanced_sizes(costs, groups)
+
+
+def _as_costs(costs):
+    """`costs` as a list of floats: any iterable (a generator, a NumPy array, a 1-D tensor) of real
+    numbers; ValueError for anything else, a bool, or a negative or non-finite cost."""
+    if isinstance(costs, torch.Tensor):
+        costs = costs.tolist() if costs.dim() == 1 and not costs.dtype.is_complex and costs.dtype != torch.bool else [costs]
+    try:
+        costs = list(costs)
+    except TypeError:
+        raise ValueError(f"revkernels: costs must be a sequence of numbers, got {type(costs).__name__}") from None
+    if any(isinstance(c, bool) or not isinstance(c, numbers.Real) or not math.isfinite(c) or c < 0 for c in costs):
+        raise ValueError(f"revkernels: costs must be finite non-negative numbers, got {costs!r}")
+    return [float(c) for c in costs]
 
 
 def count_sizes(num_stages, groups):
@@ -401,9 +421,7 @@ def balanced_sizes(costs, groups):
     """Sizes of the split of `costs` into `groups` contiguous non-empty groups whose largest group sum is
     the smallest possible (exact dynamic programming); among the optimal splits, the lexicographically
     smallest sizes (deterministic)."""
-    costs = list(costs)
-    if any(isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0 for c in costs):
-        raise ValueError(f"revkernels: costs must be finite non-negative numbers, got {costs!r}")
+    costs = _as_costs(costs)
     n = len(costs)
     if isinstance(groups, bool) or not isinstance(groups, int) or not 1 <= groups <= n:
         raise ValueError(f"revkernels: groups must be an int in [1, {n}] (the number of costs), got {groups!r}")
@@ -427,14 +445,15 @@ def balanced_sizes(costs, groups):
     return sizes + [n - i]
 
 
-def stage_costs(model, example, warmup=1, reps=5, accum_k=1):
+def stage_costs(model, example, warmup=1, reps=5, accum_k=1, context=None):
     """Seconds per tick of each stage of `model` on `example` (the first stage's input, a tensor or a tuple
     of tensors, on the model's device): the shortest of `reps` runs (other load only lengthens a run),
     after `warmup`, of its forward plus
     its backward (rebuild + VJP for a reversible stage, recompute + VJP from the FIFO for the others,
     forward + loss + backward for the last stage) plus 1 / `accum_k` of an optimizer step over its
     parameters (the PETRA trainer's SGD with Nesterov momentum: a parameter-heavy stage pays for it every
-    k ticks), the device synchronised around each.
+    k ticks), the device synchronised around each. `context`: a dict of the keywords every stage
+    module takes (an attention mask; constants, as in `train_step`).
 
     Runs on a deep copy: the model's parameters, grads, BatchNorm statistics and the global RNG state are
     left as they were.
@@ -445,6 +464,8 @@ def stage_costs(model, example, warmup=1, reps=5, accum_k=1):
         raise ValueError(f"revkernels: warmup must be >= 0 and reps >= 1, got {warmup} and {reps}")
     if isinstance(accum_k, bool) or not isinstance(accum_k, int) or accum_k < 1:
         raise ValueError(f"revkernels: accum_k must be an int >= 1, got {accum_k!r}")
+    context = dict(context or {})
+    check_constant_context(context)
     modules = copy.deepcopy(_stage_modules(model))
     stages = [Stage(m, i, len(modules)) for i, m in enumerate(modules)]
     x = _as_tuple(example, "example")
@@ -468,11 +489,11 @@ def stage_costs(model, example, warmup=1, reps=5, accum_k=1):
             times = []
             for r in range(warmup + reps):
                 if s.is_last:
-                    t, _ = timed(lambda: s.forward_backward(x, labels))
+                    t, _ = timed(lambda: s.forward_backward(x, labels, **context))
                 else:
-                    t_f, y = timed(lambda: s.forward(x))
+                    t_f, y = timed(lambda: s.forward(x, **context))
                     dy = tuple(torch.full_like(t, 1e-3) for t in y)
-                    t_b, _ = timed(lambda: s.backward(y, dy))
+                    t_b, _ = timed(lambda: s.backward(y, dy, **context))
                     t = t_f + t_b
                 if optimizer is not None:
                     t += timed(lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)))[0] / accum_k

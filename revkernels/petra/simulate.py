@@ -218,6 +218,14 @@ def check_batch(images, labels, context):
     check_constant_context(context)
 
 
+def own_batch(images, labels, context):
+    """Copies of `images`, `labels` and `context`'s tensors: the pipeline holds a batch for ticks
+    after `train_step` returns (the first stage's recompute, the head's labels), and a caller may
+    refill its tensors for the next batch meanwhile (a reused prefetch buffer)."""
+    return (images.detach().clone(), labels.clone(),
+            {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in context.items()})
+
+
 def _contiguous(xs):
     return None if xs is None else tuple(None if t is None else t.contiguous() for t in xs)
 
@@ -433,6 +441,8 @@ class Trainer:
         """Feeds one batch (with its `context` keywords): one tick of the pipeline (petra) or one
         forward/backward (baselines)."""
         check_batch(images, labels, context)
+        if self.method in PIPELINED or self.analyze_every:
+            images, labels, context = own_batch(images, labels, context)
         if self.batch_size is None:
             self.batch_size = int(images.shape[0])
         batch = self.batches_in

@@ -5,11 +5,13 @@ import itertools
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from revkernels.models import revnet18
 from revkernels.petra import balanced_sizes, group_sizes, partition, stage_costs
+from tests.petra.test_context import _batches as context_batches, _model as context_model
 from tests.petra.test_simulate import synthetic_stages
 
 
@@ -77,10 +79,33 @@ def test_partition_group_errors():
         partition(model, groups=2, balance="time", costs=[1, 2, 3])
     with pytest.raises(ValueError, match="costs must be finite non-negative"):
         partition(model, groups=2, balance="time", costs=[1, -2, 3, 4])
-    with pytest.raises(ValueError, match='costs and example apply to balance="time" only'):
+    with pytest.raises(ValueError, match='costs, example and context apply to balance="time" only'):
         partition(model, groups=2, costs=[1, 2, 3, 4])
     with pytest.raises(ValueError, match="apply to partition.model, groups=R. only"):
         partition(model, balance="time", costs=[1, 2, 3, 4])
+
+
+def test_given_costs_may_be_any_sequence_of_real_numbers():
+    model = synthetic_stages("S r D r r H")
+    want = [len(g) for g in partition(model, groups=3, balance="time", costs=[1, 1, 1, 9, 1, 1])]
+    for costs in (np.array([1, 1, 1, 9, 1, 1]), np.array([1, 1, 1, 9, 1, 1], dtype=np.float32),
+                  torch.tensor([1.0, 1.0, 1.0, 9.0, 1.0, 1.0]), (c for c in [1, 1, 1, 9, 1, 1])):
+        assert [len(g) for g in partition(model, groups=3, balance="time", costs=costs)] == want
+    for costs in (["1"] * 6, [True] * 6, 7):
+        with pytest.raises(ValueError, match="costs must be"):
+            partition(model, groups=3, balance="time", costs=costs)
+
+
+def test_time_balance_of_stages_that_take_context():
+    # (stages needing a mask could not be timed: the keywords never reached them)
+    model = context_model()
+    x, _, context = context_batches(1)[0]
+    costs = stage_costs(model, x, warmup=0, reps=1, context=context)
+    assert len(costs) == len(model) and all(math.isfinite(c) and c > 0 for c in costs)
+    groups = partition(model, groups=2, balance="time", example=x, context=context)
+    assert [s.index for g in groups for s in g] == list(range(len(model)))
+    with pytest.raises(ValueError, match="context applies to timing an example"):
+        partition(model, groups=2, balance="time", costs=[1] * len(model), context=context)
 
 
 def test_stage_costs_leaves_the_model_and_rng_untouched():

@@ -441,3 +441,27 @@ def test_one_batch_through_the_pipeline_gives_the_backprop_gradient(which):
     _grads_close(grads["revbackprop"], grads["backprop"], exact, 1e-5)
     for (n, a), (_, b) in zip(models["petra"].named_buffers(), models["backprop"].named_buffers()):
         assert torch.equal(a, b), f"{n}: BatchNorm statistics differ"
+
+
+def test_a_caller_may_refill_its_batch_tensors_after_train_step():
+    # The pipeline holds a batch for ticks after train_step returns (the stem's recompute, the
+    # head's labels): a caller refilling one buffer each step gets what fresh tensors give.
+    def run(reuse):
+        torch.manual_seed(0)
+        model = synthetic_stages("S r D r H")
+        trainer = Trainer(model, "petra", base_lr=0.5, weight_decay=0.0)
+        images, labels = torch.empty(4, 8), torch.empty(4, dtype=torch.long)
+        losses = []
+        for x, y in _batches(6):
+            if reuse:
+                images.copy_(x)
+                labels.copy_(y)
+                x, y = images, labels
+            losses.append(trainer.train_step(x, y)["loss"])
+        losses += [out["loss"] for out in trainer.flush()]
+        return model, losses
+
+    (fresh, fresh_losses), (reused, reused_losses) = run(False), run(True)
+    assert reused_losses == fresh_losses
+    for (name, a), b in zip(fresh.named_parameters(), reused.parameters()):
+        assert torch.equal(a, b), name
