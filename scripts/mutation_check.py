@@ -85,8 +85,8 @@ mutation("revvit_no_rng_replay_for_G", REVVIT,
          "with maybe_replay(None if state is None else state.rng_g):\n                # The ops",
          "with maybe_replay(None):\n                # The ops", T_REVVIT)
 mutation("revvit_skip_proj_bias_grad", REVVIT,
-         'named["f.proj.bias"] = lambda: _to(_to(dproj, torch.float32).sum(0)',
-         'named["f.proj.bias"] = lambda: _to(0 * _to(dproj, torch.float32).sum(0)',
+         'named["f.proj.bias"] = lambda: _to(dproj.sum(0, dtype=',
+         'named["f.proj.bias"] = lambda: _to(0 * dproj.sum(0, dtype=',
          T_REVVIT)
 
 # --- generic blocks and the sequential engine ----------------------------------------------------------
@@ -112,11 +112,11 @@ mutation("batchnorm_act_stats_updated_in_recompute", BNACT,
          "if self.training and self.running_mean is not None:",
          "tests/models/test_revnet.py::test_one_training_step_matches_plain_autograd[revnet18]")
 mutation("engine_no_autocast_reentry", SEQ,
-         "        with autocast():\n            state = None", "        with contextlib.nullcontext():\n            state = None",
+         "        with autocast(), buffers_kept(block)", "        with contextlib.nullcontext(), buffers_kept(block)",
          f"{T_SEQ} -k autocast")
 mutation("engine_skips_1d_param_grads", SEQ,
-         "            if grad is None:\n                continue\n            k = index[id(p)]",
-         "            if grad is None or p.dim() == 1:\n                continue\n            k = index[id(p)]",
+         "            if grad is None or k is None:\n                continue",
+         "            if grad is None or k is None or p.dim() == 1:\n                continue",
          f"{T_SEQ} -k equal_plain")
 mutation("engine_param_grads_counted_twice", SEQ,
          "param_grads[k] = grad if param_grads[k] is None else param_grads[k] + grad",
@@ -160,9 +160,18 @@ mutation("petra_staleness_off_by_one", SIM,  # forward messages arrive in the ti
          "incoming = new_input if w == 0 else self._fwd_msgs.get(w - 1)",
          "incoming = new_input if w == 0 else fwd_msgs.get(w - 1)", T_REF)
 mutation("petra_rebuild_with_forward_params", PART,
-         "            x1, x2, dx1, dx2 = self._run.reverse(y[0].detach(), y[1].detach(), dy[0], dy[1], **context)\n",
-         "            x1, x2, dx1, dx2 = self._run.reverse(y[0].detach(), y[1].detach(), dy[0], dy[1], **context)\n"
+         "                                                                    [state], context)\n",
+         "                                                                    [state], context)\n"
          "            x1, x2 = y[1].detach() - self.module.f(y[0]).detach() * 0.99, y[0].detach()\n", T_REF)
+mutation("petra_stage_draws_fresh_masks", PART,
+         "            state = self._next_replay()\n", "            state = self._next_replay() and None\n",
+         "tests/petra/test_stage_randomness.py")
+mutation("petra_batch_kept_by_reference", SIM,
+         "    return (images.detach().clone(), labels.clone(),", "    return (images.detach(), labels,",
+         f"{T_SIM} -k refill")
+mutation("models_hand_runs_autocast_streams", "revkernels/models/staged.py",
+         "    return tuple(s if s.dtype == dtype else s.to(dtype) for s in streams)", "    return streams",
+         "tests/models/test_staged.py")
 mutation("petra_lr_linear_scaling_wrong", SIM,
          "return self.base_lr * self.batch_size * self.accum_k / 256", "return self.base_lr * self.batch_size / 256", T_REF)
 mutation("petra_delayed_uses_current_params", PART,
