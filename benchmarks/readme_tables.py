@@ -334,9 +334,11 @@ def rewrite(readme, text, begin=BEGIN, end=END):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=_bench_module("helptext").description(__doc__))
     parser.add_argument("--print", action="store_true", help="print the tables instead of rewriting README.md")
-    parser.add_argument("--results", default=RESULTS)
+    parser.add_argument("--results", default=RESULTS, help="folder of the committed CSVs (default: benchmarks/results)")
     parser.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
     args = parser.parse_args(argv)
+    if not os.path.isdir(args.results):  # (missing CSVs read as "no results": every table would go)
+        parser.error(f"--results {args.results!r} is not a folder of benchmark results")
     text, overhead = tables(args.results), overhead_section(args.results)
     if args.print:
         print(text + "\n" + overhead)

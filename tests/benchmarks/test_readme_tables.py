@@ -173,6 +173,17 @@ def test_main_rewrites_both_marked_sections(tmp_path, readme_tables):
     assert "old" not in text
 
 
+def test_main_refuses_a_results_folder_that_does_not_exist(tmp_path, readme_tables, capsys):
+    # (its missing CSVs read as "no results committed": every table was replaced, exit status 0)
+    readme = tmp_path / "README.md"
+    before = f"{readme_tables.BEGIN}\nkept\n{readme_tables.END}\n"
+    readme.write_text(before)
+    with pytest.raises(SystemExit) as exit_info:
+        readme_tables.main(["--results", str(tmp_path / "missing"), "--readme", str(readme)])
+    assert exit_info.value.code == 2 and "--results" in capsys.readouterr().err
+    assert readme.read_text() == before
+
+
 def test_overhead_section_has_the_host_profile_tables(tmp_path, readme_tables):
     categories = [key for key, _ in readme_tables.PROFILE_COLUMNS]
     row = {"config": "host_bound", "variant": "standard", "steps": 20, "step_ms_profiled": 6.5,
