@@ -60,6 +60,8 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
+    if args.seeds < 1 or min(args.depths) < 1:
+        parser.error(f"--seeds and --depths must be at least 1, got {args.seeds} and {args.depths}")
     dim, heads, tokens, batch, depths, seeds = 64, 4, 17, 4, args.depths, args.seeds
     if args.quick:
         dim, heads, tokens, batch, depths, seeds = 16, 2, 5, 2, [1, 2], 1

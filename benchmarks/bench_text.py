@@ -181,6 +181,12 @@ def parse_args(argv=None):
             parser.error(f"--{name} must be positive")
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is not timed)")
+    if min(args.depths) < 1:
+        parser.error(f"--depths must be at least 1, got {args.depths}")
+    if args.dim % args.heads:
+        parser.error(f"--heads must divide --dim ({args.dim}), got {args.heads}")
+    if not 0 <= args.dropout < 1:
+        parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
     return args
 
 

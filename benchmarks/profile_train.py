@@ -18,12 +18,14 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from revkernels.bench.helptext import description  # noqa: E402
-from revkernels.bench.train import MODELS, TOKENS, build  # noqa: E402
+from revkernels.bench.train import MODELS, TOKENS, all_variants, build, compile_as_measured  # noqa: E402
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=description(__doc__))
-    parser.add_argument("--variant", default="revkernels_sequential")
+    # (standard_graphs is a whole-step CUDA graph capture of the train benchmark's timing loop, not profiled here)
+    parser.add_argument("--variant", default="revkernels_sequential",
+                        choices=[v for v in all_variants() if v != "standard_graphs"])
     parser.add_argument("--model", default="vit_b", choices=list(MODELS))
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--depth", type=int, help="blocks (default: the model's)")
@@ -33,7 +35,8 @@ def main(argv=None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = MODELS[args.model]
     torch.manual_seed(0)
-    model = build(args.variant, args.depth or shape["depth"], shape["dim"], shape["heads"]).to(device)
+    model = compile_as_measured(args.variant, build(args.variant, args.depth or shape["depth"], shape["dim"],
+                                                    shape["heads"]).to(device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(args.batch, TOKENS, shape["dim"], device=device)
 

@@ -40,7 +40,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from revkernels.bench.report import DEFAULT_OUT
+from revkernels.bench.report import DEFAULT_OUT, check_device, check_out_folder
 
 PARTS = ("memory", "kernels", "train", "overhead", "petra")
 CUDA_ONLY_WHEN_NAMED = ("overhead", "petra")
@@ -62,8 +62,8 @@ def _parse(argv):
                         help=f"parts to run, from {', '.join(PARTS)} (default: all; on CUDA all but overhead and petra)")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"folder for CSV and PNG (default: ./{DEFAULT_OUT})")
     args = parser.parse_args(argv)
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: CUDA is not available")
+    check_out_folder(parser, args.out)
+    check_device(parser, args.device)
     return args
 
 

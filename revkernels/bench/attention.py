@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
 from revkernels.bench.overhead import keep_freed_memory, per_call_us
-from revkernels.bench.report import DEFAULT_OUT, provenance, pyplot, save_figure, write_csv
+from revkernels.bench.report import DEFAULT_OUT, check_out_folder, provenance, pyplot, save_figure, write_csv
 from revkernels.engine.compiled import isolated
 from revkernels.nn.attention import MATH_MAX_KEYS
 
@@ -107,6 +107,7 @@ def parse_args(argv=None, default_out=DEFAULT_OUT):
     parser.add_argument("--reps", type=int, help="timing samples per kind and point (default 15, 3 with --quick)")
     parser.add_argument("--out", default=default_out, help=f"folder for CSV and PNG (default: {default_out})")
     args = parser.parse_args(argv)
+    check_out_folder(parser, args.out)
     for name in ("threads", "reps"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")

@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from revkernels.bench import overhead as ov
 from revkernels.bench.helptext import description
-from revkernels.bench.report import DEFAULT_OUT, provenance, synchronize, write_csv
+from revkernels.bench.report import DEFAULT_OUT, check_device, check_out_folder, provenance, synchronize, write_csv
 
 CATEGORIES = ("gemm_attention", "compiled_graphs", "dynamo_entry", "autograd_engine", "python_functions",
               "revkernels_ops", "other_aten", "other", "python_untraced")
@@ -185,9 +185,10 @@ def main(argv=None, default_out=DEFAULT_OUT):
     parser.add_argument("--rows", type=int, default=15, help="events listed per variant (default: 15)")
     parser.add_argument("--out", default=default_out, help=f"results folder (default: {default_out})")
     args = parser.parse_args(argv)
+    check_out_folder(parser, args.out)
     if args.steps < 1:
         parser.error("--steps must be at least 1")
-    device = torch.device(args.device)
+    device = check_device(parser, args.device)
     ov.keep_freed_memory()
     meta = provenance(args.device)
     results = profile_config(args.config, args.variants or DEFAULT_VARIANTS[args.config], device, args.steps)

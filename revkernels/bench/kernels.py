@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from revkernels.bench.helptext import description
-from revkernels.bench.report import DEFAULT_OUT, provenance, pyplot, save_figure, write_csv
+from revkernels.bench.report import (DEFAULT_OUT, check_device, check_out_folder, provenance, pyplot, save_figure,
+                                     write_csv)
 from revkernels.ops import get_cuda_backend, set_cuda_backend
 
 SIZES_CUDA = [(12608, 768), (25216, 1024), (32768, 4096)]
@@ -142,12 +143,15 @@ def _copy_bandwidth(device, dtype, reps):
 
 
 def parse_args(argv=None, default_out=DEFAULT_OUT):
-    parser = argparse.ArgumentParser(description=description(__doc__))
+    parser = argparse.ArgumentParser(prog="python -m revkernels.bench.kernels", description=description(__doc__))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     parser.add_argument("--out", default=default_out, help=f"folder for CSV and PNG (default: {default_out})")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_out_folder(parser, args.out)
+    check_device(parser, args.device)
+    return args
 
 
 def run(args):

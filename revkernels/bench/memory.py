@@ -15,7 +15,8 @@ import torch
 from tqdm import tqdm
 
 from revkernels.bench.helptext import description
-from revkernels.bench.report import DEFAULT_OUT, plot_train_step, provenance, write_csv
+from revkernels.bench.report import (DEFAULT_OUT, check_device, check_out_folder, plot_train_step, provenance,
+                                     write_csv)
 from revkernels.bench.train_step import TrainStepConfig, median_step_ms, peak_bytes, saved_bytes
 
 ENGINES = ("autograd", "sequential")
@@ -32,9 +33,8 @@ def parse_args(argv=None, default_out=DEFAULT_OUT):
     parser.add_argument("--steps", type=int, help="timed steps per point (median reported; default 10, 3 with --quick)")
     parser.add_argument("--out", default=default_out, help=f"folder for CSV and PNG (default: ./{default_out})")
     args = parser.parse_args(argv)
-    cuda = torch.device(args.device).type == "cuda"
-    if cuda and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: CUDA is not available")
+    check_out_folder(parser, args.out)
+    cuda = check_device(parser, args.device).type == "cuda"
     args.depths = args.depths or ([12, 24] if args.quick else [12, 24, 48]) if cuda else args.depths or ([2, 4] if args.quick else [4, 8, 16])
     args.width = args.width or (768 if cuda else 256)
     args.rows = args.rows or (32 * 197 if cuda else (256 if args.quick else 1024))

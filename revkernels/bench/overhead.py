@@ -89,7 +89,8 @@ from torch import nn
 from tqdm import tqdm
 
 import revkernels as rk
-from revkernels.bench.report import DEFAULT_OUT, provenance, pyplot, save_figure, synchronize, write_csv
+from revkernels.bench.report import (DEFAULT_OUT, check_device, check_out_folder, provenance, pyplot, save_figure,
+                                     synchronize, write_csv)
 from revkernels.bench.targets import format_ratio, format_spread, target_rows
 from revkernels.bench.train import ReversibleStack, StandardStack
 from revkernels.nn.revvit import AttentionBranch, MlpBranch, RevViTBlock
@@ -552,8 +553,8 @@ def parse_args(argv=None, default_out=DEFAULT_OUT):
     parser.add_argument("--op-reps", type=int, help="timing samples per op and implementation (default 15, 5 with --quick)")
     parser.add_argument("--out", default=default_out, help=f"folder for CSV and PNG (default: {default_out})")
     args = parser.parse_args(argv)
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: CUDA is not available")
+    check_out_folder(parser, args.out)
+    check_device(parser, args.device)
     unknown = [v for v in args.variants or [] if v not in variants()]
     if unknown:
         parser.error(f"--variants: unknown {', '.join(unknown)} (choose from {', '.join(variants())})")
@@ -657,7 +658,8 @@ def run(args):
         written.append(write_csv(os.path.join(args.out, f"overhead_ops_{tag}.csv"), op_rows, meta))
     if compile_rows:
         written.append(write_csv(os.path.join(args.out, f"overhead_compile_{tag}.csv"), compile_rows, meta))
-    print("\nwrote " + ", ".join(written), flush=True)
+    print("\nwrote " + ", ".join(written) if written else "\nnothing measured (no --configs, --ops or "
+          "--compile-variants selected): nothing written", flush=True)
     return step_rows + op_rows + compile_rows
 
 
@@ -682,10 +684,16 @@ def _print_steps(rows):
         print(f"{'variant':<34} {'step ms':>9} {'first ms':>9} {'compile s':>9} {'vs standard':>12} "
               f"{'vs plain':>9} {'vs ckpt':>8} {'vs std compiled':>16}")
         for r in mine:
-            print(f"{r['variant']:<34} {_fmt(r['step_ms'], '9.2f')} {_fmt(r['first_step_ms'], '9.1f')} "
+            print(f"{r['variant']:<34} {_fmt(r['step_ms'], '9.2f'):>9} {_fmt(r['first_step_ms'], '9.1f'):>9} "
                   f"{_fmt(r['compile_s'], '9.2f') if r['compile_s'] != '' else '':>9} "
-                  f"{_fmt(r['vs_standard'], '11.2f')}x {_fmt(r['vs_reversible_plain'], '8.2f')}x "
-                  f"{_fmt(r['vs_checkpoint'], '7.2f')}x {_fmt(r['vs_standard_compile'], '15.2f')}x")
+                  f"{_speed(r['vs_standard']):>12} {_speed(r['vs_reversible_plain']):>9} "
+                  f"{_speed(r['vs_checkpoint']):>8} {_speed(r['vs_standard_compile']):>16}")
+
+
+def _speed(value):
+    """A speed ratio as "1.23x", or "n/a" where its baseline was not measured."""
+    text = _fmt(value, ".2f")
+    return text if text == "n/a" else text + "x"
 
 
 def _print_ops(rows):

@@ -84,7 +84,7 @@ import torch
 from tqdm import tqdm
 
 from revkernels.bench.helptext import description
-from revkernels.bench.report import DEFAULT_OUT, provenance, synchronize, write_csv
+from revkernels.bench.report import DEFAULT_OUT, check_device, check_out_folder, provenance, synchronize, write_csv
 from revkernels.petra import Trainer, balanced_sizes, stage_costs
 from revkernels.petra.distributed import PipelineRank, init, launch
 from revkernels.petra.partition import BALANCES, count_sizes
@@ -137,7 +137,7 @@ def _bench_revbackprop(cfg, threads):
 
 
 def parse_args(argv=None, default_out=DEFAULT_OUT):
-    p = argparse.ArgumentParser(description=description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m revkernels.bench.petra", description=description(__doc__))
     p.add_argument("--quick", action="store_true", help="tiny shapes and few steps (smoke run)")
     p.add_argument("--model", default="revnet18", choices=["revnet18", "revnet34", "revnet50"])
     p.add_argument("--stem", default="cifar", choices=["cifar", "imagenet"])
@@ -161,8 +161,18 @@ def parse_args(argv=None, default_out=DEFAULT_OUT):
                    help="--project: link bandwidth per worker and direction, GB/s (default 25)")
     p.add_argument("--link-latency-us", type=float, default=10.0, help="--project: latency per message, us (default 10)")
     args = p.parse_args(argv)
+    check_out_folder(p, args.out)
     if args.link_gb_s <= 0 or args.link_latency_us < 0:
         p.error("--link-gb-s must be > 0 and --link-latency-us >= 0")
+    for name in ("image_size", "batch", "accum", "nproc", "steps"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup is not None and args.warmup < 0:
+        p.error("--warmup must be at least 0")
+    if args.groups is not None and (not args.groups or len(args.groups) != args.nproc or min(args.groups) < 1):
+        p.error(f"--groups must be {args.nproc} positive sizes (one per rank, --nproc), got {args.groups}")
+    if args.device is not None:
+        check_device(p, args.device)
     return args
 
 
@@ -181,6 +191,12 @@ def run(args):
            "image_size": args.image_size or (8 if args.quick else 16), "batch": args.batch or (4 if args.quick else 32),
            "warmup": args.warmup if args.warmup is not None else 2 * args.nproc + 2,
            "steps": args.steps or (4 if args.quick else 20)}
+    num_stages = len(_model(cfg).stages)  # (checked before the profiling)
+    if args.nproc > num_stages:
+        raise ValueError(f"revkernels: --nproc must be at most {num_stages} (the stages of {args.model}), got {args.nproc}")
+    if args.groups and sum(args.groups) != num_stages:
+        raise ValueError(f"revkernels: --groups must be {args.nproc} sizes summing to {num_stages} (the stages of "
+                         f"{args.model}), got {args.groups}")
     costs = _profile(cfg)
     if args.groups:
         cfg["groups"] = list(args.groups)
@@ -188,8 +204,6 @@ def run(args):
         cfg["groups"] = balanced_sizes(costs, args.nproc)
     else:
         cfg["groups"] = count_sizes(len(costs), args.nproc)
-    if len(cfg["groups"]) != args.nproc or sum(cfg["groups"]) != len(costs):
-        raise ValueError(f"revkernels: --groups must be {args.nproc} sizes summing to {len(costs)}, got {args.groups}")
     group_ms, start = [], 0
     for n in cfg["groups"]:
         group_ms.append(sum(costs[start:start + n]) * 1e3)

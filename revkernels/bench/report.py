@@ -11,6 +11,25 @@ import torch
 DEFAULT_OUT = "revkernels-bench"  # results folder of `python -m revkernels.bench` and its parts, under the cwd
 
 
+def check_device(parser, device, flag="--device"):
+    """`device` as a torch.device; an argparse error (exit status 2) naming `flag` for a string
+    that is no device or a CUDA device without CUDA."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parser.error(f"{flag} {device!r}: not a device (cpu, cuda, cuda:1, ...)")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"{flag} {device}: CUDA is not available")
+    return parsed
+
+
+def check_out_folder(parser, path, flag="--out"):
+    """An argparse error naming `flag` when `path` exists and is not a folder (found before any
+    measuring, not when the results are written)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        parser.error(f"{flag} {path}: exists and is not a folder")
+
+
 def synchronize(device):
     """Waits for `device`'s queued work (CUDA); nothing to wait for on CPU."""
     if torch.device(device).type == "cuda":
@@ -55,7 +74,7 @@ def provenance(device):
 
 def write_csv(path, rows, meta):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fields = list(rows[0]) + list(meta)
+    fields = list(dict.fromkeys([*rows[0], *meta]))  # a field in both once (the meta's value)
     with open(path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()

@@ -56,7 +56,8 @@ from tqdm import tqdm
 
 import revkernels as rk
 from revkernels.bench.helptext import description
-from revkernels.bench.report import DEFAULT_OUT, provenance, pyplot, save_figure, synchronize, write_csv
+from revkernels.bench.report import (DEFAULT_OUT, check_device, check_out_folder, provenance, pyplot, save_figure,
+                                     synchronize, write_csv)
 from revkernels.nn.revvit import AttentionBranch, MlpBranch, RevViTBlock
 
 MODELS = {"vit_b": dict(depth=12, dim=768, heads=12), "vit_l": dict(depth=24, dim=1024, heads=16)}
@@ -198,6 +199,16 @@ def _fresh_device(device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def compile_as_measured(variant, model):
+    """Compiles `model`'s blocks where `variant` is standard_compile (each block under torch.compile,
+    static shapes); the other variants run as `build` made them (standard_graphs is captured by
+    `time_steps`)."""
+    if variant == "standard_compile":
+        for block in model.blocks:
+            block.compile(dynamic=False)
+    return model
+
+
 def measure(variant, depth, dim, heads, batch, tokens, device, dtype, steps, warmup):
     _fresh_device(device)
     if variant in COMPILING:
@@ -208,9 +219,7 @@ def measure(variant, depth, dim, heads, batch, tokens, device, dtype, steps, war
     with torch.device(device):
         model = build(variant, depth, dim, heads)
         x = torch.randn(batch, tokens, dim)
-    if variant == "standard_compile":
-        for block in model.blocks:
-            block.compile(dynamic=False)
+    compile_as_measured(variant, model)
     return time_steps(model, x, lambda y: y.float().square().mean(), device, dtype, steps, warmup,
                       graph_whole_model=variant == "standard_graphs")
 
@@ -242,6 +251,7 @@ def _safely(fn, *args):
 REVNETS_CUDA = ["revnet18:imagenet:64", "revnet18:imagenet:256", "revnet50:imagenet:64", "revnet50:imagenet:256",
                 "revnet18:cifar:256"]
 REVNET_ENGINES = ("autograd", "sequential", "pareprop", "graphs")
+REVNET_NAMES = ("revnet18", "revnet34", "revnet50")
 
 
 def _ratio(a, b):
@@ -249,7 +259,7 @@ def _ratio(a, b):
 
 
 def parse_args(argv=None, default_out=DEFAULT_OUT):
-    parser = argparse.ArgumentParser(description=description(__doc__))
+    parser = argparse.ArgumentParser(prog="python -m revkernels.bench.train", description=description(__doc__))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="tiny shapes and few steps (smoke run)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -262,7 +272,29 @@ def parse_args(argv=None, default_out=DEFAULT_OUT):
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no new configuration after this many seconds; the first always runs (default: no limit)")
     parser.add_argument("--out", default=default_out, help=f"folder for CSV and PNG (default: {default_out})")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_out_folder(parser, args.out)
+    check_device(parser, args.device)
+    known = all_variants()
+    unknown = [v for v in args.variants or [] if v not in known]
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)} (choose from {', '.join(known)})")
+    for name in ("batches", "depth_sweep"):
+        if getattr(args, name) and min(getattr(args, name)) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    for config in args.revnets or []:
+        name, stem, batch = (config.split(":") + ["", "", ""])[:3]
+        if config.count(":") != 2 or name not in REVNET_NAMES or stem not in rk.models.revnet.STEMS \
+                or not batch.isdigit() or int(batch) < 1:
+            parser.error(f"--revnets: {config!r} is not name:stem:batch with name in {', '.join(REVNET_NAMES)}, "
+                         f"stem in {', '.join(rk.models.revnet.STEMS)} and a positive batch")
+    return args
+
+
+def all_variants():
+    """Every transformer variant name (a run measures those its device and installed peers allow)."""
+    return ["standard", "standard_compile", "standard_graphs", "checkpoint", "reversible_plain", "peer_revlib",
+            "peer_memcnn"] + [f"revkernels_{e}" for e in ENGINES]
 
 
 def run(args):
@@ -386,6 +418,9 @@ def run(args):
                 f"{e} {_ratio(base['ms'], mine[e]['ms'])} speed, {_ratio(base['peak_mib'], mine[e]['peak_mib'])}"
                 f" / {_ratio(base['transient_mib'], mine[e]['transient_mib'])} less memory"
                 for e in REVNET_ENGINES[1:] if e in mine))
+    if not rows:
+        print("\nnothing measured: no CSV or plot written", flush=True)
+        return rows
     png = _plot(os.path.join(args.out, f"train_{device.type}.png"), rows, meta)
     print(f"\nwrote {csv_path}" + (f" and {png}" if png else ""))
     return rows

@@ -197,8 +197,12 @@ def make_parser():
 def _check_args(args):
     if args.lr is None:  # the recipe defaults: see the module docstring
         args.lr = SMALL_DATA_LR if args.dataset in ("digits", "synthetic") else 0.1
+    # (not given: halfway and three quarters through --epochs; a resumed run keeps the checkpoint's)
+    args.milestones_default = args.milestones is None
     if args.milestones is None:
         args.milestones = [0.5 * args.epochs, 0.75 * args.epochs]
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"revkernels: --out {args.out!r} exists and is not a folder")
     for name, value in (("--model", args.model), ("--dataset", args.dataset), ("--method", args.method)):
         choices = {"--model": MODELS, "--dataset": DATASETS, "--method": METHODS}[name]
         if value not in choices:
@@ -380,6 +384,11 @@ def main(argv=None):
         torch.set_num_threads(threads)
 
 
+def _arg_values(args):
+    """The command line's values (for config.json and checkpoints), without `_check_args`' notes."""
+    return {k: v for k, v in vars(args).items() if k != "milestones_default"}
+
+
 def _out(args):
     return args.out or os.path.join("runs", f"{args.model}-{args.dataset}-{args.method}")
 
@@ -504,6 +513,8 @@ def _check_checkpoint(args, ckpt, path):
     if not isinstance(ckpt, dict) or ckpt.get("kind") != "revkernels.petra.train checkpoint":
         raise ValueError(f"revkernels: --resume {path!r} is not a revkernels.petra.train checkpoint")
     saved = dict({"balance": "count"}, **ckpt["args"])  # checkpoints older than --balance split by count
+    if getattr(args, "milestones_default", False):  # a longer --epochs does not move the schedule's milestones
+        args.milestones = list(saved["milestones"])
     diff = [k for k in _RESUME_SAME if saved.get(k) != getattr(args, k)]
     if diff:
         raise ValueError("revkernels: --resume: the checkpoint was made with other " + ", ".join(
@@ -576,7 +587,7 @@ def _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tq
         carried = ckpt["epoch_sums"]
     if logs:
         os.makedirs(out, exist_ok=True)
-        config = dict(vars(args), out=out, image_size=data.image_size, num_stages=trainer.num_stages,
+        config = dict(_arg_values(args), out=out, image_size=data.image_size, num_stages=trainer.num_stages,
                       stage_kinds=[s.kind for s in trainer.stages], groups=trainer.groups,
                       world_size=pipe.world_size if pipe is not None else 1,
                       train_images=int(data.train_images.shape[0]),
@@ -623,7 +634,7 @@ def _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tq
                     path, state = os.path.join(out, "checkpoint", f"rank{pipe.rank}.pt"), pipe.state_dict()
                     run = run_id()  # a restarted attempt resumes only from its own run's files
                 _save_checkpoint(path, pipe, {
-                    "kind": "revkernels.petra.train checkpoint", "args": vars(args), "trainer": state, "run": run,
+                    "kind": "revkernels.petra.train checkpoint", "args": _arg_values(args), "trainer": state, "run": run,
                     "step": step, "epoch": epoch, "step_in_epoch": in_epoch, "epoch_generator_state": epoch_state,
                     "torch_rng_state": torch.get_rng_state(),
                     "epoch_sums": {"losses": losses, "n_images": n_images, "analysis_start": epoch_analysis_start,

@@ -309,6 +309,19 @@ def test_targets_are_printed_after_the_step_table_on_cpu(capsys):
     assert capsys.readouterr().out == ""  # nothing measured: no table
 
 
+def test_step_table_prints_an_unmeasured_baseline_as_n_a_in_its_column(capsys):
+    # (a --quick run has no standard_compile: its column printed "n/ax", unpadded, on every row)
+    nan = float("nan")
+    row = {"config": "host_bound", "depth": 12, "dim": 64, "heads": 4, "tokens": 8, "batch": 2, "threads": 1,
+           "dtype": "float32", "steps": 3, "variant": "standard", "step_ms": 5.0, "first_step_ms": 7.0,
+           "compile_s": "", "vs_standard": 1.0, "vs_reversible_plain": 1.5, "vs_checkpoint": 2.0,
+           "vs_standard_compile": nan}
+    overhead._print_steps([row])
+    header, line = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert "n/ax" not in line and line.endswith(" n/a") and "1.50x" in line
+    assert len(line) == len(header)  # right-aligned under "vs std compiled", as the measured ratios are
+
+
 def test_summary_from_rows():
     def step(variant, ms):
         return {"config": "host_bound", "variant": variant, "step_ms": ms, "vs_standard": 6.0 / ms,

@@ -56,6 +56,8 @@ def test_bench_petra_run_returns_its_rows(monkeypatch, tmp_path):
     assert petra["groups"] == "0-4 5-9" and petra["max_group_ms"] == 150.0 and petra["bound"] == round(0.2 / 0.15, 3)
     with pytest.raises(ValueError, match="--groups must be 2 sizes summing to 10"):
         bench.run(bench.parse_args(["--quick", "--groups", "4", "4", "--out", str(tmp_path)]))
+    with pytest.raises(ValueError, match=r"--nproc must be at most 10 \(the stages of revnet18\), got 11"):
+        bench.run(bench.parse_args(["--quick", "--nproc", "11", "--out", str(tmp_path)]))
     assert bench.main(["--quick", "--out", str(tmp_path)]) == 0  # an exit status, not the rows
 
 

@@ -1,11 +1,13 @@
 """`python -m revkernels.bench`: the benchmark suite runs the chosen parts, writes each part's CSV and
 PNG under --out, and ends with a summary of headline ratios computed from the parts' rows."""
 import csv
+import importlib
 import pathlib
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from revkernels.bench import __main__ as suite
 
@@ -36,6 +38,47 @@ def test_suite_rejects_an_unknown_part(capsys):
     assert exit.value.code == 2
     err = capsys.readouterr().err
     assert "argument --parts: invalid choice: 'speed'" in err and "memory" in err
+
+
+PARSERS = {"suite": lambda argv: suite._parse(argv)}
+for _part in ("attention", "kernels", "memory", "overhead", "petra", "train"):
+    PARSERS[_part] = importlib.import_module(f"revkernels.bench.{_part}").parse_args
+
+
+BAD_DEVICE_OR_OUT = [(["--device", "foo"], "--device 'foo': not a device"),
+                     (["--device", "cuda"], "--device cuda: CUDA is not available"),
+                     (["--out", "FILE"], "exists and is not a folder")]
+
+
+@pytest.mark.parametrize("part, argv, message", [
+    (part, argv, message) for part in PARSERS for argv, message in BAD_DEVICE_OR_OUT
+    if not (part == "attention" and argv[0] == "--device")])  # (the attention part has no --device: CPU only)
+def test_every_part_refuses_a_bad_device_or_out_before_measuring(part, argv, message, tmp_path, capsys):
+    # (a traceback from torch.device, an assert of torch's CUDA, or a FileExistsError after the measuring)
+    if argv[0] == "--device" and argv[1] == "cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    (tmp_path / "FILE").write_text("a file")
+    argv = [str(tmp_path / a) if a == "FILE" else a for a in argv]
+    with pytest.raises(SystemExit) as exit_info:
+        PARSERS[part](argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("part, argv, message", [
+    ("train", ["--variants", "bogus"], "--variants: unknown bogus"),
+    ("train", ["--revnets", "foo"], "--revnets: 'foo' is not name:stem:batch"),
+    ("train", ["--revnets", "revnet99:cifar:2"], "--revnets: 'revnet99:cifar:2'"),
+    ("train", ["--revnets", "revnet18:cifar:0"], "--revnets: 'revnet18:cifar:0'"),
+    ("train", ["--batches", "0"], "--batches must be at least 1"),
+    ("petra", ["--nproc", "0"], "--nproc must be at least 1"),
+    ("petra", ["--batch", "0"], "--batch must be at least 1"),
+    ("petra", ["--accum", "0"], "--accum must be at least 1"),
+    ("petra", ["--groups", "3", "3", "3"], "--groups must be 2 positive sizes"),
+])
+def test_parts_name_the_argument_they_refuse(part, argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        PARSERS[part](argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_suite_passes_each_part_its_mode():
@@ -106,3 +149,13 @@ def test_train_budget_stops_after_the_first_configuration(tmp_path, capsys):
                                        "--variants", "standard", "--budget-s", "0", "--out", str(tmp_path)]))
     assert {(r["kind"], r["depth"]) for r in rows} == {("depth_sweep", 1)}
     assert "time budget of 0 s spent; not measured: 2, tiny 2" in capsys.readouterr().out
+
+
+def test_write_csv_writes_a_field_of_both_the_rows_and_the_meta_once(tmp_path):
+    # (petra --project's rows carried "batch" and so did its meta: two "batch" columns)
+    from revkernels.bench.report import write_csv
+
+    path = write_csv(str(tmp_path / "out.csv"), [{"batch": 4, "ms": 1.5}], {"batch": 4, "commit": "abc"})
+    header = open(path).readline().strip().split(",")
+    assert header == ["batch", "ms", "commit"]
+    assert list(csv.DictReader(open(path))) == [{"batch": "4", "ms": "1.5", "commit": "abc"}]

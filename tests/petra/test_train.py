@@ -153,6 +153,13 @@ def test_cli_bad_args(flag, value, tmp_path):
         main(["--out", str(tmp_path), flag, *value.split()])
 
 
+def test_cli_out_that_is_a_file_is_refused_before_training(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("a file")
+    with pytest.raises(ValueError, match="--out .* exists and is not a folder"):
+        main(TINY + ["--out", str(path)])
+
+
 def test_cli_batch_size_1_names_the_flag_where_batchnorm_would_fail(tmp_path):
     """RevNet-18 ends on 1x1 feature maps at 8x8 images: a batch of one gives its last BatchNorm layers one value
     per channel. At 16x16 (2x2 maps) a batch of one trains."""
