@@ -184,8 +184,14 @@ class CompiledSteps:
                 # A failed compile of torch.func.vjp over saved-tensor hooks (torch.utils.checkpoint
                 # in F or G) leaves them disabled for the whole process (torch 2.13)
                 torch._C._autograd._saved_tensors_hooks_enable()
-            raise StepFailed(self.failed, _layout(block).key, f"compiling the {name} step of blocks[{position}] "
-                             f"({type(block).__name__}) failed", error) from error
+            if isinstance(error, torch._dynamo.exc.FailOnRecompileLimitHit):
+                what = (f"the {name} step reached torch._dynamo.config.recompile_limit "
+                        f"({torch._dynamo.config.recompile_limit} signatures) at blocks[{position}] "
+                        f"({type(block).__name__}; blocks differing in a Python attribute, such as a drop-path "
+                        "rate, or new shapes are signatures of their own: raise the limit to compile them)")
+            else:
+                what = f"compiling the {name} step of blocks[{position}] ({type(block).__name__}) failed"
+            raise StepFailed(self.failed, _layout(block).key, what, error) from error
 
 
 class StepFailed(Exception):

@@ -28,6 +28,7 @@ traced graph; those other values (strings, None, tuples) must be hashable consta
 code. The forward kernel checks the keywords against every F and G (`check_context`: once per
 module structure and set of keywords).
 """
+import contextlib
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -38,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 
 from revkernels.engine import compiled
 from revkernels.engine.sequential import forward_step, with_buffers
-from revkernels.engine.state import NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of
+from revkernels.engine.state import NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of, in_mode
 
 
 def _assume_constant_result(fn):
@@ -169,23 +170,34 @@ def _random_rows(seq):
     return sum((1 if isinstance(b, HalfCouplingBlock) else 2) for b, r in zip(seq.blocks, _random_flags(seq)) if r)
 
 
-# The buffers the forward kernel's blocks changed, with their old values (for the recompute, see
-# revkernels.engine.structure.BufferRecord), stay on the host, keyed by a weak reference to the
-# memory of the run's output y1, which the backward kernel gets (saved). The tensor objects are
+# What the backward kernel must see as the forward kernel saw it stays on the host, keyed by a weak
+# reference to the memory of the run's output y1, which the backward kernel gets (saved): each
+# block's train/eval mode (``model.eval()`` between a forward and its backward must not change the
+# recompute, as the eager engines' `as_in_the_forward`), the parameters that required grad (the
+# backward's grads are aligned to them: a parameter frozen or unfrozen in between gets what it
+# would under the eager engines) and the buffers each block's forward changed, with their old
+# values (for the recompute, see revkernels.engine.structure.BufferRecord). The tensor objects are
 # not the same (nor alive throughout: a loss of the outputs drops them), the memory is; an entry
-# whose memory was freed (its backward ran, or never will) goes at the next forward that keeps one.
-_BUFFERS = {}  # StorageWeakRef -> (run handle, the changed buffers of each block)
+# whose memory was freed (its backward ran, or never will) goes at the next forward.
+_FORWARDS = {}  # StorageWeakRef -> (run handle, _Forward)
 
 
-def _keep_buffers(handle, y1, changed):
-    for ref in [ref for ref in _BUFFERS if ref.expired()]:
-        del _BUFFERS[ref]
-    _BUFFERS[StorageWeakRef(y1.untyped_storage())] = (int(handle), changed)
+class _Forward:
+    __slots__ = ("modes", "params", "buffers")
+
+    def __init__(self, modes, params, buffers):
+        self.modes, self.params, self.buffers = modes, params, buffers
 
 
-def _kept_buffers(handle, y1):
-    entry = _BUFFERS.get(StorageWeakRef(y1.untyped_storage()))
-    return entry[1] if entry is not None and entry[0] == int(handle) else ()
+def _keep_forward(handle, y1, forward):
+    for ref in [ref for ref in _FORWARDS if ref.expired()]:
+        del _FORWARDS[ref]
+    _FORWARDS[StorageWeakRef(y1.untyped_storage())] = (int(handle), forward)
+
+
+def _kept_forward(handle, y1):
+    entry = _FORWARDS.get(StorageWeakRef(y1.untyped_storage()))
+    return entry[1] if entry is not None and entry[0] == int(handle) else None
 
 
 def _outputs(outputs, layouts, inputs):
@@ -234,8 +246,8 @@ def reversible_run(handle: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, par
             x1, x2, states = compiled.forward_blocks(list(seq.blocks), x1, x2, steps, seq.preserve_rng_state, context)
     y1, y2 = _outputs((x1, x2), inputs, inputs)
     changed = [getattr(state, "buffers", ()) for state in states]
-    if any(changed):
-        _keep_buffers(handle, y1, changed)
+    _keep_forward(handle, y1, _Forward([block.training for block in seq.blocks], _grad_params(seq),
+                                       changed if any(changed) else ()))
     return y1, y2, _pack(states, devices)
 
 
@@ -256,15 +268,19 @@ def reversible_run_backward(handle: torch.Tensor, y1: torch.Tensor, y2: torch.Te
     tensors that require grad, in order."""
     seq = _run(handle)
     blocks = list(seq.blocks)
-    states = _unpack(rng, blocks, _random_flags(seq), cuda_devices_of(y1, y2))
-    for i, changed in enumerate(_kept_buffers(handle, y1)):
-        states[i] = with_buffers(states[i], changed)
+    forward = _kept_forward(handle, y1)
     autocast_state = AutocastState(y1.device.type, autocast_dtype is not None, autocast_dtype or torch.float32, True)
-    run_params = _grad_params(seq)
     context, leaves = _context(context, context_tensors, context_numbers, leaves=True)
-    with autograd_recording():  # as in the forward kernel
-        _, _, dx1, dx2, grads = compiled.backward_blocks(blocks, states, y1, y2, dy1, dy2, run_params + leaves,
-                                                         _steps(seq, y1.device.type), autocast_state, context)
+    with contextlib.ExitStack() as stack:
+        for block, mode in zip(blocks, forward.modes if forward is not None else ()):
+            stack.enter_context(in_mode(block, mode))
+        states = _unpack(rng, blocks, _random_flags(seq), cuda_devices_of(y1, y2))
+        for i, changed in enumerate(forward.buffers if forward is not None else ()):
+            states[i] = with_buffers(states[i], changed)
+        run_params = forward.params if forward is not None else _grad_params(seq)
+        with autograd_recording():  # as in the forward kernel
+            _, _, dx1, dx2, grads = compiled.backward_blocks(blocks, states, y1, y2, dy1, dy2, run_params + leaves,
+                                                             _steps(seq, y1.device.type), autocast_state, context)
     inputs = (y1, y2, dy1, dy2, *params, *context_tensors)
     grad_tensors = [torch.zeros_like(t) if g is None else g for t, g in zip(params + leaves, grads, strict=True)]
     dx1, dx2, *grad_tensors = _outputs((dx1, dx2, *grad_tensors), (y1, y2, *params, *leaves), inputs)

@@ -307,7 +307,7 @@ def test_compile_blocks_changing_their_buffers(engine):
             assert_close_rel(got, expected, 1e-5)
         for (name, a), (_, b) in zip(seq.named_buffers(), ref.named_buffers(), strict=True):
             assert torch.equal(a, b), name
-    assert opaque._BUFFERS and all(weak.expired() for weak in opaque._BUFFERS)
+    assert opaque._FORWARDS and all(weak.expired() for weak in opaque._FORWARDS)
 
 
 class _Checkpointed(nn.Module):
@@ -423,3 +423,58 @@ def test_reduce_overhead_cuda_graphs(engine):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         _compiled_vs_eager(seq, _data(2, 5, 32, device="cuda"), tol=1e-4, mode="reduce-overhead")
+
+
+def _eval(seq):
+    seq.eval()
+    return seq.train
+
+
+def _freeze(seq):
+    weight = seq.blocks[1].g[0].weight
+    weight.requires_grad_(False)
+    return lambda: weight.requires_grad_(True)
+
+
+def _unfreeze(seq):  # (frozen before the forward)
+    weight = seq.blocks[0].f[0].weight
+    weight.requires_grad_(True)
+    return lambda: weight.requires_grad_(False)
+
+
+@pytest.mark.parametrize("engine", ["sequential", "compiled"])
+def test_compile_differentiates_the_run_as_its_forward_ran(engine):
+    # model.eval(), freezing or unfreezing a parameter between a forward and its backward: the
+    # opaque op's backward read the modes and requires_grad of the backward's time (dropout and
+    # BatchNorm recomputed in eval mode: grads 0.6-0.8 off; a zip-length ValueError), where the
+    # eager engines and autograd use the forward's
+    def build():
+        torch.manual_seed(0)
+        seq = perturb_parameters(make_seq(3, 8, engine=engine, dropout=0.3, norm="batch"))
+        seq.compile_options = {"backend": "aot_eager"}
+        seq.blocks[0].f[0].weight.requires_grad_(False)
+        return seq
+
+    seq, ref = build(), build()
+    ref.engine = "autograd"
+    x1, x2, w1, w2 = _data(8, 8)
+    fn = torch.compile(lambda a, b: seq(a, b), fullgraph=True, backend="aot_eager")
+
+    def step(forward, module, change):
+        for p in module.parameters():
+            p.grad = None
+        a1, a2 = x1.clone().requires_grad_(), x2.clone().requires_grad_()
+        torch.manual_seed(4)
+        y1, y2 = forward(a1, a2)
+        undo = change(module)
+        loss_of(y1, y2, w1, w2).backward()
+        undo()
+        return [a1.grad, a2.grad] + [p.grad for p in module.parameters()]
+
+    for change in (_eval, _freeze, _unfreeze):
+        expected = step(ref, ref, change)
+        for i, (got, want) in enumerate(zip(step(fn, seq, change), expected, strict=True)):
+            assert (got is None) == (want is None), f"{change.__name__}: grad {i}"
+            if want is not None:
+                assert_close_rel(got, want, 1e-5, f"{change.__name__}: grad {i}")
+    assert all(m.training for m in seq.modules())

@@ -484,3 +484,34 @@ def test_fullgraph_compile_follows_train_and_eval():
         assert_close_rel(a, e, 1e-6)
     seq.train()
     loss_of(*fn(x, x), 1.0, 1.0).backward()
+
+
+class _Scaled(nn.Module):
+    """A linear whose output is scaled by a Python float: blocks with other scales are other
+    signatures (Dynamo guards on the attribute)."""
+
+    def __init__(self, width, scale):
+        super().__init__()
+        self.lin, self.scale = nn.Linear(width, width), scale
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * self.scale
+
+
+def test_past_the_recompile_limit_the_warning_says_so_and_the_grads_stay_exact():
+    # (the warning read "compiling the block_forward step ... failed", as for a step that cannot compile)
+    torch.manual_seed(0)
+    seq = ReversibleSequential(*[rk.nn.ReversibleBlock(_Scaled(8, 0.5 + i / 4), _Scaled(8, 1.5 - i / 4))
+                                 for i in range(3)], engine="compiled")
+    seq.compile_options = AOT
+    ref = copy.deepcopy(seq)
+    data = _data(4, 8)
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run_grads(seq, seq, *data, seed=1)
+    messages = [str(w.message) for w in caught if "recompile_limit" in str(w.message)]
+    assert len(messages) == 1 and "reached torch._dynamo.config.recompile_limit (2 signatures) at blocks[" \
+        in messages[0] and "drop-path" in messages[0], [str(w.message) for w in caught]
+    expected = run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data, seed=1)
+    for a, b in zip(got, expected, strict=True):
+        assert_close_rel(a, b, 1e-5)
