@@ -111,8 +111,10 @@ class ReconstructionMonitor:
     """
 
     def __init__(self, threshold=1e-3, every=1, max_samples=4096, keep=100):
-        if not threshold > 0:
-            raise ValueError(f"revkernels: threshold must be positive, got {threshold!r}")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
+            raise ValueError(f"revkernels: threshold must be a positive number, got {threshold!r}")
+        if not (isinstance(keep, int) and keep >= 1):
+            raise ValueError(f"revkernels: keep must be a positive int (sampled steps kept in history), got {keep!r}")
         if not (isinstance(every, int) and every >= 1):
             raise ValueError(f"revkernels: every must be a positive int, got {every!r}")
         if not (isinstance(max_samples, int) and max_samples >= 1):

@@ -113,6 +113,10 @@ def test_bad_arguments():
         ReconstructionMonitor(threshold=0)
     with pytest.raises(ValueError, match="every"):
         ReconstructionMonitor(every=0)
+    with pytest.raises(ValueError, match="threshold must be a positive number, got '1e-3'"):
+        ReconstructionMonitor(threshold="1e-3")
+    with pytest.raises(ValueError, match="keep must be a positive int"):  # (keep=0 kept every entry)
+        ReconstructionMonitor(keep=0)
     with pytest.raises(TypeError, match="seq"):
         monitor_reconstruction(rk.nn.ReversibleBlock(torch.nn.Identity(), torch.nn.Identity()))
 

@@ -437,9 +437,14 @@ class ReversibleSequential(nn.Module):
         the forward's keywords (or None). What a PETRA stage whose block draws random numbers calls."""
         from revkernels.engine.sequential import reverse_blocks
 
+        if context is not None and not isinstance(context, dict):
+            raise TypeError(f"revkernels: context must be a dict of the forward's keywords or None, got "
+                            f"{type(context).__name__}")
         context = context or {}
-        if states is not None and len(states) != len(self.blocks):
-            raise ValueError(f"revkernels: states must hold one state per block ({len(self.blocks)}), got {len(states)}")
+        if states is not None and (not isinstance(states, (list, tuple)) or len(states) != len(self.blocks)):
+            got = f"{len(states)} states" if isinstance(states, (list, tuple)) else type(states).__name__
+            raise ValueError(f"revkernels: states must be a list of one state per block ({len(self.blocks)}; "
+                             f"forward_step's, or None), got {got}")
         check_streams(y1, y2, ("y1", "y2"))
         if context:
             check_context(self, self.blocks, context)

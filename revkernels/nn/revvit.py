@@ -111,6 +111,10 @@ def attention_mask(attn_mask, q, causal):
         raise TypeError(f"revkernels: attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
     if attn_mask.requires_grad:
         raise ValueError("revkernels: attn_mask must not require grad (the attention does not differentiate its mask)")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        # (an integer 0/1 mask, such as a tokenizer's attention_mask, would be added to the scores)
+        raise TypeError(f"revkernels: attn_mask must be bool (True attends) or floating point (added to the "
+                        f"scores), got {attn_mask.dtype}: pass attention_mask.bool() for a 0/1 mask")
     batch, _, tokens, _ = q.shape
     if attn_mask.dim() == 2:
         if tuple(attn_mask.shape) != (batch, tokens):

@@ -57,6 +57,39 @@ def test_reverse_gives_inputs_input_grads_and_accumulates_param_grads():
         assert_close_rel(p.grad - before, e, 1e-5, f"param {i} grad added by reverse")
 
 
+def test_reverse_with_states_replays_the_forwards_dropout():
+    # the states forward_step returned: the rebuild draws the forward's masks (reverse draws anew)
+    from revkernels.engine.sequential import forward_step
+
+    seq = make_seq(3, WIDTH, dropout=0.4)
+    x1, x2 = _streams(requires_grad=True)
+    w1, w2 = torch.randn(5, WIDTH), torch.randn(5, WIDTH)
+    torch.manual_seed(3)
+    y1, y2 = plain_forward(seq, x1, x2)
+    loss_of(y1, y2, w1, w2).backward()
+    expected = grads_of(seq.parameters())
+    for p in seq.parameters():
+        p.grad = None
+    torch.manual_seed(3)
+    a1, a2, states = x1.detach(), x2.detach(), []
+    with torch.no_grad():
+        for block in seq.blocks:
+            a1, a2, state = forward_step(block, a1, a2, True)
+            states.append(state)
+    assert torch.equal(a1, y1.detach()) and torch.equal(a2, y2.detach())
+    dy1, dy2 = w1, 2 * y2.detach() * w2
+    r1, r2, dx1, dx2 = seq.reverse_with_states(a1, a2, dy1, dy2, states)
+    for got, want, name in ((r1, x1.detach(), "x1"), (r2, x2.detach(), "x2"), (dx1, x1.grad, "dx1"),
+                            (dx2, x2.grad, "dx2"), *zip(grads_of(seq.parameters()), expected, range(99))):
+        assert_close_rel(got, want, 1e-5, name)
+    with pytest.raises(ValueError, match=r"states must be a list of one state per block \(3; .*got 2 states"):
+        seq.reverse_with_states(a1, a2, dy1, dy2, states[:2])
+    with pytest.raises(ValueError, match="states must be a list of one state per block .* got generator"):
+        seq.reverse_with_states(a1, a2, dy1, dy2, (s for s in states))
+    with pytest.raises(TypeError, match="context must be a dict of the forward's keywords or None, got list"):
+        seq.reverse_with_states(a1, a2, dy1, dy2, states, [])
+
+
 class _AddTable(nn.Module):
     """``tanh(x) + table``: the table's grad is the incoming grad itself."""
 

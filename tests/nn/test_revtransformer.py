@@ -136,6 +136,11 @@ def test_bad_masks_are_named():
         seq(x, x, attn_mask=torch.zeros(BATCH, TOKENS, requires_grad=True))
     with pytest.raises(TypeError, match="attn_mask must be a torch.Tensor"):
         seq(x, x, attn_mask=[1, 0])
+    # a tokenizer's 0/1 int64 attention_mask was added to the scores: padded keys attended
+    for engine in ("sequential", "autograd"):
+        seq.engine = engine
+        with pytest.raises(TypeError, match=r"attn_mask must be bool .* got torch.int64: pass attention_mask.bool\(\)"):
+            seq(x, x, attn_mask=torch.ones(BATCH, TOKENS, dtype=torch.long))
 
 
 @pytest.mark.gpu
