@@ -303,10 +303,8 @@ def run(args):
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    variants = ["standard", "standard_compile"] + (["standard_graphs"] if cuda else []) + \
-        ["checkpoint", "reversible_plain"] + [p for p in ("peer_revlib", "peer_memcnn") if peer_available(p)] + \
-        [f"revkernels_{e}" for e in ENGINES]
-    variants = [v for v in variants if not args.variants or v in args.variants]
+    variants = [v for v in all_variants() if (cuda or v != "standard_graphs")
+                and (not v.startswith("peer_") or peer_available(v)) and (not args.variants or v in args.variants)]
     if args.quick:
         models, batches, tokens, steps, warmup = {"tiny": dict(depth=2, dim=64, heads=4)}, {"tiny": [2]}, 17, 2, 1
         sweep = [1, 2] if args.depth_sweep else []

@@ -197,7 +197,10 @@ def _keep_forward(handle, y1, forward):
 
 def _kept_forward(handle, y1):
     entry = _FORWARDS.get(StorageWeakRef(y1.untyped_storage()))
-    return entry[1] if entry is not None and entry[0] == int(handle) else None
+    if entry is None or entry[0] != int(handle):
+        raise RuntimeError("revkernels: no forward record for this reversible run's backward (its output was not "
+                           "made by revkernels::reversible_run)")
+    return entry[1]
 
 
 def _outputs(outputs, layouts, inputs):
@@ -246,7 +249,8 @@ def reversible_run(handle: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, par
             x1, x2, states = compiled.forward_blocks(list(seq.blocks), x1, x2, steps, seq.preserve_rng_state, context)
     y1, y2 = _outputs((x1, x2), inputs, inputs)
     changed = [getattr(state, "buffers", ()) for state in states]
-    _keep_forward(handle, y1, _Forward([block.training for block in seq.blocks], _grad_params(seq),
+    # (`params`: the module's parameters themselves, which a scan of the modules would rebuild per call)
+    _keep_forward(handle, y1, _Forward([block.training for block in seq.blocks], list(params),
                                        changed if any(changed) else ()))
     return y1, y2, _pack(states, devices)
 
@@ -268,18 +272,17 @@ def reversible_run_backward(handle: torch.Tensor, y1: torch.Tensor, y2: torch.Te
     tensors that require grad, in order."""
     seq = _run(handle)
     blocks = list(seq.blocks)
-    forward = _kept_forward(handle, y1)
+    forward = _kept_forward(handle, y1)  # (kept while y1, saved for this backward, lives)
     autocast_state = AutocastState(y1.device.type, autocast_dtype is not None, autocast_dtype or torch.float32, True)
     context, leaves = _context(context, context_tensors, context_numbers, leaves=True)
     with contextlib.ExitStack() as stack:
-        for block, mode in zip(blocks, forward.modes if forward is not None else ()):
+        for block, mode in zip(blocks, forward.modes):
             stack.enter_context(in_mode(block, mode))
         states = _unpack(rng, blocks, _random_flags(seq), cuda_devices_of(y1, y2))
-        for i, changed in enumerate(forward.buffers if forward is not None else ()):
+        for i, changed in enumerate(forward.buffers):
             states[i] = with_buffers(states[i], changed)
-        run_params = forward.params if forward is not None else _grad_params(seq)
         with autograd_recording():  # as in the forward kernel
-            _, _, dx1, dx2, grads = compiled.backward_blocks(blocks, states, y1, y2, dy1, dy2, run_params + leaves,
+            _, _, dx1, dx2, grads = compiled.backward_blocks(blocks, states, y1, y2, dy1, dy2, forward.params + leaves,
                                                              _steps(seq, y1.device.type), autocast_state, context)
     inputs = (y1, y2, dy1, dy2, *params, *context_tensors)
     grad_tensors = [torch.zeros_like(t) if g is None else g for t, g in zip(params + leaves, grads, strict=True)]

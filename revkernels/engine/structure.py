@@ -394,7 +394,6 @@ class BufferRecord:
                           "recompute sees the new ones (later steps keep them)", UserWarning, stacklevel=4)
         return tuple(changed)
 
-
     def put_back(self, label):
         """Puts the buffers back as they were when recorded: a tensor assigned anew is replaced by
         the old one, a value changed in place is copied back (where it was copied: see `changed`)."""
@@ -450,5 +449,4 @@ def detached_aliases(slots):
 
 __all__ = ["structure_version", "invalidate", "cached", "ParamSlots", "param_slots", "running_stats_layers",
            "draws_random", "recompute_context", "parametrize_cache_off", "record_buffers", "buffers_kept",
-           "buffers_as_before",
-           "detached_aliases"]
+           "buffers_as_before", "detached_aliases"]

@@ -91,7 +91,7 @@ from torch import nn
 
 from revkernels.engine.state import NO_CONTEXT
 from revkernels.petra.partition import _stage_modules
-from revkernels.petra.simulate import PIPELINED, Trainer, check_batch, own_batch
+from revkernels.petra.simulate import PIPELINED, Trainer, check_batch
 
 FAULT_ENV = "REVKERNELS_PETRA_FAULT_AFTER"
 ATTEMPT_ENV = "REVKERNELS_PETRA_ATTEMPT"
@@ -274,7 +274,6 @@ class PipelineRank:
 
     def train_step(self, images, labels, **context):
         check_batch(images, labels, context)
-        images, labels, context = own_batch(images, labels, context)
         if self._specs is None:
             self._image_spec = (tuple(images.shape), images.dtype)
             self._specs = boundary_specs(self.stages, self.trainer.groups, tuple(images.shape), images.dtype, context)
@@ -286,11 +285,12 @@ class PipelineRank:
             self.trainer.batch_size = int(images.shape[0])
         batch = self.batches_in
         self.batches_in += 1
+        # copies of what this rank keeps for later ticks (a caller may refill its tensors meanwhile)
         if self.is_last:
-            self._labels[batch] = labels.to(self.device)
+            self._labels[batch] = labels.to(self.device, copy=True)
         if context:
-            self._contexts[batch] = _to(context, self.device)
-        new = (batch, images.to(self.device)) if self.rank == 0 else None
+            self._contexts[batch] = _to(context, self.device, copy=True)
+        new = (batch, images.to(self.device, copy=True)) if self.rank == 0 else None
         return self._tick(batch, new)
 
     def advance(self):
@@ -541,14 +541,14 @@ class PipelineRank:
 RANK_STATE_KIND = "revkernels.petra.distributed rank state"
 
 
-def _to(obj, device):
-    """`obj` (nested tuples/lists/dicts) with every tensor moved to `device`."""
+def _to(obj, device, copy=False):
+    """`obj` (nested tuples/lists/dicts) with every tensor moved to `device` (copied with `copy`)."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        return obj.to(device, copy=copy)
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to(x, device) for x in obj)
+        return type(obj)(_to(x, device, copy) for x in obj)
     if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
+        return {k: _to(v, device, copy) for k, v in obj.items()}
     return obj
 
 

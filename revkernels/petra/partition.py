@@ -207,8 +207,7 @@ class Stage:
             raise RuntimeError("revkernels: the last stage runs forward and backward together: call forward_backward")
         x = tuple(t.detach() for t in _as_tuple(x))
         stochastic = draws_random(self.module)
-        if self.reversible and not self.delayed and stochastic and len(x) != 2:
-            raise ValueError(f"revkernels: a reversible stage's input has two streams, got {len(x)} tensors")
+        rebuilds = self.reversible and not self.delayed  # (its backward rebuilds the input from the output)
         if self.delayed:
             self._fifo.append((batch, x, tuple(p.detach().clone() for p in self.parameters())))
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
@@ -218,7 +217,9 @@ class Stage:
         number = self._forwards
         self._forwards += 1
         with torch.no_grad():
-            if self.reversible and not self.delayed and stochastic:
+            if rebuilds and stochastic:
+                if len(x) != 2:
+                    raise ValueError(f"revkernels: a reversible stage's input has two streams, got {len(x)} tensors")
                 check_streams(*x)
                 y1, y2, state = forward_step(self.module, *x, True, context)
                 self._replays.append((number, state))

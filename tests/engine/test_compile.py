@@ -442,8 +442,9 @@ def _unfreeze(seq):  # (frozen before the forward)
     return lambda: weight.requires_grad_(False)
 
 
+@pytest.mark.parametrize("change", [_eval, _freeze, _unfreeze], ids=["eval", "freeze", "unfreeze"])
 @pytest.mark.parametrize("engine", ["sequential", "compiled"])
-def test_compile_differentiates_the_run_as_its_forward_ran(engine):
+def test_compile_differentiates_the_run_as_its_forward_ran(engine, change):
     # model.eval(), freezing or unfreezing a parameter between a forward and its backward: the
     # opaque op's backward read the modes and requires_grad of the backward's time (dropout and
     # BatchNorm recomputed in eval mode: grads 0.6-0.8 off; a zip-length ValueError), where the
@@ -471,10 +472,9 @@ def test_compile_differentiates_the_run_as_its_forward_ran(engine):
         undo()
         return [a1.grad, a2.grad] + [p.grad for p in module.parameters()]
 
-    for change in (_eval, _freeze, _unfreeze):
-        expected = step(ref, ref, change)
-        for i, (got, want) in enumerate(zip(step(fn, seq, change), expected, strict=True)):
-            assert (got is None) == (want is None), f"{change.__name__}: grad {i}"
-            if want is not None:
-                assert_close_rel(got, want, 1e-5, f"{change.__name__}: grad {i}")
+    expected = step(ref, ref, change)
+    for i, (got, want) in enumerate(zip(step(fn, seq, change), expected, strict=True)):
+        assert (got is None) == (want is None), f"grad {i}"
+        if want is not None:
+            assert_close_rel(got, want, 1e-5, f"grad {i}")
     assert all(m.training for m in seq.modules())

@@ -92,7 +92,7 @@ def test_a_backward_replays_its_own_forwards_draws(delayed):
         for x, y, seed in zip(inputs, outputs, seeds):
             dy = tuple(torch.randn_like(t) for t in y)
             ref_out, ref_dx, ref_grads = _reference(stage.module, x, dy, seed)
-            for a, b in zip(y, ref_out):  # the forward drew what plain autograd draws
+            for a, b in zip(y, ref_out, strict=True):  # the forward drew what plain autograd draws
                 assert torch.equal(a, b), f"stage {i}: forward"
             for p in stage.module.parameters():
                 p.grad = None
@@ -102,9 +102,9 @@ def test_a_backward_replays_its_own_forwards_draws(delayed):
             for a, b in zip(x_back, x if isinstance(x, tuple) else (x,)):
                 assert_close_rel(a, b, 1e-6, f"stage {i}: rebuilt input")
             if i > 0:
-                for a, b in zip(dx, ref_dx):
+                for a, b in zip(dx, ref_dx, strict=True):
                     assert_close_rel(a, b, 1e-5, f"stage {i}: input grad")
-            for (name, p), b in zip(stage.module.named_parameters(), ref_grads):
+            for (name, p), b in zip(stage.module.named_parameters(), ref_grads, strict=True):
                 assert_close_rel(p.grad, b, 1e-5, f"stage {i}: grad of {name}")
 
 
