@@ -25,7 +25,9 @@ function, so Dynamo guards on its structure (types, hyperparameters, training fl
 dtypes, autocast mode and which parameters require grad, not on its identity (the streams are
 detached: whether the run's input requires grad does not matter): a stack of identical blocks
 compiles one forward and one backward graph (``torch._dynamo.config.recompile_limit``, default 8,
-bounds the signatures per step; past it Dynamo runs the step eagerly).
+bounds the signatures per step; past it Dynamo runs the step eagerly). Guards the engine does not
+need are left out (`keeps_guard`: module hook dicts, which the walkers check before each step, and
+torch's own code); a ``guard_filter_fn`` in the compile options replaces that filter.
 
 - BatchNorm: the forward step updates the running statistics (an input mutation of the compiled
   graph); the backward step runs with `recompute_context` (batch statistics, no update).
@@ -160,7 +162,7 @@ class CompiledSteps:
                 inductor.setdefault("cpp_wrapper", True)
             options["options"] = inductor
         self.options = dict(backend=backend, **options)
-        self.functions = {name: torch.compile(isolated(fn), fullgraph=True, **(
+        self.functions = {name: torch.compile(isolated(fn), fullgraph=True, **_with_guard_filter(
             {**self.options, "dynamic": branch_dynamic} if name.startswith("branch") else self.options))
             for name, fn in _STEPS.items()}
         self.failed = set()  # structures (`_Layout.key`) whose blocks run the eager steps
@@ -192,6 +194,52 @@ class CompiledSteps:
             else:
                 what = f"compiling the {name} step of blocks[{position}] ({type(block).__name__}) failed"
             raise StepFailed(self.failed, _layout(block).key, what, error) from error
+
+
+def _with_guard_filter(options):
+    """torch.compile keywords with `keeps_guard` as Dynamo's ``guard_filter_fn`` unless the
+    options name one (torch.compile pops it from the dict it gets: each call gets its own)."""
+    inner = dict(options.get("options") or {})
+    inner.setdefault("guard_filter_fn", keeps_guard_list)
+    return {**options, "options": inner}
+
+
+# Dynamo guards on everything a compiled step read; checking them is most of a small step's
+# call (about 37 us of a ViT block's backward step on the host-bound benchmark, of which the
+# two kinds below take 19 us). Two kinds check nothing the engine needs from them:
+# - the module hook dicts of every submodule: the walkers route a block with module hooks (its
+#   submodules' or global ones) to the eager steps before each step call (`_eager_block`);
+# - torch's own code reached from a step (torch.func, nn.Module.__call__, pytree, F.*: the
+#   identity of its modules, functions, closures and defaults) and this module's own globals: a
+#   monkeypatch of torch after the first compile is not seen by the steps compiled before it.
+# Everything else stays guarded: the block's structure, hyperparameters and training flags, tensors,
+# global state (grad mode, autocast), and the globals of any other module (a user's F reading a
+# module-level constant recompiles when it changes), torch values that are not code included.
+_CODE_ATTRIBUTES = ("__defaults__", "__kwdefaults__", "__closure__", "cell_contents", "_LEAF_SPEC")
+
+
+def keeps_guard(entry):
+    """Whether the compiled steps keep a Dynamo guard (a ``torch._dynamo.types.GuardFilterEntry``)."""
+    if entry.guard_type == "EMPTY_NN_MODULE_HOOKS_DICT":
+        return False
+    if not getattr(entry, "is_global", False):
+        return True
+    root = entry.name.split("]", 1)[0] + "]"  # G['name'] (the step's globals) or G['__import_<module>']
+    if root in _own_globals():
+        return False
+    if not (root.startswith("G['__import_torch_dot_") or root in ("G['__import_torch']", "G['torch']")):
+        return True
+    return entry.guard_type in ("CONSTANT_MATCH", "EQUALS_MATCH") and not any(
+        attribute in entry.name for attribute in _CODE_ATTRIBUTES)
+
+
+def keeps_guard_list(entries):
+    """Dynamo's ``guard_filter_fn``: `keeps_guard` of each entry."""
+    return [keeps_guard(entry) for entry in entries]
+
+
+def _own_globals():
+    return {f"G['{name}']" for name in globals() if not name.startswith("__")}
 
 
 class StepFailed(Exception):

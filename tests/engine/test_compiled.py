@@ -15,6 +15,7 @@
   16, and parameter hooks fire once.
 """
 import copy
+import types
 import warnings
 
 import pytest
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 import revkernels as rk
-from revkernels.engine.compiled import backward_blocks, compiled_steps, forward_blocks
+from revkernels.engine.compiled import backward_blocks, compiled_steps, forward_blocks, keeps_guard
 from revkernels.nn.reversible import ReversibleSequential, unique_grad_params
 from revkernels.nn.revvit import RevViTBlock
 from tests.helpers import (CountingBackend, assert_close_rel, compiled_saved_bytes, loss_of, make_seq,
@@ -424,6 +425,99 @@ def test_compile_failure_warns_naming_the_block_and_runs_it_eagerly():
     messages = [str(w.message) for w in caught if "revkernels" in str(w.message)]
     assert len(messages) == 1 and "blocks[1]" in messages[0], messages
     _assert_all_close(got, run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data), 1e-5)
+
+
+def test_module_hooks_registered_after_the_steps_compiled_run_as_with_the_sequential_engine():
+    """The compiled steps leave the module hook dicts unguarded (the walkers check every block for
+    hooks before each step): a forward hook registered on F's layer after the first step, and
+    then a global module forward hook, still fire in the forward and in the recompute, and the grads
+    stay plain autograd's."""
+    seq = perturb_parameters(make_seq(2, 8, engine="compiled"))
+    seq.compile_options = AOT
+    ref = copy.deepcopy(seq)
+    data = _data(4, 8)
+    run_grads(seq, seq, *data)  # compiles the steps without hooks
+    calls = []
+    handle = seq.blocks[1].f[1].register_forward_hook(lambda m, i, o: calls.append(torch.is_grad_enabled()))
+    got = run_grads(seq, seq, *data)
+    assert calls == [False, True]
+    _assert_all_close(got, run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data), 1e-5)
+    handle.remove()
+    calls.clear()
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: calls.append(torch.is_grad_enabled()) if m is seq.blocks[0].g[3] else None)
+    try:
+        got = run_grads(seq, seq, *data)
+    finally:
+        handle.remove()
+    assert calls == [False, True]
+    _assert_all_close(got, run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data), 1e-5)
+
+
+_SCALES_G = False  # read by _ScaledMlp's forward: a module-level constant of user code
+
+
+class _ScaledMlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x):
+        return self.net(x) * 3.0 if _SCALES_G else self.net(x)
+
+
+def test_compiled_steps_follow_a_module_level_constant_of_user_code():
+    """Only torch's own code is left unguarded among the globals a step reads: a constant of the
+    user's module that F reads, changed after the first step, compiles new steps (plain
+    autograd's grads with the new value)."""
+    global _SCALES_G
+    seq = _perturbed(ReversibleSequential(rk.nn.ReversibleBlock(_ScaledMlp(), _mlp()), engine="compiled"))
+    seq.compile_options = AOT
+    ref = copy.deepcopy(seq)
+    data = _data(4, 8)
+    try:
+        for scales in (False, True):
+            _SCALES_G = scales
+            got = run_grads(seq, seq, *data)
+            _assert_all_close(got, run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data), 1e-5,
+                              f"_SCALES_G={scales}: ")
+    finally:
+        _SCALES_G = False
+
+
+def _guard(name, guard_type, is_global=True):
+    return types.SimpleNamespace(name=name, guard_type=guard_type, is_global=is_global)
+
+
+def test_guard_filter_drops_hook_dicts_and_torchs_code_only():
+    dropped = [
+        _guard("block._modules['f']._forward_hooks", "EMPTY_NN_MODULE_HOOKS_DICT", is_global=False),
+        _guard("G['__import_torch_dot__functorch_dot_eager_transforms']._vjp_with_argnums", "CLOSURE_MATCH"),
+        _guard("G['__import_torch_dot_nn_dot_modules_dot_linear'].F", "DUPLICATE_INPUT"),
+        _guard("G['__import_torch_dot_utils_dot__pytree']._LEAF_SPEC.num_leaves", "CONSTANT_MATCH"),
+        _guard("G['vjp'].__kwdefaults__['has_aux']", "CONSTANT_MATCH"),  # this module's own import
+        _guard("G['_reversible']._check_residual", "CLOSURE_MATCH"),
+    ]
+    kept = [
+        _guard("block._modules['f']._modules['norm'].eps", "CONSTANT_MATCH", is_global=False),
+        _guard("block._modules['f']._parameters['weight']", "TENSOR_MATCH", is_global=False),
+        _guard("G['__import_mymodel'].SCALE", "CONSTANT_MATCH"),
+        _guard("G['__import_mymodel'].helper", "CLOSURE_MATCH"),
+        _guard("G['__import_torchvision_dot_ops'].nms", "CLOSURE_MATCH"),
+        _guard("G['__import_torch_dot_backends_dot_cudnn'].enabled", "CONSTANT_MATCH"),
+        _guard("G['__import_revkernels_dot_nn_dot_attention'].MATH_MAX_KEYS", "EQUALS_MATCH"),
+    ]
+    assert not any(keeps_guard(g) for g in dropped), [g.name for g in dropped if keeps_guard(g)]
+    assert all(keeps_guard(g) for g in kept), [g.name for g in kept if not keeps_guard(g)]
+
+
+def test_a_guard_filter_in_the_compile_options_replaces_the_engines():
+    seen = []
+    seq = make_seq(1, 8, engine="compiled")
+    seq.compile_options = {**AOT, "options": {"guard_filter_fn": lambda entries: seen.append(entries) or
+                                              [True] * len(entries)}}
+    run_grads(seq, seq, *_data(4, 8))
+    assert len(seen) == 2 and any(e.guard_type == "EMPTY_NN_MODULE_HOOKS_DICT" for e in seen[0])
 
 
 def test_bad_compile_options_raise_naming_the_argument():
