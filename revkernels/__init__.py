@@ -8,11 +8,11 @@ The API contract is the project README (sections Usage and Support and limits). 
 the module docstrings: the coupling and each fused op in `revkernels.ops.<family>`, the engines'
 schedules in `revkernels.engine.<engine>`, PETRA in `revkernels.petra`.
 """
-from revkernels import _extension, engine, models, nn, ops, petra
+from revkernels import _extension, check, engine, models, nn, ops, petra
 from revkernels._extension import CPU_KERNEL_BUILD, HAS_C_EXTENSION
 from revkernels.check import ReversibilityReport, check_reversibility
 
 __version__ = "0.1.0"
 
-__all__ = ["nn", "ops", "engine", "models", "petra", "check_reversibility", "ReversibilityReport", "HAS_C_EXTENSION", "CPU_KERNEL_BUILD",
+__all__ = ["nn", "ops", "engine", "models", "petra", "check", "check_reversibility", "ReversibilityReport", "HAS_C_EXTENSION", "CPU_KERNEL_BUILD",
            "__version__"]

@@ -168,9 +168,13 @@ class ReconstructionMonitor:
                 UserWarning, stacklevel=2)
 
 
+MONITORED_ENGINES = ("sequential", "pareprop")
+
+
 class monitor_reconstruction:  # noqa: N801 (used like a function / context manager)
     """Attaches a `ReconstructionMonitor` to a `ReversibleSequential` (engines sequential and
-    pareprop; the graphs engine and compiled runs are not monitored)::
+    pareprop; the graphs engine and compiled runs are not monitored: attaching it to a run with
+    another engine warns)::
 
         monitor = monitor_reconstruction(seq, threshold=1e-3, every=100)   # stays attached
         ...
@@ -186,6 +190,9 @@ class monitor_reconstruction:  # noqa: N801 (used like a function / context mana
         self.seq = seq
         self.monitor = ReconstructionMonitor(threshold, every, max_samples)
         seq.reconstruction_monitor = self.monitor
+        if seq.engine not in MONITORED_ENGINES:
+            warnings.warn(f"revkernels: the reconstruction monitor records nothing with engine={seq.engine!r} (it "
+                          f"monitors the engines {MONITORED_ENGINES})", UserWarning, stacklevel=2)
 
     def __getattr__(self, name):  # errors, history, step, threshold... of the monitor
         return getattr(self.__dict__["monitor"], name)

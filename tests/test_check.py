@@ -101,9 +101,12 @@ def test_sampling_every_n_and_detach():
     assert monitor.step == 7 and seq.reconstruction_monitor is None
 
 
-def test_graphs_engine_is_not_monitored():
-    seq = make_seq(2, 8, engine="graphs")
-    monitor = monitor_reconstruction(seq)
+@pytest.mark.parametrize("engine", ["graphs", "compiled", "autograd"])
+def test_engines_that_are_not_monitored_say_so(engine):
+    seq = make_seq(2, 8, engine=engine)
+    seq.compile_options = {"backend": "eager"}
+    with pytest.warns(UserWarning, match=f"records nothing with engine='{engine}'"):
+        monitor = monitor_reconstruction(seq)
     _step(seq)
     assert monitor.history == []
 

@@ -65,7 +65,7 @@ from revkernels.engine.sequential import (as_in_the_forward, forward_step, outpu
                                           save_forward_state, save_with_context, saved_with_context, with_buffers,
                                           without_unused)
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of,
-                                     grad_tensors, maybe_replay, records_graph)
+                                     differentiated_once, grad_tensors, maybe_replay, records_graph)
 from revkernels.engine.structure import (cached, coupling_kind, invalidate, param_slots, recompute_context,
                                          record_buffers, submodule_hooked)
 import revkernels.nn.reversible as _reversible  # (a module object: the import is circular)
@@ -572,7 +572,7 @@ class CompiledRun(torch.autograd.Function):
         return y1, y2
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @differentiated_once
     def backward(ctx, dy1, dy2):
         (y1, y2), context, leaves = saved_with_context(ctx, 2)
         with as_in_the_forward(ctx):

@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from revkernels.engine.state import NO_CONTEXT, AutocastState, grad_tensors, records_graph
+from revkernels.engine.state import NO_CONTEXT, AutocastState, differentiated_once, grad_tensors, records_graph
 from revkernels.engine.structure import cached, invalidate, param_slots
 
 _MANAGED = "_is_fsdp_managed_module"  # fully_shard's mark on every module whose parameters it manages
@@ -150,7 +150,7 @@ class BlockStep(torch.autograd.Function):
         return y1, y2
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @differentiated_once
     def backward(ctx, dy1, dy2):
         from revkernels.engine.sequential import output_grads, saved_with_context, without_unused
 

@@ -60,7 +60,7 @@ from torch import nn
 from revkernels.engine.fsdp import block_units
 from revkernels.engine.pareprop import reverse_blocks_two_streams, run_pareprop
 from revkernels.engine.sequential import reverse_blocks, run_reversible
-from revkernels.engine.state import NO_CONTEXT
+from revkernels.engine.state import NO_CONTEXT, check_param_versions, differentiated_once, param_versions
 
 MAX_GRAPHS = 4  # captured signatures kept per run (each holds its memory pool)
 WARMUP_ITERS = 2
@@ -223,12 +223,13 @@ class GraphedRun(torch.autograd.Function):
     @staticmethod
     def forward(ctx, captured, x1, x2, *params):
         y1, y2, ctx.token = captured.forward(x1, x2)
-        ctx.captured = captured
+        ctx.captured, ctx.params, ctx.param_versions = captured, params, param_versions(params)
         return y1, y2
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @differentiated_once
     def backward(ctx, dy1, dy2):
+        check_param_versions(ctx.params, ctx.param_versions)
         (dx1, dx2), param_grads = ctx.captured.backward(dy1, dy2)
         ctx.token = None
         return (None, dx1, dx2, *param_grads)

@@ -15,7 +15,8 @@ import torch.utils.checkpoint
 from torch.func import functional_call
 
 from revkernels.engine.fsdp import enter, module_units
-from revkernels.engine.state import AutocastState, RngState, cuda_devices_of, in_mode, maybe_replay
+from revkernels.engine.state import (AutocastState, RngState, check_param_versions, cuda_devices_of, differentiated_once,
+                                     in_mode, maybe_replay, param_versions)
 from revkernels.engine.structure import recompute_context
 
 
@@ -27,6 +28,7 @@ class _Recomputed(torch.autograd.Function):
         # out of the module by the backward) and the module's mode then
         ctx.module, ctx.names, ctx.n_inputs = module, names, n_inputs
         ctx.params, ctx.training = tensors[n_inputs:], module.training
+        ctx.param_versions = param_versions(ctx.params)
         ctx.rng = RngState(cuda_devices_of(*inputs))
         ctx.autocast_state = AutocastState.capture(inputs[0].device.type)
         ctx.save_for_backward(*inputs)
@@ -36,8 +38,9 @@ class _Recomputed(torch.autograd.Function):
         return out if ctx.tuple_output else (out,)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @differentiated_once
     def backward(ctx, *grads):
+        check_param_versions(ctx.params, ctx.param_versions, ctx.module)
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
         aliases = {name: p.detach().requires_grad_() for name, p in zip(ctx.names, ctx.params)}
         with torch.enable_grad(), in_mode(ctx.module, ctx.training), recompute_context(ctx.module), \

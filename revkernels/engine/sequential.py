@@ -24,7 +24,8 @@ import torch
 from torch.nn.utils import parametrize
 
 from revkernels.engine.fsdp import block_units, run_sharded
-from revkernels.engine.state import NO_CONTEXT, AutocastState, BlockState, grad_tensors, in_mode, records_graph
+from revkernels.engine.state import (NO_CONTEXT, AutocastState, BlockState, check_param_versions, differentiated_once,
+                                     grad_tensors, in_mode, param_versions, records_graph)
 from revkernels.engine.structure import (buffers_as_before, buffers_kept, invalidate, param_slots,
                                          parametrize_cache_off, record_buffers, y2_only_params)
 
@@ -129,9 +130,11 @@ def as_in_the_forward(ctx):
     train/eval mode each block had (``model.eval()`` between a forward and its backward would
     recompute dropout and BatchNorm in another mode) and holding the parameters the forward used
     (`revkernels.nn.reversible.swapped_params`). Reads ``ctx.run_blocks`` (the run's ModuleList),
-    ``ctx.blocks``, ``ctx.all_params`` and ``ctx.modes``, set by `save_forward_state`."""
+    ``ctx.blocks``, ``ctx.all_params`` and ``ctx.modes``, set by `save_forward_state`. A parameter
+    changed in place since the forward raises autograd's error (`check_param_versions`)."""
     from revkernels.nn.reversible import swapped_params
 
+    check_param_versions(ctx.all_params, ctx.param_versions, ctx.run_blocks, "blocks.")
     swapped = swapped_params(ctx.run_blocks, ctx.all_params)
     changed = [block for block, mode in zip(ctx.blocks, ctx.modes) if block.training != mode]
     if not swapped and not changed:
@@ -154,6 +157,7 @@ def as_in_the_forward(ctx):
 def save_forward_state(ctx, seq, all_params):
     """What `as_in_the_forward` needs, kept on `ctx` by a run's forward."""
     ctx.run_blocks, ctx.all_params, ctx.modes = seq.blocks, all_params, [block.training for block in seq.blocks]
+    ctx.param_versions = param_versions(all_params)
 
 
 def output_grads(blocks, y1, y2, dy1, dy2):
@@ -229,7 +233,7 @@ class ReversibleRun(torch.autograd.Function):
         return x1, x2
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @differentiated_once
     def backward(ctx, dy1, dy2):
         (y1, y2), context, leaves = saved_with_context(ctx, 2)
         with as_in_the_forward(ctx):

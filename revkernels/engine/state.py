@@ -5,10 +5,14 @@
 - `AutocastState` records the autocast mode of the forward so the recompute runs in the same
   dtypes.
 - `in_mode` puts a module back in the train/eval mode its forward ran in.
+- `param_versions` / `check_param_versions`: a parameter changed in place between a forward and
+  its backward raises autograd's error (the rebuild would use the new values).
+- `differentiated_once`: the engines' backwards are not differentiable.
 (BatchNorm, InstanceNorm and spectral norm in a recompute:
 `revkernels.engine.structure.recompute_context`.)
 """
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -135,3 +139,46 @@ class AutocastState:
             return torch.autocast(self.device_type, enabled=False) if self.device_type in ("cpu", "cuda") \
                 else contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=True, cache_enabled=self.cache_enabled)
+
+
+def param_versions(params):
+    """The version counters of `params` (an in-place change bumps them), for `check_param_versions`."""
+    return [p._version for p in params]
+
+
+def check_param_versions(params, versions, names_from=None, prefix=""):
+    """Raises autograd's in-place error where a parameter of `params` changed in place since the
+    forward took `versions` (an optimizer step, clipping or a copy between a forward and its
+    backward): a memory-saving backward rebuilds the activations from the parameters, so it would
+    differentiate at the new values, silently. `names_from`: a module whose parameter names the
+    message uses (after `prefix`)."""
+    if param_versions(params) == versions:
+        return
+    p, version = next((p, v) for p, v in zip(params, versions) if p._version != v)
+    names = {id(q): prefix + name for name, q in names_from.named_parameters()} if names_from is not None else {}
+    name = names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
+    raise RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"{name} is at version {p._version}; expected version {version} instead (revkernels: a memory-saving "
+        "run rebuilds its activations from its parameters in the backward; change them, e.g. step the "
+        "optimizer, after the backward)")
+
+
+def differentiated_once(backward):
+    """``torch.autograd.function.once_differentiable`` for the engines' backwards. Their grads depend
+    on the parameters through the rebuild even where the output grads do not require grad, so under
+    ``create_graph=True`` every grad they return gets a node that raises when differentiated (torch's
+    decorator adds it only where an output grad requires grad: a gradient penalty through a run
+    whose loss was linear in its outputs lost its second-order term, silently)."""
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return outputs
+        error = torch._C._functions.DelayedError(
+            b"trying to differentiate twice the backward of a revkernels memory-saving run (engine='autograd' "
+            b"differentiates twice)", len(outputs))
+        return error(*[None if t is None else t.detach().requires_grad_() for t in outputs])
+
+    return wrapper

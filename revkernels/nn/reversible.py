@@ -337,6 +337,10 @@ class ReversibleSequential(nn.Module):
     autograd through the blocks (it stores its activations); the engine runs the calls after it.
     """
 
+    # engine="compiled": torch.compile keywords for its steps (a dict; None: inductor's defaults),
+    # see `revkernels.engine.compiled.compiled_steps`
+    compile_options = None
+
     def __init__(self, *blocks, engine="sequential", preserve_rng_state=True):
         super().__init__()
         if len(blocks) == 1 and isinstance(blocks[0], (list, tuple, nn.ModuleList)):

@@ -57,6 +57,7 @@ def set_cuda_backend(name):
 
 
 def get_cuda_backend():
+    """The CUDA kernels the ops use: "triton" or "cuda" (see `set_cuda_backend`)."""
     return _cuda_backend
 
 
@@ -106,6 +107,7 @@ def entry_point(name, checked, check_scalars=None):
         return checked
     op = getattr(torch.ops.revkernels, name)
     if check_scalars is None:
+        op.__doc__ = checked.__doc__  # help(revkernels.ops.<name>) (the op packet has none)
         return op
 
     def checked_scalars(*args, **kwargs):

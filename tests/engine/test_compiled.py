@@ -522,6 +522,7 @@ def test_a_guard_filter_in_the_compile_options_replaces_the_engines():
 
 def test_bad_compile_options_raise_naming_the_argument():
     seq = make_seq(1, 8, engine="compiled")
+    assert seq.compile_options is None  # the default, readable before it is set
     seq.compile_options = {"fullgraph": False}
     with pytest.raises(ValueError, match="compile_options"):
         seq(torch.randn(2, 8, requires_grad=True), torch.randn(2, 8))

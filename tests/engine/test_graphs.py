@@ -143,6 +143,20 @@ def test_cuda_grads_accumulate_across_backward_calls():
 
 
 @pytest.mark.gpu
+def test_cuda_a_parameter_changed_in_place_before_the_replayed_backward_raises():
+    """The replayed backward graph reads the parameters' storage: a change in place between the
+    forward and its backward raises autograd's error instead of differentiating the new values."""
+    seq = _vit_stack(2)
+    x = torch.randn(4, 9, 64, device="cuda")
+    seq(x, x)[0].sum().backward()  # captures
+    y1, y2 = seq(x, x)  # replays the captured forward
+    with torch.no_grad():
+        next(seq.parameters()).mul_(0.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (y1.sum() + y2.sum()).backward()
+
+
+@pytest.mark.gpu
 def test_cuda_two_forwards_before_one_backward_fall_back_and_stay_correct():
     seq = _vit_stack(2)
     reference = _vit_stack(2, engine="autograd")

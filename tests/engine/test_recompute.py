@@ -1,4 +1,5 @@
 """run_recomputed: a non-reversible piece that keeps only its input, against plain autograd."""
+import pytest
 import torch
 from torch import nn
 
@@ -92,6 +93,25 @@ class _Recomputing(nn.Module):
 def _recomputed_in_functional_call(piece, swapped, a, b):
     """``run_recomputed(piece, a, b)`` inside ``functional_call`` with `swapped` (names in `piece`)."""
     return torch.func.functional_call(_Recomputing(piece), {f"piece.{n}": t for n, t in swapped.items()}, (a, b))
+
+
+def test_a_parameter_changed_in_place_before_the_backward_raises_autograds_error():
+    piece = TwoStreamPiece()
+    h, y = run_recomputed(piece, torch.randn(8, 12, requires_grad=True), torch.randn(8, 12))
+    with torch.no_grad():
+        piece.b.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation: b.weight is at version"):
+        (h.sum() + y.square().sum()).backward()
+
+
+def test_gradient_penalty_through_a_recompute_raises():
+    """Its backward is not differentiable, also under a loss linear in its outputs."""
+    piece = TwoStreamPiece()
+    a = torch.randn(8, 12, requires_grad=True)
+    h, y = run_recomputed(piece, a, torch.randn(8, 12))
+    (da,) = torch.autograd.grad(h.sum() + y.sum(), a, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        da.square().sum().backward()
 
 
 def test_keeps_only_its_inputs():

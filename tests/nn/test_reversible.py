@@ -4,7 +4,8 @@ import torch
 from torch import nn
 
 import revkernels as rk
-from tests.helpers import TrackingLinear, assert_close_rel, grads_of, loss_of, make_seq, plain_forward, residual_fn
+from tests.helpers import (TrackingLinear, assert_close_rel, grads_of, loss_of, make_seq, perturb_parameters, plain_forward,
+                           residual_fn)
 
 WIDTH = 12
 
@@ -236,17 +237,21 @@ def test_lazy_modules_initialize_in_the_first_step(engine):
             assert_close_rel(got, expected, 1e-5, f"step {step}: output/grad {i}")
 
 
+@pytest.mark.parametrize("loss", ["quadratic", "linear"])
 @pytest.mark.parametrize("engine", rk.engine.ENGINES)
-def test_gradient_penalty_needs_the_autograd_engine(engine):
+def test_gradient_penalty_needs_the_autograd_engine(engine, loss):
     """README, limits: a loss built with create_graph=True through a memory-saving run raises (its
-    backward is once_differentiable); the autograd engine gives plain autograd's second-order grads."""
+    backward is not differentiable), also where the loss is linear in the run's outputs (whose grads
+    then do not require grad: the penalty lost its second-order term, silently); the autograd engine
+    gives plain autograd's second-order grads."""
     seq = make_seq(2, WIDTH, engine=engine)
     seq.compile_options = {"backend": "eager"}
     x = torch.randn(5, WIDTH, requires_grad=True)
 
     def penalty(run):
         y1, y2 = run(x, x)
-        (dx,) = torch.autograd.grad(y1.square().sum() + y2.sum(), x, create_graph=True)
+        out = y1.square().sum() + y2.sum() if loss == "quadratic" else y1.sum() + 2 * y2.sum()
+        (dx,) = torch.autograd.grad(out, x, create_graph=True)
         dx.square().sum().backward()
         return grads_of(seq.parameters())
 
@@ -261,6 +266,39 @@ def test_gradient_penalty_needs_the_autograd_engine(engine):
         assert (a is None) == (b is None)  # (the last biases do not move dx)
         if b is not None:
             assert_close_rel(a, b, 1e-5)
+
+
+@pytest.mark.parametrize("engine", rk.engine.ENGINES)
+def test_gradient_penalty_first_order_grads_equal_plain_autograd(engine):
+    """create_graph=True through a memory-saving run still returns the first-order grads."""
+    seq = perturb_parameters(make_seq(2, WIDTH, engine=engine))
+    seq.compile_options = {"backend": "eager"}
+    x = torch.randn(5, WIDTH, requires_grad=True)
+    got = torch.autograd.grad(sum(y.sum() for y in seq(x, x)), [x, *seq.parameters()], create_graph=True)
+    expected = torch.autograd.grad(sum(y.sum() for y in plain_forward(seq, x, x)), [x, *seq.parameters()])
+    for a, b in zip(got, expected, strict=True):
+        assert_close_rel(a, b, 1e-5)
+
+
+@pytest.mark.parametrize("engine", rk.engine.ENGINES)
+def test_a_parameter_changed_in_place_before_the_backward_raises_autograds_error(engine):
+    """An optimizer step (any in-place change of a parameter) between a forward and its backward:
+    plain autograd raises, as the memory-saving engines must (they rebuild the activations from
+    the parameters: the grads would be those at the new values, silently); the error names the
+    parameter. A change after the backward is the normal step."""
+    seq = make_seq(2, WIDTH, engine=engine)
+    seq.compile_options = {"backend": "eager"}
+    x1, x2 = _streams(requires_grad=True)
+    y1, y2 = seq(x1, x2)
+    with torch.no_grad():
+        seq.blocks[1].f[1].weight.mul_(0.5)
+    match = "modified by an inplace operation" + ("" if engine == "autograd" else ".*blocks.1.f.1.weight")
+    with pytest.raises(RuntimeError, match=match):
+        (y1.square().sum() + y2.sum()).backward()
+    y1, y2 = seq(x1, x2)
+    (y1.square().sum() + y2.sum()).backward()
+    with torch.no_grad():
+        seq.blocks[1].f[1].weight.mul_(0.5)
 
 
 @pytest.mark.parametrize("engine", rk.engine.ENGINES)

@@ -260,3 +260,14 @@ def test_python_path_without_the_library():
         "    assert torch.autograd.gradcheck(fn, [t.clone().requires_grad_() for t in args])\n"
         "print('ok')\n"
     )
+
+
+def test_every_public_op_has_a_docstring():
+    """help(revkernels.ops.<op>): the public entry is the op packet itself where the compiled
+    library is loaded, which has no docstring of its own."""
+    for name in rk.ops.__all__:
+        assert (getattr(rk.ops, name).__doc__ or "").strip(), name
+
+
+def test_the_top_level_package_exports_check():
+    assert "check" in rk.__all__ and rk.check.monitor_reconstruction is not None
