@@ -59,10 +59,27 @@ def _build_ext_class(BuildExtension, cxx_flags):
         def build_extension(self, ext):
             variants = _isa_variants()
             if variants:
+                objects = self._variant_objects(ext, variants)
+                if objects is None:
+                    return
                 # After the extension's own objects, so for any symbol the objects share (none
                 # expected) the linker keeps the baseline build's code.
-                ext.extra_objects = list(ext.extra_objects or []) + self._compile_variants(ext, variants)
+                ext.extra_objects = list(ext.extra_objects or []) + objects
             super().build_extension(ext)
+
+        def _variant_objects(self, ext, variants):
+            """`_compile_variants`, or None where they fail to compile in an optional extension:
+            skipped with a warning, as setuptools skips an optional extension whose compile fails
+            (the pure-PyTorch package is installed; its filter does not catch ninja's error)."""
+            import subprocess
+
+            try:
+                return self._compile_variants(ext, variants)
+            except subprocess.CalledProcessError as error:
+                if not ext.optional:
+                    raise
+                self.warn(f'building extension "{ext.name}" failed: the CPU ISA variants of {VEC_SOURCE}: {error}')
+                return None
 
         def _compile_variants(self, ext, variants):
             """One object per ISA, built by ninja as BuildExtension builds the others: in parallel

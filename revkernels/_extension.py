@@ -3,12 +3,15 @@
 Without it every `torch.ops.revkernels.*` op still exists: `revkernels.ops` registers its
 pure-PyTorch reference for the devices the library does not cover.
 """
+import importlib
 import warnings
 
 import torch  # noqa: F401  (loads libtorch/libc10, which _C links against)
 
 try:
-    from revkernels import _C  # noqa: F401  (importing registers the C++ ops with torch)
+    # (importing registers the C++ ops with torch; `from revkernels import _C` would blame a
+    # circular import of the half-initialised package where the library is missing)
+    _C = importlib.import_module("revkernels._C")
 except ImportError as error:  # not built, or built against another torch
     _C = None
     HAS_C_EXTENSION = False

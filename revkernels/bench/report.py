@@ -36,12 +36,19 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def _git_commit():
+def _git_commit(bench_dir=os.path.dirname(os.path.abspath(__file__))):
+    """revkernels' commit where it runs from its own checkout (the folder holding the package is
+    the top of a git work tree), else "unknown": a copy installed inside another project's
+    repository (a .venv in the user's checkout) must not report that project's commit."""
+    root = os.path.dirname(os.path.dirname(bench_dir))
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or "unknown"
+        out = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=bench_dir, timeout=10).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    if len(out) != 2 or os.path.realpath(out[0]) != os.path.realpath(root):
+        return "unknown"
+    return out[1]
 
 
 def provenance(device):
