@@ -97,7 +97,8 @@ def check_reversibility(module, x1, x2, **context):
 class ReconstructionMonitor:
     """Opt-in runtime check of the memory-saving engines' rebuild (see `monitor_reconstruction`).
 
-    On every `every`-th forward of the monitored run (in training, with grad), the forward keeps
+    On every `every`-th forward of the monitored run that records a graph (grad enabled and a stream,
+    parameter or context tensor requiring grad; train or eval mode), the forward keeps
     a strided sample of at most `max_samples` elements of each block's input (a few KB per
     block: the exact input is not kept); that step's backward compares the rebuilt inputs at the
     same positions and warns (UserWarning) when the relative error (max-abs difference over the

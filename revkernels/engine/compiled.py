@@ -53,6 +53,7 @@ torch's own code); a ``guard_filter_fn`` in the compile options replaces that fi
   ``setup_context``, cannot run under ``torch.func.vjp``).
 """
 import contextlib
+import functools
 import types
 import warnings
 
@@ -189,8 +190,8 @@ class CompiledSteps:
             if isinstance(error, torch._dynamo.exc.FailOnRecompileLimitHit):
                 what = (f"the {name} step reached torch._dynamo.config.recompile_limit "
                         f"({torch._dynamo.config.recompile_limit} signatures) at blocks[{position}] "
-                        f"({type(block).__name__}; blocks differing in a Python attribute, such as a drop-path "
-                        "rate, or new shapes are signatures of their own: raise the limit to compile them)")
+                        f"({type(block).__name__}; blocks differing in a Python attribute, such as a dropout "
+                        "probability, or new shapes are signatures of their own: raise the limit to compile them)")
             else:
                 what = f"compiling the {name} step of blocks[{position}] ({type(block).__name__}) failed"
             raise StepFailed(self.failed, _layout(block).key, what, error) from error
@@ -204,9 +205,8 @@ def _with_guard_filter(options):
     return {**options, "options": inner}
 
 
-# Dynamo guards on everything a compiled step read; checking them is most of a small step's
-# call (about 37 us of a ViT block's backward step on the host-bound benchmark, of which the
-# two kinds below take 19 us). Two kinds check nothing the engine needs from them:
+# Dynamo guards on everything a compiled step read, and a small step's call checks them all
+# (443 guards for a ViT block's backward step). Two kinds check nothing the engine needs:
 # - the module hook dicts of every submodule: the walkers route a block with module hooks (its
 #   submodules' or global ones) to the eager steps before each step call (`_eager_block`);
 # - torch's own code reached from a step (torch.func, nn.Module.__call__, pytree, F.*: the
@@ -238,8 +238,9 @@ def keeps_guard_list(entries):
     return [keeps_guard(entry) for entry in entries]
 
 
+@functools.cache
 def _own_globals():
-    return {f"G['{name}']" for name in globals() if not name.startswith("__")}
+    return frozenset(f"G['{name}']" for name in globals() if not name.startswith("__"))
 
 
 class StepFailed(Exception):

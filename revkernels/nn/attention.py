@@ -15,7 +15,9 @@ system unless told otherwise), so longer sequences keep the flash kernel and its
 the length. ``python -m revkernels.bench.attention`` measures both ways of a compiled forward +
 backward across sequence lengths (``benchmarks/results/attention_cpu.csv``). Eager code, and
 every other device, call ``F.scaled_dot_product_attention`` unchanged. Both ways compute the same
-function; they differ by fp32 rounding (~1e-7 relative).
+function; they differ by fp32 rounding (~1e-7 relative). bf16/fp16 q, k, v (under autocast) go
+through the formula in fp32, as the flash kernel computes scores and softmax, and the output is
+cast back.
 """
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,14 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False):
     """``F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)``; in a
     compiled CPU graph with at most `MATH_MAX_KEYS` keys, through SDPA's math backend (module doc)."""
     if uses_math(q, k):
+        if q.dtype in (torch.bfloat16, torch.float16):
+            # The formula in fp32, as the flash kernel computes its scores and softmax (in bf16/fp16
+            # the causal mask's softmax lost precision: grads 3x the eager error)
+            if attn_mask is not None and attn_mask.is_floating_point():
+                attn_mask = attn_mask.float()
+            with torch.autocast("cpu", enabled=False), sdpa_kernel(SDPBackend.MATH):
+                return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=attn_mask,
+                                                      is_causal=is_causal).to(q.dtype)
         with sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
