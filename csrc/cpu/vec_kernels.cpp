@@ -387,6 +387,12 @@ void sub_layer_norm_vec(x_t* x, x_t* ln, acc_t* mean, acc_t* rstd, const x_t* y,
     if constexpr (std::is_same_v<x_t, acc_t>) {
       if (x_is_scratch) xs = xr;
     }
+    // The mean sums x - x[0] (see sub_layer_norm_cpu): a constant row's is exact. x[0] rounded as the
+    // stores below round it.
+    x_t first_x;
+    store<acc_t>(&first_x, load<acc_t>(yr) - load<acc_t>(gr));
+    const acc_t pivot = load<acc_t>(&first_x);
+    const Block<acc_t> pivot_v(pivot);
     Block<acc_t> part(acc_t(0));
     double sum = 0.0, squares = 0.0;
     for_chunked_blocks<acc_t>(
@@ -396,10 +402,10 @@ void sub_layer_norm_vec(x_t* x, x_t* ln, acc_t* mean, acc_t* rstd, const x_t* y,
           const Block<acc_t> xv = rounded<x_t>(v);
           if (!stream) store_block(xr + i, v, c);
           if (!x_is_scratch) store_block(xs + i, xv, c);
-          part = part + first(xv, c);
+          part = part + first(xv - pivot_v, c);
         },
         [&] { add_total(sum, part); });
-    const acc_t mu = static_cast<acc_t>(sum / count);
+    const acc_t mu = static_cast<acc_t>(pivot + sum / count);
     const Block<acc_t> mu_v(mu);
     for_chunked_blocks<acc_t>(
         n,

@@ -23,7 +23,9 @@ namespace revkernels {
 // Rows [row_begin, row_end) of x = y - g and ln = LayerNorm(x) * weight + bias; mean and rstd
 // (1 / sqrt(biased variance + eps)) per row. The statistics and ln are computed from the stored,
 // rounded x, so ln is exactly the LayerNorm of the x the op returns. Two passes for the variance
-// (the row is in cache), which avoids the cancellation of E[x^2] - mean^2.
+// (the row is in cache), which avoids the cancellation of E[x^2] - mean^2. The mean sums x - x[0]
+// (`row_pivot`): a constant row sums exact zeros, so its mean is exact and its variance zero (a sum
+// of the values themselves rounds, and the rounding, over sqrt(eps), was ln: 5e-3 off).
 template <typename acc_t, typename x_t, typename g_t>
 void sub_layer_norm_cpu(x_t* x, x_t* ln, acc_t* mean, acc_t* rstd, const x_t* y, int64_t y_row_stride,
                         const g_t* g, int64_t g_row_stride, const acc_t* weight, const acc_t* bias, acc_t eps,
@@ -35,7 +37,9 @@ void sub_layer_norm_cpu(x_t* x, x_t* ln, acc_t* mean, acc_t* rstd, const x_t* y,
     x_t* lr = ln + r * n;
     for (int64_t i = 0; i < n; ++i) store<acc_t>(xr + i, load<acc_t>(yr + i) - load<acc_t>(gr + i));
     const double count = static_cast<double>(n);
-    const acc_t mu = static_cast<acc_t>(lane_sum<acc_t>(n, [&](int64_t i) { return load<acc_t>(xr + i); }) / count);
+    const acc_t pivot = load<acc_t>(xr);
+    const acc_t mu = static_cast<acc_t>(
+        pivot + lane_sum<acc_t>(n, [&](int64_t i) { return load<acc_t>(xr + i) - pivot; }) / count);
     const acc_t var = static_cast<acc_t>(lane_sum<acc_t>(n, [&](int64_t i) {
                                            const acc_t d = load<acc_t>(xr + i) - mu;
                                            return d * d;

@@ -10,7 +10,8 @@ Forward (``torch.ops.revkernels.sub_layer_norm``)::
 
     sub_layer_norm(y, g, weight, bias, eps) -> (x, ln, mean, rstd)
         x    = y - g                                     in y's dtype, formed in fp32, rounded once
-        mean = sum_i x_i / N                             per row, of the rounded x
+        mean = x_0 + sum_i (x_i - x_0) / N               per row, of the rounded x (shifted by
+                                                         x_0: a constant row's mean is exact)
         rstd = 1 / sqrt(sum_i (x_i - mean)^2 / N + eps)  (biased variance, as torch's LayerNorm)
         ln   = (x - mean) * rstd * weight + bias         in x's dtype
 

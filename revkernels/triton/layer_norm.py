@@ -52,7 +52,10 @@ def _sub_layer_norm_fwd_kernel(x_ptr, ln_ptr, mean_ptr, rstd_ptr, y_ptr, y_row_s
     x = (y - g).to(x_ptr.dtype.element_ty)  # rounded once; everything below uses this x
     tl.store(x_ptr + row * n + cols, x, mask=mask)
     x = x.to(acc_type)
-    mean = tl.sum(x, axis=0) / n
+    # The mean sums x - x[0]: a constant row's is exact (a sum of the values rounds, and the rounding,
+    # over sqrt(eps), was ln: 5e-3 off)
+    pivot = tl.sum(tl.where(cols == 0, x, 0.0), axis=0)
+    mean = pivot + tl.sum(tl.where(mask, x - pivot, 0.0), axis=0) / n
     diff = tl.where(mask, x - mean, 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / n + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(acc_type)
@@ -69,7 +72,10 @@ def _sub_layer_norm_fwd_chunked_kernel(x_ptr, ln_ptr, mean_ptr, rstd_ptr, y_ptr,
     row = tl.program_id(0).to(tl.int64)
     y_row = y_ptr + row * y_row_stride
     g_row = g_ptr + row * g_row_stride
-    # Pass 1: count, mean and M2 (sum of squared deviations) of x, merged chunk by chunk.
+    # Pass 1: count, mean and M2 (sum of squared deviations) of x - x[0], merged chunk by chunk
+    # (shifted by the row's first value: a constant row's mean is exact, and each chunk's mean is
+    # formed from small values)
+    pivot = (tl.load(y_row).to(acc_type) - tl.load(g_row).to(acc_type)).to(x_ptr.dtype.element_ty).to(acc_type)
     count = tl.zeros((), dtype=acc_type)
     mean = tl.zeros((), dtype=acc_type)
     m2 = tl.zeros((), dtype=acc_type)
@@ -78,7 +84,7 @@ def _sub_layer_norm_fwd_chunked_kernel(x_ptr, ln_ptr, mean_ptr, rstd_ptr, y_ptr,
         mask = cols < n
         y = tl.load(y_row + cols, mask=mask, other=0.0).to(acc_type)
         g = tl.load(g_row + cols, mask=mask, other=0.0).to(acc_type)
-        x = (y - g).to(x_ptr.dtype.element_ty).to(acc_type)
+        x = (y - g).to(x_ptr.dtype.element_ty).to(acc_type) - pivot
         chunk_count = tl.sum(mask.to(acc_type), axis=0)
         chunk_mean = tl.sum(tl.where(mask, x, 0.0), axis=0) / chunk_count
         diff = tl.where(mask, x - chunk_mean, 0.0)
@@ -87,6 +93,7 @@ def _sub_layer_norm_fwd_chunked_kernel(x_ptr, ln_ptr, mean_ptr, rstd_ptr, y_ptr,
         mean += delta * (chunk_count / total)
         m2 += tl.sum(diff * diff, axis=0) + delta * delta * (count * chunk_count / total)
         count = total
+    mean += pivot
     rstd = 1.0 / tl.sqrt(m2 / n + eps)
     # Pass 2: x and ln.
     for start in range(0, n, BLOCK_N):

@@ -92,6 +92,30 @@ def test_sub_layer_norm_fp32(shape):
         assert_close_rel(got, exact, 1e-5, what)
 
 
+def _constant_rows(rows, n, dtype=torch.float32, device="cpu"):
+    """y and g whose x = y - g has rows of one value each (random, up to 1e4: a row mean formed by
+    summing the values rounds), beside a row of random data."""
+    values = torch.randn(rows, 1, dtype=torch.float64) * 1e4
+    y = values.expand(rows, n).to(dtype)
+    g = torch.full((rows, n), 0.375, dtype=dtype)
+    random_y, random_g = _random((1, n)).to(dtype), _g((1, n)).to(dtype)
+    return torch.cat([y, random_y]).to(device), torch.cat([g, random_g]).to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [7, 129, 768, 4097])
+def test_sub_layer_norm_constant_rows(n, dtype):
+    """A row of one value: mean exact, ln = bias (its mean, summed from the values, rounded; the
+    rounding over sqrt(eps) put ln 5e-3 off in fp32)."""
+    y, g = _constant_rows(3, n, dtype)
+    weight, bias = _params(n, dtype)
+    x, ln, mean, rstd = sub_layer_norm(y, g, weight, bias, EPS)
+    want = sub_layer_norm_reference(*(t.double() for t in (y, g, weight, bias)), EPS)
+    for got, exact, what in zip((x, ln, mean, rstd), want, ("x", "ln", "mean", "rstd")):
+        assert_close_rel(got, exact, 1e-5, what)
+    assert torch.equal(mean[:3], x[:3, 0].to(mean.dtype)) and torch.equal(ln[:3], bias.expand(3, n))
+
+
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_sub_layer_norm_low_precision(dtype, shape):
@@ -430,6 +454,20 @@ def test_triton_sub_layer_norm(shape, path):
     want = sub_layer_norm_reference(*(t.double() for t in (y, g, weight, bias)), EPS)
     for got, exact, what in zip((x, ln, mean, rstd), want, ("x", "ln", "mean", "rstd")):
         assert_close_rel(got, exact, 1e-5, what)
+
+
+@pytest.mark.parametrize("path", list(TRITON_PATHS))
+@pytest.mark.parametrize("n", [33, 1000])
+def test_triton_sub_layer_norm_constant_rows(n, path):
+    from revkernels.triton.layer_norm import sub_layer_norm as kernel
+
+    device = triton_device()
+    y, g = _constant_rows(2, n, device=device)
+    weight, bias = (t.to(device) for t in _params(n))
+    x, ln, mean, rstd = kernel(y, g, weight, bias, EPS, **TRITON_PATHS[path])
+    want = sub_layer_norm_reference(*(t.double() for t in (y, g, weight, bias)), EPS)
+    for got, exact, what in zip((x, ln, mean, rstd), want, ("x", "ln", "mean", "rstd")):
+        assert_close_rel(got.cpu(), exact.cpu(), 1e-5, what)
 
 
 @pytest.mark.parametrize("path", list(TRITON_PATHS))
