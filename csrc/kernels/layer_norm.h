@@ -23,8 +23,8 @@ namespace revkernels {
 // Rows [row_begin, row_end) of x = y - g and ln = LayerNorm(x) * weight + bias; mean and rstd
 // (1 / sqrt(biased variance + eps)) per row. The statistics and ln are computed from the stored,
 // rounded x, so ln is exactly the LayerNorm of the x the op returns. Two passes for the variance
-// (the row is in cache), which avoids the cancellation of E[x^2] - mean^2. The mean sums x - x[0]
-// (`row_pivot`): a constant row sums exact zeros, so its mean is exact and its variance zero (a sum
+// (the row is in cache), which avoids the cancellation of E[x^2] - mean^2. The mean sums x - x[0]:
+// a constant row sums exact zeros, so its mean is exact and its variance zero (a sum
 // of the values themselves rounds, and the rounding, over sqrt(eps), was ln: 5e-3 off).
 template <typename acc_t, typename x_t, typename g_t>
 void sub_layer_norm_cpu(x_t* x, x_t* ln, acc_t* mean, acc_t* rstd, const x_t* y, int64_t y_row_stride,

@@ -39,6 +39,13 @@ class DropPath(nn.Module):
         self._rate = torch.tensor(self._p, dtype=torch.float64)
         self._keep = torch.tensor(1.0 - self._p, dtype=torch.float64)
 
+    def __setstate__(self, state):
+        # A DropPath pickled before the rate became a property kept `p` in its __dict__
+        p = state.pop("p", None)
+        super().__setstate__(state)
+        if p is not None:
+            self.p = p
+
     def draws_random(self):
         """Whether a forward now draws a mask (the engines replay randomness only then)."""
         return self.training and self._active

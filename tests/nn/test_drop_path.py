@@ -45,3 +45,13 @@ def test_the_forward_is_the_float_formula_bitwise_and_follows_a_new_p(dtype):
     assert torch.equal(drop(x), x) and not drop.draws_random()
     with pytest.raises(ValueError, match="DropPath's p"):
         drop.p = 1.0
+
+
+def test_a_drop_path_pickled_with_p_in_its_dict_loads():
+    """Whole-module pickles from before the rate became a property hold `p` in the instance dict."""
+    old = DropPath(0.3)
+    state = {k: v for k, v in old.__dict__.items() if k not in ("_p", "_active", "_rate", "_keep")}
+    state["p"] = 0.3
+    loaded = DropPath.__new__(DropPath)
+    loaded.__setstate__(state)
+    assert loaded.p == 0.3 and loaded.draws_random() and torch.equal(loaded._keep, old._keep)
