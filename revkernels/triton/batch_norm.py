@@ -14,7 +14,8 @@ M = 256*56*56 the grid has 64 x ~8 programs, not 64.
 Three kernels per op, no atomics (deterministic):
 
 batch_norm_act: (1) each program writes its chunk's per-channel mean and M2 (sum of squared
-deviations), merged block by block as in Chan et al.; (2) a small kernel merges the chunks'
+deviations) of x minus the channel's first value (a constant channel's statistics are exact),
+merged block by block as in Chan et al.; (2) a small kernel merges the chunks'
 partials per channel in a fixed order (mean = sum(count_k * mean_k) / M, M2 = sum(M2_k +
 count_k * (mean_k - mean)^2)) and writes mean and rstd; (3) each program of the first grid writes
 out = act((x - mean) * rstd * w + b) over its chunk.
@@ -81,19 +82,30 @@ def _xhat_and_masked_dy(x, dy, mean, rstd, w, b, RELU: tl.constexpr):
 
 
 @triton.jit
+def _channel_pivot(x_ptr, xc, chans, cmask, ACC_FP64: tl.constexpr):
+    """Each channel's first value (n = 0, s = 0): the statistics are formed from x - pivot, so a
+    constant channel's mean is exact and its variance zero (block means of the values themselves
+    round, and the merge carried the rounding into the variance: rstd 4.5e-2 off for a constant
+    channel of 12345.678)."""
+    acc_type = tl.float64 if ACC_FP64 else tl.float32
+    return tl.load(x_ptr + chans * xc, mask=cmask, other=0.0).to(acc_type)
+
+
+@triton.jit
 def _bn_fwd_stats_kernel(partial_ptr, x_ptr, xn, xc, xs, C, S, M, chunk_len, num_chunks,
                          ACC_FP64: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr):
-    # partial: (2, num_chunks, C): this chunk's mean and M2 per channel.
+    # partial: (2, num_chunks, C): this chunk's mean and M2 per channel, of x - pivot.
     acc_type = tl.float64 if ACC_FP64 else tl.float32
     k = tl.program_id(1)
     chans, cmask = _channel_block(BLOCK_C, C)
+    pivot = _channel_pivot(x_ptr, xc, chans, cmask, ACC_FP64)
     m_begin, m_end = _chunk_range(chunk_len, M)
     count = tl.zeros((), dtype=acc_type)
     mean = tl.zeros((BLOCK_C,), dtype=acc_type)
     m2 = tl.zeros((BLOCK_C,), dtype=acc_type)
     for start in range(m_begin, m_end, BLOCK_M):
         offs, mask = _tile_offsets(start, m_end, S, chans, cmask, xn, xc, xs, BLOCK_M)
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_type)
+        x = tl.where(mask, tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_type) - pivot[:, None], 0.0)
         blk_count = tl.minimum(m_end - start, BLOCK_M).to(acc_type)
         blk_mean = tl.sum(x, axis=1) / blk_count
         diff = tl.where(mask, x - blk_mean[:, None], 0.0)
@@ -120,10 +132,10 @@ def _chunk_means(partial_ptr, p0, chans, cmask, C, M, chunk_len, num_chunks, ACC
 
 
 @triton.jit
-def _bn_fwd_finalize_kernel(mean_ptr, rstd_ptr, partial_ptr, eps, C, M, chunk_len, num_chunks,
+def _bn_fwd_finalize_kernel(mean_ptr, rstd_ptr, partial_ptr, x_ptr, xc, eps, C, M, chunk_len, num_chunks,
                             ACC_FP64: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
-    # Merges the chunks' (mean, M2) in chunk order: mean = sum(count_k * mean_k) / M,
-    # M2 = sum(M2_k + count_k * (mean_k - mean)^2); writes mean and rstd.
+    # Merges the chunks' (mean, M2) of x - pivot in chunk order: mean = sum(count_k * mean_k) / M,
+    # M2 = sum(M2_k + count_k * (mean_k - mean)^2); writes pivot + mean and rstd.
     acc_type = tl.float64 if ACC_FP64 else tl.float32
     chans = (tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     cmask = chans < C
@@ -133,6 +145,7 @@ def _bn_fwd_finalize_kernel(mean_ptr, rstd_ptr, partial_ptr, eps, C, M, chunk_le
                                             BLOCK_P)
         weighted += tl.sum(cnt[:, None] * pm, axis=0)
     mean = weighted / M
+    pivot = _channel_pivot(x_ptr, xc, chans, cmask, ACC_FP64)
     m2 = tl.zeros((BLOCK_C,), dtype=acc_type)
     for p0 in range(0, num_chunks, BLOCK_P):
         parts, cnt, mask, pm = _chunk_means(partial_ptr, p0, chans, cmask, C, M, chunk_len, num_chunks, ACC_FP64,
@@ -140,7 +153,7 @@ def _bn_fwd_finalize_kernel(mean_ptr, rstd_ptr, partial_ptr, eps, C, M, chunk_le
         pm2 = tl.load(partial_ptr + (num_chunks + parts[:, None]) * C + chans[None, :], mask=mask, other=0.0)
         d = pm - mean[None, :]
         m2 += tl.sum(tl.where(mask, pm2 + cnt[:, None] * d * d, 0.0), axis=0)
-    tl.store(mean_ptr + chans, mean, mask=cmask)
+    tl.store(mean_ptr + chans, pivot + mean, mask=cmask)
     tl.store(rstd_ptr + chans, 1.0 / tl.sqrt(m2 / M + eps), mask=cmask)
 
 
@@ -287,7 +300,7 @@ def batch_norm_act(x, weight, bias, eps, relu, block_m=None, chunks=None):
     _bn_fwd_stats_kernel[grid](partials, x, xn, xc, xs, c, s, m, chunk_len, num_chunks,
                                ACC_FP64=acc_fp64, BLOCK_C=block_c, BLOCK_M=block_m)
     _bn_fwd_finalize_kernel[(triton.cdiv(c, FINALIZE_BLOCK_C),)](
-        mean, rstd, partials, float(eps), c, m, chunk_len, num_chunks, ACC_FP64=acc_fp64, BLOCK_C=FINALIZE_BLOCK_C,
+        mean, rstd, partials, x, xc, float(eps), c, m, chunk_len, num_chunks, ACC_FP64=acc_fp64, BLOCK_C=FINALIZE_BLOCK_C,
         BLOCK_P=PARTIAL_BLOCK_P)
     _bn_fwd_apply_kernel[grid](out, xn, xc, xs, mean, rstd, x, xn, xc, xs, weight, bias, c, s, m, chunk_len,
                                RELU=bool(relu), ACC_FP64=acc_fp64, BLOCK_C=block_c, BLOCK_M=block_m)

@@ -438,6 +438,25 @@ def test_triton_batch_norm_act(shape, layout, path):
 
 
 @pytest.mark.parametrize("path", list(TRITON_PATHS))
+def test_triton_statistics_of_constant_and_offset_channels(path):
+    """Channels of one value (random, up to 1e4) and channels far from zero: the statistics are
+    formed from x minus each channel's first value (block means of the values themselves rounded,
+    and the merge carried that into the variance: a constant channel's rstd 4.5e-2 off)."""
+    from revkernels.triton.batch_norm import batch_norm_act as fwd_kernel
+
+    device = triton_device()
+    shape = (3, 4, 5, 7)
+    values = torch.randn(1, 2, 1, 1) * 1e4
+    x = torch.cat([values.expand(3, 2, 5, 7), _random((3, 2, 5, 7)) + 100.0], dim=1).to(device)
+    weight, bias = (t.to(device) for t in _params(shape[1]))
+    out, mean, rstd = fwd_kernel(x, weight, bias, EPS, False, **TRITON_PATHS[path])
+    want = batch_norm_act_reference(x.double(), weight.double(), bias.double(), EPS, False)
+    for got, exact, what in zip((out, mean, rstd), want, ("out", "mean", "rstd")):
+        assert_close_rel(got.cpu(), exact.cpu(), 1e-5, what)
+    assert torch.equal(mean[:2].cpu(), x[0, :2, 0, 0].cpu())
+
+
+@pytest.mark.parametrize("path", list(TRITON_PATHS))
 def test_triton_relu_keeps_nan_as_torch(path):
     from revkernels.triton.batch_norm import batch_norm_act as fwd_kernel
     from revkernels.triton.batch_norm import batch_norm_act_bwd as bwd_kernel

@@ -155,7 +155,8 @@ def _cases():
                 add(batch_norm, "_bn_bwd_apply_kernel",
                     dict(dx_ptr=x, sums_ptr=acc, d_ptr=x, x_ptr=x, w_ptr=w, b_ptr=w, **stats), dict(cx, RELU=relu))
         finalize = dict(BLOCK_C=batch_norm.FINALIZE_BLOCK_C, BLOCK_P=batch_norm.PARTIAL_BLOCK_P)
-        add(batch_norm, "_bn_fwd_finalize_kernel", dict(partial_ptr=acc, **stats), dict(finalize, ACC_FP64=acc == "fp64"))
+        add(batch_norm, "_bn_fwd_finalize_kernel", dict(partial_ptr=acc, x_ptr=x, **stats),
+            dict(finalize, ACC_FP64=acc == "fp64"))
         add(batch_norm, "_bn_bwd_finalize_kernel", dict(sums_ptr=acc, dw_ptr=w, db_ptr=w, partial_ptr=acc), finalize)
     return cases
 
