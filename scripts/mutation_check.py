@@ -205,6 +205,31 @@ mutation("op_scalar_guard_dropped", "revkernels/ops/_library.py",
          "        check_scalars(*args, **kwargs)\n", "", "tests/ops/test_batch_norm.py -k scalars")
 
 
+# --- backward-time checks, compiled steps, statistics (fourteenth session) --------------------------------
+mutation("param_versions_unchecked", STATE,
+         "    if param_versions(params) == versions:\n        return\n", "    return\n",
+         "tests/nn/test_reversible.py -k in_place")
+mutation("create_graph_marks_only_grads_requiring_grad", STATE,
+         "        if not torch.is_grad_enabled():\n            return outputs\n",
+         "        if not torch.is_grad_enabled() or not any(g is not None and g.requires_grad for g in grads):\n"
+         "            return outputs\n",
+         "tests/nn/test_reversible.py -k gradient_penalty")
+mutation("guard_filter_drops_user_globals", "revkernels/engine/compiled.py",
+         "    if root in _own_globals():\n        return False\n", "    return False\n",
+         "tests/engine/test_compiled.py -k module_level_constant")
+mutation("drop_path_rate_as_float", "revkernels/nn/drop_path.py",
+         ">= self._rate", ">= self._p", "tests/engine/test_compiled.py -k stochastic_depth")
+mutation("compiled_attention_in_low_precision", "revkernels/nn/attention.py",
+         "        if q.dtype in (torch.bfloat16, torch.float16):", "        if False:",
+         "tests/models/test_revtext.py -k low_precision")
+mutation("triton_layer_norm_mean_unshifted", "revkernels/triton/layer_norm.py",
+         "    pivot = tl.sum(tl.where(cols == 0, x, 0.0), axis=0)\n", "    pivot = tl.sum(tl.where(cols == 0, x, 0.0), axis=0) * 0.0\n",
+         "tests/ops/test_layer_norm.py -k triton_sub_layer_norm_constant")
+mutation("triton_batch_norm_stats_unshifted", "revkernels/triton/batch_norm.py",
+         "    return tl.load(x_ptr + chans * xc, mask=cmask, other=0.0).to(acc_type)\n",
+         "    return tl.load(x_ptr + chans * xc, mask=cmask, other=0.0).to(acc_type) * 0.0\n",
+         "tests/ops/test_batch_norm.py -k constant_and_offset")
+
 def _copy_repo(dst):
     ignore = shutil.ignore_patterns(".git", "__pycache__", ".venv", "build", "*.egg-info", ".pytest_cache",
                                     ".hypothesis", "results", "*.png")
