@@ -8,7 +8,7 @@
   it, a Python function that runs the Python checks first, and the formula registered from Python
   (`register_autograd_fallback`).
 - CPU: the C++ kernel, or the pure-PyTorch reference when the library was not built
-  (`fill_missing_kernel`).
+  (`fill_missing_kernel`; it refuses forward-mode AD tangents as the C++ autograd kernels do).
 - CUDA: `register_cuda_kernel` registers a Python kernel that runs the Triton implementation
   (default) or the CUDA C++ one (internal op `revkernels::cuda_<op>`), chosen by
   `set_cuda_backend` or the environment variable REVKERNELS_CUDA_BACKEND=triton|cuda.
@@ -19,6 +19,7 @@ import math
 import os
 
 import torch
+from torch.autograd import forward_ad
 
 from revkernels._extension import HAS_C_EXTENSION  # (loads the compiled schemas first, when built)
 
@@ -89,7 +90,24 @@ def fill_missing_kernel(name, key, kernel):
     """Registers `kernel` (a pure-PyTorch reference) for `revkernels::<name>` and dispatch key `key`
     when none was compiled."""
     if not has_compiled_kernel(name, key):
-        _FRAGMENT.impl(name, kernel, key)
+        _FRAGMENT.impl(name, _refusing_tangents(kernel), key)
+
+
+def _refusing_tangents(kernel):
+    """`kernel`, raising where an argument carries a forward-mode AD tangent. The ops have no
+    forward-mode formula; the compiled autograd kernels refuse dual tensors (csrc/ops/autograd.h),
+    but torch.library's Python autograd kernel calls the op below autograd when no input requires
+    grad, where the tangent would be dropped silently."""
+
+    def refusing_tangents(*args, **kwargs):
+        if forward_ad._current_level >= 0 and any(
+            isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None for a in args
+        ):
+            raise NotImplementedError("revkernels: the ops have no forward-mode AD formula (an input is a dual "
+                                      "tensor of torch.autograd.forward_ad); differentiate them in reverse mode")
+        return kernel(*args, **kwargs)
+
+    return refusing_tangents
 
 
 def register_autograd_fallback(name, backward, setup_context):
@@ -135,4 +153,5 @@ def register_cuda_kernel(name, triton_impl):
             return cuda_cpp(*args)
         return triton_impl(*args)
 
-    _FRAGMENT.impl(name, cuda_kernel, "CUDA")
+    # (the compiled autograd kernels refuse tangents before any device kernel runs)
+    _FRAGMENT.impl(name, cuda_kernel if HAS_C_EXTENSION else _refusing_tangents(cuda_kernel), "CUDA")

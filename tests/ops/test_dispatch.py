@@ -262,6 +262,39 @@ def test_python_path_without_the_library():
     )
 
 
+def test_forward_mode_ad_raises_without_the_library():
+    # torch.library's Python autograd kernel calls the op below autograd when no input requires
+    # grad, where the tangent was dropped: the fallback kernels themselves refuse it. Reverse mode
+    # still works there.
+    run_without_c_extension(
+        "warnings.simplefilter('ignore')\n"
+        "import torch, revkernels as rk\n"
+        "import torch.autograd.forward_ad as fwAD\n"
+        "R = torch.ops.revkernels\n"
+        "assert not rk.HAS_C_EXTENSION\n"
+        "y, g, w, b = (torch.randn(4, 9), torch.randn(4, 9), torch.randn(9), torch.randn(9))\n"
+        "a, lw = torch.randn(4, 5), torch.randn(9, 5)\n"
+        "calls = [lambda t: R.coupling_sub(t, g), lambda t: R.coupling_add(g, t),\n"
+        "         lambda t: R.sub_layer_norm(t, g, w, b, 1e-5), lambda t: R.bias_gelu(t, b, 'none'),\n"
+        "         lambda t: R.linear_sub(t, a, lw, b), lambda t: R.batch_norm_act(t, w, b, 1e-5, True),\n"
+        "         lambda t: rk.ops.coupling_sub(t, g)]\n"
+        "for requires_grad in (False, True):\n"
+        "    for i, call in enumerate(calls):\n"
+        "        with fwAD.dual_level():\n"
+        "            dual = fwAD.make_dual(y.clone().requires_grad_(requires_grad), torch.randn(4, 9))\n"
+        "            try:\n"
+        "                out = call(dual)\n"
+        "            except NotImplementedError as e:\n"
+        "                # (requires grad: torch's autograd.Function refuses first, its words)\n"
+        "                assert 'forward-mode AD' in str(e) or 'forward mode AD' in str(e), e\n"
+        "            else:\n"
+        "                raise AssertionError(f'call {i} (requires_grad={requires_grad}) kept no tangent')\n"
+        "        out = call(y.clone().requires_grad_())\n"
+        "        (out[0] if isinstance(out, tuple) else out).sum().backward()\n"
+        "print('ok')\n"
+    )
+
+
 def test_every_public_op_has_a_docstring():
     """help(revkernels.ops.<op>): the public entry is the op packet itself where the compiled
     library is loaded, which has no docstring of its own."""
