@@ -5,6 +5,7 @@ grows when a whole run is rebuilt from its output (what the engines' backward do
 sequential and pareprop engines compare each rebuilt block input with a small sample of the
 forward's and warn past a threshold."""
 import contextlib
+import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -41,7 +42,9 @@ class ReversibilityReport:
 
     @property
     def max_error(self):
-        return max(max(e) for e in self.block_errors + self.chained_errors)
+        """The largest error of the report; NaN if any error is NaN (a rebuild that gave NaN)."""
+        errors = [e for pair in self.block_errors + self.chained_errors for e in pair]
+        return math.nan if any(map(math.isnan, errors)) else max(errors, default=0.0)
 
     def __str__(self):
         lines = [f"reversibility ({self.dtype}): relative max-abs error of the rebuilt input",

@@ -1,4 +1,5 @@
-"""The runtime reconstruction monitor (`revkernels.check.monitor_reconstruction`)."""
+"""`revkernels.check`: the reversibility report and the runtime reconstruction monitor."""
+import math
 import warnings
 
 import pytest
@@ -109,6 +110,23 @@ def test_engines_that_are_not_monitored_say_so(engine):
         monitor = monitor_reconstruction(seq)
     _step(seq)
     assert monitor.history == []
+
+
+def test_a_rebuild_giving_nan_makes_max_error_nan():
+    # F = log(relu(x)) is -inf where x <= 0: the rebuild x1 = y1 - F(x2) is (-inf) - (-inf) = NaN.
+    # Python's max() over a list holding NaN depends on the order, so max_error hid it.
+    class LogRelu(torch.nn.Module):
+        def forward(self, x):
+            return torch.log(torch.relu(x))
+
+    torch.manual_seed(0)
+    seq = ReversibleSequential(make_seq(1, 6).blocks[0], rk.nn.ReversibleBlock(LogRelu(), torch.nn.Tanh()))
+    x1, x2 = torch.randn(3, 6), torch.randn(3, 6)
+    x2[0, 0] = -1.0  # at least one -inf in F's output
+    report = rk.check_reversibility(seq, x1, x2)
+    assert math.isnan(report.block_errors[1][0]) and not math.isnan(report.block_errors[0][0])
+    assert math.isnan(report.max_error)
+    assert not report.max_error < 1e-4
 
 
 def test_bad_arguments():
