@@ -17,6 +17,9 @@ with ``torch.__future__.set_overwrite_module_params_on_conversion(True)``); it r
 parameter of the tree it is called on, so each access of cached parameters checks the first one
 (`ParamSlots.stale`). ``torch.func.functional_call`` swaps tensors into any slots for one call:
 `revkernels.nn.reversible.unique_params`, which every run calls, checks every slot.
+``ModuleList.insert``, ``nn.Sequential.insert``, ``del`` and ``pop`` add or remove submodules by
+writing ``_modules`` directly, also without a registration: each run checks the size of every
+``_modules`` dict of its tree (`check_members`).
 
 `ParamSlots` swaps detached aliases of a module's parameters in and out of the modules that hold
 them (every occurrence of a tied parameter), so a local graph differentiates the aliases and fires
@@ -73,6 +76,24 @@ def structure_version():
 def invalidate():
     """Drops every cached structure (for changes no registration hook reports)."""
     _bump()
+
+
+def check_members(module):
+    """Drops every cached structure (`invalidate`) when a submodule may have been added to or
+    removed from a module under `module` without a registration (see the module docstring): the
+    sizes of the tree's ``_modules`` dicts against those of a snapshot taken at the last check.
+    Any other structure change since the snapshot (a registration) invalidates too: caches built
+    after it but before a later insert would otherwise hold the tree as it was then."""
+    snapshot = _MEMBERS.get(module)
+    if snapshot is not None and snapshot[0] == _version and tuple(map(len, snapshot[1])) == snapshot[2]:
+        return
+    if snapshot is not None:
+        invalidate()
+    dicts = [sub._modules for sub in module.modules()]
+    _MEMBERS[module] = (_version, dicts, tuple(map(len, dicts)))
+
+
+_MEMBERS = weakref.WeakKeyDictionary()  # module -> (structure version, its tree's _modules dicts, their sizes)
 
 
 def cached(module, key, build):

@@ -29,8 +29,8 @@ from torch.utils._pytree import tree_leaves
 
 from revkernels.engine.state import (NO_CONTEXT, BlockState, RngState, cuda_devices_of, grad_tensors, maybe_replay,
                                      records_graph)
-from revkernels.engine.structure import (buffers_as_before, buffers_kept, cached, detached_aliases, draws_random,
-                                         invalidate, param_slots, recompute_context)
+from revkernels.engine.structure import (buffers_as_before, buffers_kept, cached, check_members, detached_aliases,
+                                         draws_random, invalidate, param_slots, recompute_context)
 from revkernels.ops.coupling import coupling_add, coupling_sub
 
 
@@ -399,11 +399,14 @@ class ReversibleSequential(nn.Module):
 
             return run_opaque(self, x1, x2, context)
         run = self._engine_fn
-        if self._engine_name != "autograd" and _uninitialized_params(self.blocks):
-            # A lazy module (nn.LazyLinear, ...) creates its parameters' shapes in its first forward,
-            # after the memory-saving engines take the parameters as inputs of their autograd
-            # Function: this call runs ordinary autograd through the blocks (storing activations).
-            from revkernels.engine.autograd import run_autograd as run
+        if self._engine_name != "autograd":
+            check_members(self.blocks)  # (a block inserted since the last run: its parameters too)
+            if _uninitialized_params(self.blocks):
+                # A lazy module (nn.LazyLinear, ...) creates its parameters' shapes in its first
+                # forward, after the memory-saving engines take the parameters as inputs of their
+                # autograd Function: this call runs ordinary autograd through the blocks (storing
+                # activations).
+                from revkernels.engine.autograd import run_autograd as run
         if context:
             check_context(self, self.blocks, context)
             if self._engine_name != "autograd" and torch.is_grad_enabled():

@@ -85,6 +85,40 @@ def test_caches_rebuild_when_a_parameter_or_submodule_is_replaced():
     assert new_weight.grad is not None and seq.blocks[1].g[3].weight.grad is not None
 
 
+@pytest.mark.parametrize("engine", ["sequential", "compiled"])
+def test_caches_rebuild_when_a_block_is_inserted_or_deleted_without_a_registration(engine):
+    """ModuleList.insert and ``del`` write ``_modules`` directly (no registration hook fires): a
+    block inserted after a step (progressive stacking: ``blocks.insert(i, deepcopy(blocks[i]))``)
+    was run but never differentiated, its parameters' grads left None."""
+    seq = make_seq(2, WIDTH, engine=engine)
+    if engine == "compiled":
+        seq.compile_options = {"backend": "eager"}
+    perturb_parameters(seq)
+    data = _inputs()
+    _assert_grads_equal_plain(seq, data)  # caches built
+    new = copy.deepcopy(seq.blocks[1])
+    perturb_parameters(new)
+    seq.blocks.insert(1, new)
+    _assert_grads_equal_plain(seq, data)
+    assert all(p.grad is not None for p in new.parameters())
+    del seq.blocks[0]
+    _assert_grads_equal_plain(seq, data)
+
+
+def test_caches_rebuild_when_a_dropout_is_inserted_into_f_without_a_registration():
+    """nn.Sequential.insert inside F after a step: the block's cached stochastic layers missed the
+    new dropout, so the recompute drew a fresh mask instead of replaying the forward's."""
+    seq = make_seq(2, WIDTH)
+    perturb_parameters(seq)
+    data = _inputs()
+    _assert_grads_equal_plain(seq, data, seed=0)  # caches built
+    seq.blocks[0].f.insert(2, nn.Dropout(0.5))
+    _assert_grads_equal_plain(seq, data, seed=1)
+    del seq.blocks[0].f[2]
+    seq.blocks[1].g.insert(1, nn.Dropout(0.5))
+    _assert_grads_equal_plain(seq, data, seed=2)
+
+
 def test_a_buffer_assigned_again_keeps_the_caches_and_a_new_one_rebuilds_them():
     """Spectral norm's power iteration assigns its vectors (buffers) in every training forward; no
     cache holds buffers, so that must not rebuild every cache each step. A buffer under a new name
