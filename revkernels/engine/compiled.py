@@ -404,6 +404,11 @@ def forward_blocks(blocks, x1, x2, steps, preserve_rng_state=True, context=NO_CO
     failed = _failed(steps)
     # requires_grad of the run's inputs and context must not split signatures
     x1, x2, context = x1.detach(), x2.detach(), _detached(context)
+    if torch.is_inference_mode_enabled():
+        # Dynamo guards on a tensor's dispatch keys, and under inference mode every block after the
+        # first gets an inference tensor: the first gets one too, or it is a signature of its own
+        x1, x2 = _inference_tensor(x1), _inference_tensor(x2)
+        context = {k: _inference_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in context.items()}
     with torch.no_grad():
         for i, block in enumerate(blocks):
             layout = _layout(block)
@@ -438,6 +443,11 @@ def _eager_block(block, layout):
     block with module hooks below it (they fire in the forward and the recompute as with the
     sequential engine; a full backward hook cannot run under ``torch.func.vjp``)."""
     return layout.kind is None or submodule_hooked(block, backward=True)
+
+
+def _inference_tensor(t):
+    """`t`, or a copy of it made under inference mode (an inference tensor)."""
+    return t if t.is_inference() else t.clone()
 
 
 def _detached(context):

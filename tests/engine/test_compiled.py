@@ -182,6 +182,28 @@ def _mlp(dropout=0.0):
     return nn.Sequential(*layers, nn.Dropout(dropout)) if dropout else nn.Sequential(*layers)
 
 
+def test_inference_mode_compiles_one_forward_signature():
+    """Under torch.inference_mode every block after the first got an inference tensor and the
+    first the caller's (Dynamo guards on dispatch keys): two forward signatures per structure, which
+    with a few structures reached the recompile limit and left their blocks eager for good."""
+    backend = CountingBackend()
+    seq = _perturbed(ReversibleSequential(*[RevViTBlock(16, 2) for _ in range(3)], engine="compiled"))
+    seq.compile_options = {"backend": backend}
+    ref = copy.deepcopy(seq)
+    ref.engine = "autograd"
+    data = _data(2, 3, 16)
+    run_grads(seq, seq, *data)
+    assert backend.graphs == 2
+    seq.eval()
+    ref.eval()
+    for _ in range(2):
+        with torch.inference_mode():
+            got = seq(data[0], data[1])
+        assert all(t.is_inference() for t in got)
+        _assert_all_close(list(got), list(ref(data[0], data[1])), 1e-5)
+    assert backend.graphs == 3  # the eval-mode forward under inference mode, once
+
+
 def test_twelve_vit_blocks_compile_one_forward_and_one_backward_step():
     backend = CountingBackend()
     seq = _perturbed(ReversibleSequential(*[RevViTBlock(16, 2) for _ in range(12)], engine="compiled"))
