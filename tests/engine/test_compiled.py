@@ -182,16 +182,21 @@ def _mlp(dropout=0.0):
     return nn.Sequential(*layers, nn.Dropout(dropout)) if dropout else nn.Sequential(*layers)
 
 
+def _counted_vit_run(depth):
+    """(graph-counting backend, a compiled run of `depth` RevViTBlocks on it, its autograd twin, data)."""
+    backend = CountingBackend()
+    seq = _perturbed(ReversibleSequential(*[RevViTBlock(16, 2) for _ in range(depth)], engine="compiled"))
+    seq.compile_options = {"backend": backend}
+    ref = copy.deepcopy(seq)
+    ref.engine = "autograd"
+    return backend, seq, ref, _data(2, 3, 16)
+
+
 def test_inference_mode_compiles_one_forward_signature():
     """Under torch.inference_mode every block after the first got an inference tensor and the
     first the caller's (Dynamo guards on dispatch keys): two forward signatures per structure, which
     with a few structures reached the recompile limit and left their blocks eager for good."""
-    backend = CountingBackend()
-    seq = _perturbed(ReversibleSequential(*[RevViTBlock(16, 2) for _ in range(3)], engine="compiled"))
-    seq.compile_options = {"backend": backend}
-    ref = copy.deepcopy(seq)
-    ref.engine = "autograd"
-    data = _data(2, 3, 16)
+    backend, seq, ref, data = _counted_vit_run(3)
     run_grads(seq, seq, *data)
     assert backend.graphs == 2
     seq.eval()
@@ -205,12 +210,7 @@ def test_inference_mode_compiles_one_forward_signature():
 
 
 def test_twelve_vit_blocks_compile_one_forward_and_one_backward_step():
-    backend = CountingBackend()
-    seq = _perturbed(ReversibleSequential(*[RevViTBlock(16, 2) for _ in range(12)], engine="compiled"))
-    seq.compile_options = {"backend": backend}
-    ref = copy.deepcopy(seq)
-    ref.engine = "autograd"
-    data = _data(2, 3, 16)
+    backend, seq, ref, data = _counted_vit_run(12)
     got = run_grads(seq, seq, *data)
     assert backend.graphs == 2
     run_grads(seq, seq, *data)
