@@ -62,7 +62,7 @@ from torch.func import functional_call, vjp
 from torch.nn.utils import parametrize
 
 from revkernels.engine.fsdp import block_units, run_sharded_compiled
-from revkernels.engine.sequential import (as_in_the_forward, forward_step, output_grads, recompute_step,
+from revkernels.engine.sequential import (as_in_the_forward, block_grads, forward_step, output_grads, recompute_step,
                                           save_forward_state, save_with_context, saved_with_context, with_buffers,
                                           without_unused)
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of,
@@ -469,6 +469,10 @@ def _unexpanded(t):
     return t.contiguous() if 0 in t.stride() else t
 
 
+def _unexpanded_or_none(t):
+    return None if t is None else _unexpanded(t.detach())
+
+
 def _step(steps, name, block, position, *args):
     if steps is not None:
         return steps.call(name, block, position, *args)
@@ -495,7 +499,7 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
     autocast_state = autocast_state or AutocastState.capture(y1.device.type)
     autocast = contextlib.nullcontext if autocast_state.off_then_and_now() else autocast_state.enter
     # A loss like y.sum() hands down expanded (stride-0) grads, which would be a signature of their own
-    y1, y2, dy1, dy2 = y1.detach(), y2.detach(), _unexpanded(dy1.detach()), _unexpanded(dy2.detach())
+    y1, y2, dy1, dy2 = y1.detach(), y2.detach(), _unexpanded(dy1.detach()), _unexpanded_or_none(dy2)
     # The steps take detached tensors; which context tensors they differentiate is the dict they are in.
     leaves = {k: v for k, v in context.items() if isinstance(v, torch.Tensor) and v.requires_grad}
     grad_context = {k: v.detach() for k, v in leaves.items()}
@@ -507,7 +511,10 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
         # A block whose forward changed buffers: its recompute puts their old values in
         # (recompute_step), which the pure steps cannot take (torch.func.vjp rejects a change in
         # place of a tensor it did not get as an input)
-        if _eager_block(block, layout) or getattr(state, "buffers", ()) or layout.key in failed:
+        # A grad the loss did not give (None; see sequential.block_grads): the eager steps, for
+        # the run's last block only (a None would be a signature of its own)
+        if (_eager_block(block, layout) or getattr(state, "buffers", ()) or layout.key in failed
+                or dy1 is None or dy2 is None):
             y1, y2, dy1, dy2, grads = _eager_backward(block, state, y1, y2, dy1, dy2, autocast, context)
         else:
             try:
@@ -529,7 +536,7 @@ def _eager_backward(block, state, y1, y2, dy1, dy2, autocast, context):
     with autograd_recording():
         with torch.enable_grad(), autocast():
             rec = recompute_step(block, y1, y2, state, context)
-        grads = block.grads(rec, dy1, dy2)
+        grads = block_grads(block, rec, y1, y2, dy1, dy2)
     return rec.x1.detach(), rec.x2.detach(), grads.dx1, grads.dx2, list(zip(grads.params, grads.param_grads))
 
 

@@ -18,7 +18,7 @@ import contextlib
 
 import torch
 
-from revkernels.engine.sequential import recompute_step, reverse_blocks, run_reversible
+from revkernels.engine.sequential import block_grads, recompute_step, reverse_blocks, run_reversible
 from revkernels.engine.state import NO_CONTEXT
 
 _SIDE_STREAMS = {}
@@ -63,9 +63,9 @@ def reverse_blocks_two_streams(blocks, states, y1, y2, dy1, dy2, params, autocas
             rec = recompute_step(blocks[i], a1, a2, state, context)
             if monitor is not None:
                 errors[i] = monitor[0].error(monitor[1][i], rec.x1, rec.x2)
-        return rec, stream.record_event()
+        return (rec, (a1, a2)), stream.record_event()
 
-    rec, rec_ready = recompute(n - 1, y1, y2)
+    (rec, out), rec_ready = recompute(n - 1, y1, y2)
     grads_ready = None
     for i in reversed(range(n)):
         stream, other = streams[i % 2], streams[(i - 1) % 2]
@@ -79,7 +79,7 @@ def reverse_blocks_two_streams(blocks, states, y1, y2, dy1, dy2, params, autocas
             _hand_over((dy1, dy2), stream)
             _hand_over(param_grads, stream)
         with torch.cuda.stream(stream):
-            grads = blocks[i].grads(rec, dy1, dy2)
+            grads = block_grads(blocks[i], rec, *out, dy1, dy2)
             for p, grad in zip(grads.params, grads.param_grads):
                 if grad is None:
                     continue
@@ -90,7 +90,7 @@ def reverse_blocks_two_streams(blocks, states, y1, y2, dy1, dy2, params, autocas
         dy1, dy2 = grads.dx1, grads.dx2
         del grads
         if i > 0:
-            rec, rec_ready = next_rec, next_ready
+            (rec, out), rec_ready = next_rec, next_ready
     for stream in streams:
         caller.wait_stream(stream)
     _hand_over((x1_out, x2_out, dy1, dy2), caller)

@@ -54,7 +54,7 @@ def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None
             rec = recompute_step(block, y1, y2, state, context)
         if monitor is not None:
             errors[i] = monitor[0].error(monitor[1][i], rec.x1, rec.x2)
-        grads = block.grads(rec, dy1, dy2)
+        grads = block_grads(block, rec, y1, y2, dy1, dy2)
         for p, grad in zip(grads.params, grads.param_grads):
             k = index.get(id(p))
             if grad is None or k is None:
@@ -161,11 +161,25 @@ def save_forward_state(ctx, seq, all_params):
 
 
 def output_grads(blocks, y1, y2, dy1, dy2):
-    """``(dy1, dy2, unused)``: the run's output grads, zeros for one the loss did not use (the
-    engines' Functions leave it None), and the ids of the parameters that then get no grad at all
-    (`revkernels.engine.structure.y2_only_params`)."""
+    """``(dy1, dy2, unused)``: the run's output grads (the engines' Functions leave one the loss did
+    not use None): zeros for dy1, None kept for dy2 (see `block_grads`), and the ids of the
+    parameters that then get no grad at all (`revkernels.engine.structure.y2_only_params`)."""
     unused = y2_only_params(blocks) if dy2 is None else frozenset()
-    return (torch.zeros_like(y1) if dy1 is None else dy1), (torch.zeros_like(y2) if dy2 is None else dy2), unused
+    return (torch.zeros_like(y1) if dy1 is None else dy1), dy2, unused
+
+
+def block_grads(block, rec, y1, y2, dy1, dy2):
+    """``block.grads(rec, dy1, dy2)`` for the walkers, (y1, y2) the block's output. A missing grad of it (None:
+    the loss did not use it) is zeros for dy1, which only adds to the grads, and stays None for dy2
+    where the block's ``grads`` takes it (revkernels' own blocks: `takes_missing_dy2`), which then
+    do not differentiate the branch only y2 depends on, as plain autograd never does: a zero grad
+    through a Jacobian with NaN or inf there (``torch.where(y > 0, y.sqrt(), 0)``) gives NaN.
+    A block's own ``grads`` gets zeros."""
+    if dy1 is None:
+        dy1 = torch.zeros_like(y1)
+    if dy2 is None and not getattr(type(block).grads, "takes_missing_dy2", False):
+        dy2 = torch.zeros_like(y2)
+    return block.grads(rec, dy1, dy2)
 
 
 def without_unused(params, grads, unused):

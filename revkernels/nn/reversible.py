@@ -144,6 +144,13 @@ class BlockGrads:
     param_grads: list  # their grads (None where a parameter was unused)
 
 
+def takes_missing_dy2(grads):
+    """Marks a block's ``grads`` that takes ``dy2=None`` (the loss did not use the run's y2; see
+    `revkernels.engine.sequential.block_grads`). A subclass's own ``grads`` gets zeros instead."""
+    grads.takes_missing_dy2 = True
+    return grads
+
+
 class ReversibleBlock(nn.Module):
     """Additive coupling ``y1 = x1 + f(x2); y2 = x2 + g(y1)`` of two shape-preserving modules.
 
@@ -216,12 +223,18 @@ class ReversibleBlock(nn.Module):
         return BlockRecompute(x1=x1, x2=x2, y1=y1_leaf, f_out=f_out, g_out=g_out,
                               f_aliases=f_aliases, g_aliases=g_aliases)
 
+    @takes_missing_dy2
     def grads(self, rec, dy1, dy2):
-        """Input and parameter grads of the block from its output grads, via the local graphs."""
-        dy1_from_g, g_grads = _vjp(rec.g_out, rec.y1, rec.g_aliases, dy2)
+        """Input and parameter grads of the block from its output grads, via the local graphs.
+        `dy2` None: the loss did not use y2, and G is not differentiated (plain autograd never
+        reaches it: a zero grad through a Jacobian holding NaN or inf would give NaN)."""
+        if dy2 is None:
+            dy1_from_g, g_grads = None, [None] * len(rec.g_aliases)
+        else:
+            dy1_from_g, g_grads = _vjp(rec.g_out, rec.y1, rec.g_aliases, dy2)
         dy1_total = dy1 if dy1_from_g is None else coupling_add(dy1, dy1_from_g)
         dx2_from_f, f_grads = _vjp(rec.f_out, rec.x2, rec.f_aliases, dy1_total)
-        dx2 = dy2 if dx2_from_f is None else coupling_add(dy2, dx2_from_f)
+        dx2 = dy2 if dx2_from_f is None else dx2_from_f if dy2 is None else coupling_add(dy2, dx2_from_f)
         return BlockGrads(dx1=dy1_total, dx2=dx2, params=list(rec.f_aliases) + list(rec.g_aliases),
                           param_grads=f_grads + g_grads)
 
@@ -303,9 +316,13 @@ class HalfCouplingBlock(ReversibleBlock):
         x1 = coupling_sub(y2.detach(), f_out.detach())
         return BlockRecompute(x1=x1, x2=x2, y1=None, f_out=f_out, g_out=None, f_aliases=f_aliases, g_aliases={})
 
+    @takes_missing_dy2
     def grads(self, rec, dy1, dy2):
-        # dx1 = dy2;  dx2 = dy1 + (df/dx2)^T dy2
-        dx2_from_f, f_grads = _vjp(rec.f_out, rec.x2, rec.f_aliases, dy2)
+        # dx1 = dy2;  dx2 = dy1 + (df/dx2)^T dy2  (dy2 None: F is not differentiated, dx1 is None)
+        if dy2 is None:
+            dx2_from_f, f_grads = None, [None] * len(rec.f_aliases)
+        else:
+            dx2_from_f, f_grads = _vjp(rec.f_out, rec.x2, rec.f_aliases, dy2)
         dx2 = dy1 if dx2_from_f is None else coupling_add(dy1, dx2_from_f)
         return BlockGrads(dx1=dy2, dx2=dx2, params=list(rec.f_aliases), param_grads=f_grads)
 

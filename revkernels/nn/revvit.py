@@ -73,7 +73,7 @@ from revkernels.engine.state import NO_CONTEXT, RngState, cuda_devices_of, maybe
 from revkernels.engine.structure import cached, param_slots, submodule_hooked
 from revkernels.nn.attention import scaled_dot_product_attention
 from revkernels.nn.drop_path import DropPath, check_drop_probability
-from revkernels.nn.reversible import BlockGrads, BlockState, ReversibleBlock
+from revkernels.nn.reversible import BlockGrads, BlockState, ReversibleBlock, takes_missing_dy2
 from revkernels.ops.bias_gelu import bias_gelu_bwd
 from revkernels.ops.coupling import coupling_sub
 from revkernels.ops.layer_norm import layer_norm_bwd_add, sub_layer_norm
@@ -302,15 +302,20 @@ class RevTransformerBlock(ReversibleBlock):
                                 attention=attention, pre=pre, hidden=hidden, g_scale=g_scale, f_scale=f_scale,
                                 g_keep=g_keep, f_keep=f_keep)
 
+    @takes_missing_dy2
     def grads(self, rec, dy1, dy2):
         if not isinstance(rec, _RevViTRecompute):  # the generic recompute's local graphs
             return super().grads(rec, dy1, dy2)
         P = self._params()
         shape = dy1.shape
-        dy1, dy2 = dy1.reshape(-1, shape[-1]), dy2.reshape(-1, shape[-1])
+        dy1 = dy1.reshape(-1, shape[-1])
         named = {}
         with torch.no_grad():
-            dy1_total = self._mlp_grads(rec, dy1, dy2, P, named)
+            if dy2 is None:  # the loss did not use y2: G is not differentiated (see ReversibleBlock.grads)
+                dy1_total, dy2 = dy1, torch.zeros_like(dy1)  # (dx2 adds dy2)
+            else:
+                dy2 = dy2.reshape(-1, shape[-1])
+                dy1_total = self._mlp_grads(rec, dy1, dy2, P, named)
             dx2 = self._attention_grads(rec, dy1_total, dy2, P, named)
         params, param_grads = [], []
         for name, p in P.items():

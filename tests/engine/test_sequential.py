@@ -1,4 +1,5 @@
 """The sequential engine against plain autograd: gradients, memory, and the DESIGN.md invariants."""
+import copy
 import warnings
 
 import pytest
@@ -398,6 +399,52 @@ def test_loss_of_y1_alone_leaves_the_grads_plain_autograd_leaves_none(engine, ki
     for i, (a, e) in enumerate(zip(actual, expected)):
         if e is not None:
             assert_close_rel(a, e, 1e-5, f"param {i} grad")
+
+
+class _SqrtWhere(nn.Module):
+    """sqrt(y) where y > 0, else 0: a finite forward whose VJP is NaN where y <= 0 (sqrt's
+    derivative there is NaN, and torch.where's zero grad times NaN is NaN)."""
+
+    def forward(self, y):
+        return torch.where(y > 0, torch.sqrt(y), torch.zeros_like(y))
+
+
+@pytest.mark.parametrize("engine", ["sequential", "pareprop", "compiled"])
+@pytest.mark.parametrize("kind", ["full", "half", "single_half", "revvit"])
+def test_loss_of_y1_alone_does_not_differentiate_what_only_y2_depends_on(engine, kind):
+    """y2 unused: plain autograd never differentiates the last block's G (F of a half block). The
+    engines ran its VJP with a zero grad, so a NaN in its Jacobian made every grad NaN, and a single
+    half block's x1 got a zero grad where autograd leaves None."""
+    from revkernels.nn.revvit import RevViTBlock
+
+    torch.manual_seed(0)
+    shape = (4, WIDTH)
+    if kind == "full":
+        blocks = [rk.nn.ReversibleBlock(residual_fn(WIDTH), residual_fn(WIDTH)),
+                  rk.nn.ReversibleBlock(residual_fn(WIDTH), _SqrtWhere())]
+    elif kind == "half":
+        blocks = [rk.nn.HalfCouplingBlock(residual_fn(WIDTH)) for _ in range(2)] + [rk.nn.HalfCouplingBlock(_SqrtWhere())]
+    elif kind == "single_half":
+        blocks = [rk.nn.HalfCouplingBlock(_SqrtWhere())]
+    else:
+        blocks, shape = [RevViTBlock(WIDTH, 2) for _ in range(2)], (2, 3, WIDTH)
+    seq = perturb_parameters(rk.nn.ReversibleSequential(*blocks, engine=engine))
+    seq.compile_options = {"backend": "aot_eager"}
+    ref = copy.deepcopy(seq)
+    ref.engine = "autograd"
+    x1, x2, w1 = torch.randn(shape), torch.randn(shape), torch.randn(shape)
+
+    def grads(run):
+        a1, a2 = x1.clone().requires_grad_(), x2.clone().requires_grad_()
+        (run(a1, a2)[0] * w1).sum().backward()
+        return [a1.grad, a2.grad, *(p.grad for p in run.parameters())]
+
+    expected, actual = grads(ref), grads(seq)
+    assert [g is None for g in actual] == [g is None for g in expected]
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        if e is not None:
+            assert e.isfinite().all()
+            assert_close_rel(a, e, 1e-5, f"grad {i} (x1, x2, then the parameters)")
 
 
 def test_autocast_is_reentered_for_the_recompute():
