@@ -164,6 +164,33 @@ def test_submodule_hooks_run_in_the_recompute(engine):
         assert_close_rel(got, expected, 1e-5, "grads")
 
 
+@pytest.mark.parametrize("engine", MEMORY_SAVING + ["compiled", "torch.compile"])
+@pytest.mark.parametrize("grad", ["no_grad", "nothing_requires_grad"])
+def test_a_blocks_own_hooks_never_fire_without_a_graph_either(engine, grad):
+    """A forward that differentiates nothing called each block as a module, so the block's own
+    hooks fired there and nowhere else: a hook changing the output made the run give other outputs
+    with grad than without."""
+    x1, x2, _, _ = _data()
+    seq = perturb_parameters(make_seq(2, 8, engine="sequential" if engine == "torch.compile" else engine))
+    seq.compile_options = {"backend": "aot_eager"}
+    calls = []
+    seq.blocks[1].register_forward_hook(lambda m, i, o: (calls.append("block"), (o[0] + 1, o[1]))[1])
+    seq.blocks[1].register_forward_pre_hook(lambda m, i: calls.append("block pre"))
+    seq.blocks[1].f.register_forward_hook(lambda m, i, o: calls.append("f"))
+    run = torch.compile(seq, fullgraph=True, backend="aot_eager") if engine == "torch.compile" else seq
+    with_graph = run(x1.clone().requires_grad_(), x2)
+    assert calls == ["f"]
+    if grad == "no_grad":
+        with torch.no_grad():
+            without = run(x1, x2)
+    else:
+        seq.requires_grad_(False)
+        without = run(x1, x2)
+    assert calls == ["f", "f"]
+    for got, expected in zip(without, with_graph):
+        assert_close_rel(got, expected.detach(), 0, "output without a graph")
+
+
 def test_fused_revvit_block_does_not_call_its_submodules_in_the_backward():
     """RevViTBlock's fused recompute computes F and G from their weights directly: hooks on its
     submodules see the forward only (no backward hook fires) with a memory-saving engine."""

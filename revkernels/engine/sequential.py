@@ -273,9 +273,10 @@ def run_reversible(seq, x1, x2, walker, context=NO_CONTEXT):
     params = [p for p in all_params if p.requires_grad]
     grad_context = grad_tensors(context)
     if not records_graph(x1, x2, params, grad_context):
-        # Nothing to differentiate: a plain forward that keeps nothing.
+        # Nothing to differentiate: a plain forward that keeps nothing. (`forward`, not the module
+        # call: a hook on a block itself never fires in a memory-saving run, with grad or without)
         for block in seq.blocks:
-            x1, x2 = block(x1, x2, **context)
+            x1, x2 = block.forward(x1, x2, **context)
         return x1, x2
     return ReversibleRun.apply(seq, params, all_params, walker, context or None, x1, x2, *params, *grad_context)
 

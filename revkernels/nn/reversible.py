@@ -407,7 +407,7 @@ class ReversibleSequential(nn.Module):
                 # compiler to optimize; and an exported program must not call an op whose kernel
                 # looks the run up in this process
                 for block in self.blocks:
-                    x1, x2 = block(x1, x2, **context)
+                    x1, x2 = block.forward(x1, x2, **context)  # (no block hooks: see run_reversible)
                 return x1, x2
             # Under torch.compile a memory-saving run is one opaque op (its backward rebuilds the
             # inputs), so the compiled graph saves only the run's outputs and context

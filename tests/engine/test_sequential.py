@@ -447,6 +447,19 @@ def test_loss_of_y1_alone_does_not_differentiate_what_only_y2_depends_on(engine,
             assert_close_rel(a, e, 1e-5, f"grad {i} (x1, x2, then the parameters)")
 
 
+@pytest.mark.parametrize("engine", ["sequential", "compiled"])
+def test_an_output_changed_in_place_before_the_backward_raises(engine):
+    """The run saves its outputs for the rebuild: changing one in place must raise autograd's error,
+    not rebuild from the changed values."""
+    seq = make_seq(2, WIDTH, engine=engine)
+    seq.compile_options = {"backend": "aot_eager"}
+    x1, x2, w1, w2 = _inputs()
+    y1, y2 = seq(x1, x2)
+    y2.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss_of(y1, y2, w1, w2).backward()
+
+
 def test_autocast_is_reentered_for_the_recompute():
     seq = make_seq(3, WIDTH)
     dtypes = {"forward": [], "backward": []}
