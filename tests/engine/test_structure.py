@@ -105,6 +105,15 @@ def test_caches_rebuild_when_a_block_is_inserted_or_deleted_without_a_registrati
     _assert_grads_equal_plain(seq, data)
 
 
+def test_a_block_appended_between_the_forward_and_its_backward_raises():
+    seq = make_seq(2, WIDTH)
+    x1, x2, w1, w2 = _inputs()
+    y1, y2 = seq(x1.requires_grad_(), x2)
+    seq.blocks.append(copy.deepcopy(seq.blocks[0]))
+    with pytest.raises(RuntimeError, match="gained or lost parameters"):
+        loss_of(y1, y2, w1, w2).backward()
+
+
 def test_caches_rebuild_when_a_dropout_is_inserted_into_f_without_a_registration():
     """nn.Sequential.insert inside F after a step: the block's cached stochastic layers missed the
     new dropout, so the recompute drew a fresh mask instead of replaying the forward's."""
