@@ -230,6 +230,27 @@ mutation("triton_batch_norm_stats_unshifted", "revkernels/triton/batch_norm.py",
          "    return tl.load(x_ptr + chans * xc, mask=cmask, other=0.0).to(acc_type) * 0.0\n",
          "tests/ops/test_batch_norm.py -k constant_and_offset")
 
+# --- fifteenth session: fallback tangents, NaN reports, tree changes, unused y2, block hooks -------------
+mutation("fallback_kernels_keep_tangents", "revkernels/ops/_library.py",
+         "        _FRAGMENT.impl(name, _refusing_tangents(kernel), key)\n", "        _FRAGMENT.impl(name, kernel, key)\n",
+         "tests/ops/test_dispatch.py -k without_the_library")
+mutation("max_error_drops_nan", "revkernels/check.py",
+         "        return math.nan if any(map(math.isnan, errors)) else max(errors, default=0.0)\n",
+         "        return max(errors, default=0.0)\n", "tests/test_check.py -k nan")
+mutation("members_unchecked", STRUCTURE,
+         "    if snapshot is not None:\n        invalidate()\n", "",
+         "tests/engine/test_structure.py -k without_a_registration")
+mutation("unused_y2_differentiated_with_zeros", SEQ,
+         '    if dy2 is None and not getattr(type(block).grads, "takes_missing_dy2", False):\n',
+         "    if dy2 is None:\n", "tests/engine/test_sequential.py -k differentiate_what_only")
+mutation("compiled_inference_input_not_copied", "revkernels/engine/compiled.py",
+         "    return t if t.is_inference() else t.clone()\n", "    return t\n",
+         "tests/engine/test_compiled.py -k inference_mode_compiles")
+mutation("block_hooks_fire_without_a_graph", SEQ,
+         "            x1, x2 = block.forward(x1, x2, **context)\n", "            x1, x2 = block(x1, x2, **context)\n",
+         "tests/test_interop.py -k own_hooks_never")
+
+
 def _copy_repo(dst):
     ignore = shutil.ignore_patterns(".git", "__pycache__", ".venv", "build", "*.egg-info", ".pytest_cache",
                                     ".hypothesis", "results", "*.png")
