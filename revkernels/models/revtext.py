@@ -72,6 +72,9 @@ class RevText(OneRunModel, nn.Module):
             raise ValueError(f"revkernels: tokens has {tokens.shape[1]} positions, more than max_len ({self.max_len})")
         context = {}
         if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor):
+                raise TypeError(f"revkernels: attention_mask must be a torch.Tensor or None, got "
+                                f"{type(attention_mask).__name__}")
             if attention_mask.shape != tokens.shape:
                 raise ValueError(f"revkernels: attention_mask must have the shape of tokens {tuple(tokens.shape)}, "
                                  f"got {tuple(attention_mask.shape)}")

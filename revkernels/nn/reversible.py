@@ -71,8 +71,11 @@ def _check_residual(out, stream, name, stream_name):
 
 def check_context(owner, blocks, context, label=None):
     """Raises TypeError naming the block whose F or G cannot take the keywords of `context`
-    (a forward without a parameter of that name or ``**kwargs``). Checked once per module
-    structure and set of keywords (cached on `owner`); `label(i)` names block i."""
+    (a forward without a parameter of that name or ``**kwargs``), or naming the keywords no F or
+    G uses (every one names others, or takes them through ``**kwargs`` only to ignore them, as
+    revkernels' attention and MLP branches do: ``absorbs_context``), such as a misspelled
+    ``attention_mask`` for ``attn_mask``. Checked once per module structure and set of keywords
+    (cached on `owner`); `label(i)` names block i."""
     keys = tuple(sorted(context))
     problem = cached(owner, ("context", keys), lambda _: _context_problem(blocks, keys, label))
     if problem is not None:
@@ -92,30 +95,37 @@ def check_context_grads(context):
 
 
 def _context_problem(blocks, keys, label):
+    unused = set(keys)
     for i, block in enumerate(blocks):
         for branch in ("f", "g"):
             module = block._modules.get(branch)
             if module is None:
                 continue
-            missing = _unaccepted(module, keys)
+            missing, used = _unaccepted(module, keys)
             if missing:
                 name = f"blocks[{i}]" if label is None else label(i)
                 return (f"revkernels: {name}.{branch} ({type(module).__name__}) does not accept the context "
                         f"keyword(s) {missing}: every F and G of a run is called with the run's context, so "
                         "one that does not use it must take **kwargs in its forward")
+            unused -= used
+    if unused:
+        return (f"revkernels: no F or G of the run uses the context keyword(s) {sorted(unused)}: revkernels' "
+                "attention and MLP branches take attn_mask and ignore other keywords (a misspelling?)")
     return None
 
 
 def _unaccepted(module, keys):
-    """The keywords of `keys` that ``module.forward`` has no parameter for."""
+    """``(the keywords of `keys` that module.forward has no parameter for, those it may use)``: a
+    forward with ``**kwargs`` accepts every keyword and may use those it does not name, unless its
+    module declares ``absorbs_context`` (its ``**kwargs`` only absorb other branches' keywords)."""
     try:
         params = inspect.signature(module.forward).parameters.values()
     except (TypeError, ValueError):  # no signature to read: the call itself decides
-        return []
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return []
+        return [], set(keys)
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return [k for k in keys if k not in named]
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return [], {k for k in keys if k in named or not getattr(module, "absorbs_context", False)}
+    return [k for k in keys if k not in named], {k for k in keys if k in named}
 
 
 def _context_leaves(context):

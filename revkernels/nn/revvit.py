@@ -121,9 +121,9 @@ def attention_mask(attn_mask, q, causal):
             raise ValueError(f"revkernels: a 2-D attn_mask is a key padding mask of shape (batch, tokens) = "
                              f"{(batch, tokens)}, got {tuple(attn_mask.shape)}")
         attn_mask = attn_mask[:, None, None, :]
-    elif attn_mask.dim() != 4:
-        raise ValueError(f"revkernels: attn_mask must be (batch, tokens) or 4-D (broadcastable to (batch, heads, "
-                         f"tokens, tokens)), got shape {tuple(attn_mask.shape)}")
+    elif attn_mask.dim() != 4 or any(m not in (1, n) for m, n in zip(attn_mask.shape, (batch, q.shape[1], tokens, tokens))):
+        raise ValueError(f"revkernels: attn_mask must be (batch, tokens) or 4-D, broadcastable to (batch, heads, "
+                         f"tokens, tokens) = {(batch, q.shape[1], tokens, tokens)}, got shape {tuple(attn_mask.shape)}")
     if attn_mask.dtype == torch.bool:
         mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~attn_mask, float("-inf"))
     else:
@@ -167,6 +167,8 @@ class AttentionBranch(nn.Module):
         out = scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
         return out.transpose(1, 2).reshape(batch, tokens, dim3 // 3)
 
+    absorbs_context = True  # (**context: the keywords meant for other branches; see check_context)
+
     def forward(self, x, attn_mask=None, **context):
         if x.dim() != 3:
             raise ValueError(f"revkernels: RevTransformerBlock input must be (batch, tokens, dim), "
@@ -186,6 +188,8 @@ class MlpBranch(nn.Module):
         self.dropout = ResidualDropout(dropout)
         self.drop_path = DropPath(check_drop_probability(drop_path, "drop_path"))
         self.approximate = approximate
+
+    absorbs_context = True
 
     def forward(self, x, **context):
         return self.drop_path(self.dropout(self.fc2(F.gelu(self.fc1(self.norm(x)), approximate=self.approximate))))

@@ -141,6 +141,8 @@ def test_bad_input():
     model = _tiny("roberta_base")
     with pytest.raises(ValueError, match="attention_mask must have the shape of tokens"):
         model(torch.zeros(2, 8, dtype=torch.long), attention_mask=torch.ones(2, 7))
+    with pytest.raises(TypeError, match="attention_mask must be a torch.Tensor or None, got list"):
+        model(torch.zeros(2, 8, dtype=torch.long), attention_mask=[[1] * 8] * 2)
     with pytest.raises(ValueError, match="more than max_len"):
         model(torch.zeros(1, MAX_LEN + 1, dtype=torch.long))
     with pytest.raises(ValueError, match="tokens must be integer ids"):

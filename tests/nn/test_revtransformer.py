@@ -136,11 +136,37 @@ def test_bad_masks_are_named():
         seq(x, x, attn_mask=torch.zeros(BATCH, TOKENS, requires_grad=True))
     with pytest.raises(TypeError, match="attn_mask must be a torch.Tensor"):
         seq(x, x, attn_mask=[1, 0])
+    # a 4-D mask that does not broadcast raised SDPA's size mismatch, naming no argument
+    for shape in ((BATCH, 1, TOKENS, TOKENS + 1), (BATCH + 1, 1, TOKENS, TOKENS)):
+        with pytest.raises(ValueError, match=r"attn_mask must be .* broadcastable to \(batch, heads, tokens, tokens\)"):
+            seq(x, x, attn_mask=torch.ones(shape, dtype=torch.bool))
     # a tokenizer's 0/1 int64 attention_mask was added to the scores: padded keys attended
     for engine in ("sequential", "autograd"):
         seq.engine = engine
         with pytest.raises(TypeError, match=r"attn_mask must be bool .* got torch.int64: pass attention_mask.bool\(\)"):
             seq(x, x, attn_mask=torch.ones(BATCH, TOKENS, dtype=torch.long))
+
+
+@pytest.mark.parametrize("engine", ["sequential", "autograd"])
+def test_a_context_keyword_no_branch_uses_is_named(engine):
+    """revkernels' branches take **context only to ignore other branches' keywords: a misspelled
+    mask keyword (revtext's own argument is attention_mask) ran the attention unmasked, silently."""
+    seq = _stack(2)
+    seq.engine = engine
+    x = torch.randn(BATCH, TOKENS, DIM)
+    mask = torch.ones(BATCH, TOKENS, dtype=torch.bool)
+    with pytest.raises(TypeError, match=r"no F or G of the run uses the context keyword\(s\) \['attention_mask'\]"):
+        seq(x, x, attention_mask=mask)
+    with pytest.raises(TypeError, match="no F or G of the run uses"):
+        seq.inverse(x, x, attention_mask=mask)
+    seq(x, x, attn_mask=mask)
+
+    class Shift(nn.Module):  # a user's branch reading its keywords through **kwargs
+        def forward(self, x, **context):
+            return x * 0.5 + context["shift"]
+
+    generic = rk.nn.ReversibleSequential(rk.nn.ReversibleBlock(Shift(), Shift()), engine=engine)
+    generic(x, x, shift=torch.randn(DIM))
 
 
 @pytest.mark.gpu
