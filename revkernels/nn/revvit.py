@@ -100,6 +100,14 @@ class ResidualDropout(nn.Dropout):
         return self.sample(x)[0]
 
 
+def _check_tokens(x, dim=None):
+    """ValueError unless `x` is (batch, tokens, dim), with width `dim` when given: a stream of a
+    RevTransformerBlock."""
+    if x.dim() != 3 or (dim is not None and x.shape[-1] != dim):
+        raise ValueError(f"revkernels: RevTransformerBlock streams must be (batch, tokens, dim"
+                         f"{'' if dim is None else f'={dim}'}), got shape {tuple(x.shape)}")
+
+
 def attention_mask(attn_mask, q, causal):
     """``(mask, is_causal)`` for scaled_dot_product_attention on q (batch, heads, tokens, head_dim)
     from the `attn_mask` keyword: None, a key padding mask (batch, tokens) (bool: True attends;
@@ -170,9 +178,7 @@ class AttentionBranch(nn.Module):
     absorbs_context = True  # (**context: the keywords meant for other branches; see check_context)
 
     def forward(self, x, attn_mask=None, **context):
-        if x.dim() != 3:
-            raise ValueError(f"revkernels: RevTransformerBlock input must be (batch, tokens, dim), "
-                             f"got shape {tuple(x.shape)}")
+        _check_tokens(x)  # (the width: checked by the norm, which a user may have swapped for another)
         out = self.proj(self.attend(self.qkv(self.norm(x)), attn_mask))
         return self.drop_path(self.dropout(out))
 
@@ -255,10 +261,8 @@ class RevTransformerBlock(ReversibleBlock):
             return super().forward_with_state(x1, x2, preserve_rng_state, context)
         # AttentionBranch.forward and MlpBranch.forward with the same ops on the parameters
         # directly (bitwise the module composition, without its per-module call overhead).
-        if x2.dim() != 3:
-            raise ValueError(f"revkernels: RevTransformerBlock input must be (batch, tokens, dim), "
-                             f"got shape {tuple(x2.shape)}")
         P = self._params()
+        _check_tokens(x2, P["f.qkv.weight"].shape[1])
         keep = preserve_rng_state and self.draws_random()
         devices = cuda_devices_of(x1, x2) if keep else ()
         rng_f = RngState(devices) if keep else None

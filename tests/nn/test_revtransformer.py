@@ -148,6 +148,16 @@ def test_bad_masks_are_named():
 
 
 @pytest.mark.parametrize("engine", ["sequential", "autograd"])
+def test_bad_stream_shapes_are_named(engine):
+    seq = _stack(1)
+    seq.engine = engine
+    with pytest.raises(ValueError, match=rf"streams must be \(batch, tokens, dim={DIM}\), got shape \(2, 3, {DIM + 1}\)"):
+        seq(torch.randn(2, 3, DIM + 1), torch.randn(2, 3, DIM + 1))  # was layer_norm's normalized_shape error
+    with pytest.raises(ValueError, match=r"streams must be \(batch, tokens, dim"):
+        seq(torch.randn(3, DIM), torch.randn(3, DIM))
+
+
+@pytest.mark.parametrize("engine", ["sequential", "autograd"])
 def test_a_context_keyword_no_branch_uses_is_named(engine):
     """revkernels' branches take **context only to ignore other branches' keywords: a misspelled
     mask keyword (revtext's own argument is attention_mask) ran the attention unmasked, silently."""

@@ -179,7 +179,7 @@ def test_bad_input():
         RevViTBlock(30, 4)
     with pytest.raises(ValueError, match="num_heads must be a positive int, got 0"):
         RevViTBlock(DIM, 0)
-    with pytest.raises(ValueError, match=r"\(batch, tokens, dim\)"):
+    with pytest.raises(ValueError, match=r"\(batch, tokens, dim=32\), got shape \(4, 32\)"):
         RevViTBlock(DIM, HEADS)(torch.randn(4, DIM), torch.randn(4, DIM))
     with pytest.raises(ValueError, match="drop_path must be in"):
         RevViTBlock(DIM, HEADS, drop_path=1.5)
