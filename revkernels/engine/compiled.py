@@ -60,6 +60,7 @@ import warnings
 import torch
 from torch.func import functional_call, vjp
 from torch.nn.utils import parametrize
+from torch.overrides import TorchFunctionMode
 
 from revkernels.engine.fsdp import block_units, run_sharded_compiled
 from revkernels.engine.sequential import (as_in_the_forward, block_grads, forward_step, output_grads, recompute_step,
@@ -98,9 +99,29 @@ def branch_backward(module, names, a, b, da, db, context, grad_context):
     def h(ps, cs, x):
         return functional_call(module, dict(zip(names, ps)), (x,), {**context, **cs}, strict=False, tie_weights=False)
 
-    out, pull = vjp(h, params, grad_context, a)
-    d_params, d_context, d_a = pull(db.to(out.dtype))
+    with _FlatLinears() if torch.compiler.is_compiling() else contextlib.nullcontext():
+        out, pull = vjp(h, params, grad_context, a)
+        d_params, d_context, d_a = pull(db.to(out.dtype))
     return b - out, da + d_a, d_params, d_context
+
+
+class _FlatLinears(TorchFunctionMode):
+    """``F.linear`` with a bias on an input of more than two dimensions, as rows: (-1, in) ->
+    (-1, out) and back, the reshape ATen's linear makes for it anyway. Traced under
+    ``torch.func.vjp`` on the 3-D input itself, Dynamo specializes the backward step on its leading
+    sizes (torch 2.13): a transformer's backward step compiled once per batch size and token
+    count, and after `recompile_limit` sizes its blocks ran eagerly. Entered while Dynamo traces a
+    step only (in eager steps the mode would only add a Python call per op)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and len(args) >= 2:  # (nn.Linear passes them positionally)
+            x, weight = args[:2]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if bias is not None and x.dim() > 2:
+                rows = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+                return rows.view(*x.shape[:-1], rows.shape[-1])
+        return func(*args, **kwargs)
 
 
 def _slot(module, name):
@@ -191,7 +212,8 @@ class CompiledSteps:
                 what = (f"the {name} step reached torch._dynamo.config.recompile_limit "
                         f"({torch._dynamo.config.recompile_limit} signatures) at blocks[{position}] "
                         f"({type(block).__name__}; blocks differing in a Python attribute, such as a dropout "
-                        "probability, or new shapes are signatures of their own: raise the limit to compile them)")
+                        "probability, or new shapes are signatures of their own: raise the limit before the first "
+                        "step to compile them; blocks that fell back run eagerly for the rest of the process)")
             else:
                 what = f"compiling the {name} step of blocks[{position}] ({type(block).__name__}) failed"
             raise StepFailed(self.failed, _layout(block).key, what, error) from error

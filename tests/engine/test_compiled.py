@@ -406,6 +406,23 @@ def test_blocks_without_randomness_take_any_number_of_batch_sizes():
     assert not any(compiled_steps(seq, "cpu").fell_back(block) for block in seq.blocks)
 
 
+def test_transformer_streams_take_any_number_of_batch_sizes_and_lengths():
+    """(batch, tokens, dim) streams: traced under torch.func.vjp, F.linear with a bias specialized
+    the backward step on every batch size and token count (torch 2.13), so a ViT or text model
+    compiled a backward graph per shape and ran eagerly after eight; the backward step now
+    computes such linears on rows (`_FlatLinears`)."""
+    backend, seq, ref, _ = _counted_vit_run(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for batch, tokens in [(b, 5) for b in range(1, 11)] + [(3, t) for t in range(1, 9)]:
+            data = _data(batch, tokens, 16)
+            _assert_all_close(run_grads(seq, seq, *data), run_grads(ref, ref, *data), 1e-5, f"{batch}x{tokens}: ")
+    assert not any(compiled_steps(seq, "cpu").fell_back(block) for block in seq.blocks)
+    # per step: the first shape, then batch dynamic, tokens=1 (Dynamo specializes sizes 0 and 1),
+    # then tokens dynamic; none after
+    assert backend.graphs == 8
+
+
 def _assert_low_precision_rule(seq, data, device_type, seed=None):
     """Under bf16 autocast, every grad of `seq` (engine "compiled") is within twice the error of
     plain autograd under the same autocast, both against plain autograd in fp32 (same seed: the
