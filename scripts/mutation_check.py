@@ -230,7 +230,7 @@ mutation("triton_batch_norm_stats_unshifted", "revkernels/triton/batch_norm.py",
          "    return tl.load(x_ptr + chans * xc, mask=cmask, other=0.0).to(acc_type) * 0.0\n",
          "tests/ops/test_batch_norm.py -k constant_and_offset")
 
-# --- fifteenth session: fallback tangents, NaN reports, tree changes, unused y2, block hooks -------------
+# --- fifteenth session: fallback tangents, NaN reports, tree changes, unused y2, hooks, shapes, context ----
 mutation("fallback_kernels_keep_tangents", "revkernels/ops/_library.py",
          "        _FRAGMENT.impl(name, _refusing_tangents(kernel), key)\n", "        _FRAGMENT.impl(name, kernel, key)\n",
          "tests/ops/test_dispatch.py -k without_the_library")
@@ -246,6 +246,12 @@ mutation("unused_y2_differentiated_with_zeros", SEQ,
 mutation("compiled_inference_input_not_copied", "revkernels/engine/compiled.py",
          "    return t if t.is_inference() else t.clone()\n", "    return t\n",
          "tests/engine/test_compiled.py -k inference_mode_compiles")
+mutation("compiled_backward_linears_not_flattened", "revkernels/engine/compiled.py",
+         "    with _FlatLinears() if torch.compiler.is_compiling() else contextlib.nullcontext():\n",
+         "    with contextlib.nullcontext():\n", "tests/engine/test_compiled.py -k transformer_streams_take")
+mutation("context_keyword_nobody_uses_accepted", REV,
+         "    if unused:\n        return (", "    if False:\n        return (",
+         "tests/nn/test_revtransformer.py -k no_branch_uses")
 mutation("block_hooks_fire_without_a_graph", SEQ,
          "            x1, x2 = block.forward(x1, x2, **context)\n", "            x1, x2 = block(x1, x2, **context)\n",
          "tests/test_interop.py -k own_hooks_never")
