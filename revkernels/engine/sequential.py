@@ -169,12 +169,12 @@ def output_grads(blocks, y1, y2, dy1, dy2):
 
 
 def block_grads(block, rec, y1, y2, dy1, dy2):
-    """``block.grads(rec, dy1, dy2)`` for the walkers, (y1, y2) the block's output. A missing grad of it (None:
-    the loss did not use it) is zeros for dy1, which only adds to the grads, and stays None for dy2
-    where the block's ``grads`` takes it (revkernels' own blocks: `takes_missing_dy2`), which then
-    do not differentiate the branch only y2 depends on, as plain autograd never does: a zero grad
-    through a Jacobian with NaN or inf there (``torch.where(y > 0, y.sqrt(), 0)``) gives NaN.
-    A block's own ``grads`` gets zeros."""
+    """``block.grads(rec, dy1, dy2)`` for the walkers; (y1, y2) is the block's output. A missing
+    grad of it (None: the loss did not use it) is zeros for dy1, which only adds to the grads, and
+    stays None for dy2 where the block's ``grads`` takes it (revkernels' own blocks:
+    `takes_missing_dy2`), which then do not differentiate the branch only y2 depends on, as plain
+    autograd never does: a zero grad through a Jacobian with NaN or inf there
+    (``torch.where(y > 0, y.sqrt(), 0)``) gives NaN. A block's own ``grads`` gets zeros."""
     if dy1 is None:
         dy1 = torch.zeros_like(y1)
     if dy2 is None and not getattr(type(block).grads, "takes_missing_dy2", False):

@@ -123,15 +123,15 @@ def attention_mask(attn_mask, q, causal):
         # (an integer 0/1 mask, such as a tokenizer's attention_mask, would be added to the scores)
         raise TypeError(f"revkernels: attn_mask must be bool (True attends) or floating point (added to the "
                         f"scores), got {attn_mask.dtype}: pass attention_mask.bool() for a 0/1 mask")
-    batch, _, tokens, _ = q.shape
+    batch, heads, tokens, _ = q.shape
     if attn_mask.dim() == 2:
         if tuple(attn_mask.shape) != (batch, tokens):
             raise ValueError(f"revkernels: a 2-D attn_mask is a key padding mask of shape (batch, tokens) = "
                              f"{(batch, tokens)}, got {tuple(attn_mask.shape)}")
         attn_mask = attn_mask[:, None, None, :]
-    elif attn_mask.dim() != 4 or any(m not in (1, n) for m, n in zip(attn_mask.shape, (batch, q.shape[1], tokens, tokens))):
+    elif attn_mask.dim() != 4 or any(m not in (1, n) for m, n in zip(attn_mask.shape, (batch, heads, tokens, tokens))):
         raise ValueError(f"revkernels: attn_mask must be (batch, tokens) or 4-D, broadcastable to (batch, heads, "
-                         f"tokens, tokens) = {(batch, q.shape[1], tokens, tokens)}, got shape {tuple(attn_mask.shape)}")
+                         f"tokens, tokens) = {(batch, heads, tokens, tokens)}, got shape {tuple(attn_mask.shape)}")
     if attn_mask.dtype == torch.bool:
         mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~attn_mask, float("-inf"))
     else:
@@ -145,6 +145,8 @@ def attention_mask(attn_mask, q, causal):
 class AttentionBranch(nn.Module):
     """F: LayerNorm -> multi-head self-attention (scaled_dot_product_attention, causal or not,
     with the `attn_mask` keyword) -> proj -> dropout -> drop-path. Input (batch, tokens, dim)."""
+
+    absorbs_context = True  # its **context takes the keywords meant for other branches (see check_context)
 
     def __init__(self, dim, num_heads, qkv_bias=True, drop_path=0.0, eps=1e-6, causal=False, dropout=0.0):
         super().__init__()
@@ -175,8 +177,6 @@ class AttentionBranch(nn.Module):
         out = scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
         return out.transpose(1, 2).reshape(batch, tokens, dim3 // 3)
 
-    absorbs_context = True  # (**context: the keywords meant for other branches; see check_context)
-
     def forward(self, x, attn_mask=None, **context):
         _check_tokens(x)  # (the width: checked by the norm, which a user may have swapped for another)
         out = self.proj(self.attend(self.qkv(self.norm(x)), attn_mask))
@@ -186,6 +186,8 @@ class AttentionBranch(nn.Module):
 class MlpBranch(nn.Module):
     """G: LayerNorm -> fc1 -> GELU -> fc2 -> dropout -> drop-path (context keywords are ignored)."""
 
+    absorbs_context = True
+
     def __init__(self, dim, hidden_dim, drop_path=0.0, eps=1e-6, approximate="none", dropout=0.0):
         super().__init__()
         self.norm = nn.LayerNorm(dim, eps=eps)
@@ -194,8 +196,6 @@ class MlpBranch(nn.Module):
         self.dropout = ResidualDropout(dropout)
         self.drop_path = DropPath(check_drop_probability(drop_path, "drop_path"))
         self.approximate = approximate
-
-    absorbs_context = True
 
     def forward(self, x, **context):
         return self.drop_path(self.dropout(self.fc2(F.gelu(self.fc1(self.norm(x)), approximate=self.approximate))))
