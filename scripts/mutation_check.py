@@ -95,8 +95,9 @@ mutation("block_rebuild_wrong_sign", REV,
          "x2 = coupling_add(y2.detach(), g_out.detach()).requires_grad_()",
          f"{T_SEQ} -k equal_plain")
 mutation("block_grad_add_wrong_sign", REV,
-         "dx2 = dy2 if dx2_from_f is None else coupling_add(dy2, dx2_from_f)",
-         "dx2 = dy2 if dx2_from_f is None else coupling_sub(dy2, dx2_from_f)", f"{T_SEQ} -k equal_plain")
+         "dx2 = dy2 if dx2_from_f is None else dx2_from_f if dy2 is None else coupling_add(dy2, dx2_from_f)",
+         "dx2 = dy2 if dx2_from_f is None else dx2_from_f if dy2 is None else coupling_sub(dy2, dx2_from_f)",
+         f"{T_SEQ} -k equal_plain")
 mutation("block_dy1_misses_G_term", REV,
          "dy1_total = dy1 if dy1_from_g is None else coupling_add(dy1, dy1_from_g)", "dy1_total = dy1",
          f"{T_SEQ} -k equal_plain")
