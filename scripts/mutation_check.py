@@ -250,6 +250,9 @@ mutation("compiled_inference_input_not_copied", "revkernels/engine/compiled.py",
 mutation("compiled_backward_linears_not_flattened", "revkernels/engine/compiled.py",
          "    with _FlatLinears() if torch.compiler.is_compiling() else contextlib.nullcontext():\n",
          "    with contextlib.nullcontext():\n", "tests/engine/test_compiled.py -k transformer_streams_take")
+mutation("random_branch_steps_always_static", "revkernels/engine/compiled.py",
+         "if name in self.any_shape and _any_shape(block)", "if False",
+         "tests/engine/test_compiled.py -k take_any_shape")
 mutation("context_keyword_nobody_uses_accepted", REV,
          "    if unused:\n        return (", "    if False:\n        return (",
          "tests/nn/test_revtransformer.py -k no_branch_uses")

@@ -35,7 +35,11 @@ torch's own code); a ``guard_filter_fn`` in the compile options replaces that fi
   (`branch_forward`, `branch_backward`), with the generator state taken before each branch in the
   forward and replayed around it in the backward. The steps are compiled with inductor's
   ``fallback_random`` (random ops call ATen on the global generator, as eager does), so the
-  recompute draws the forward's numbers and the stream after a step is eager's.
+  recompute draws the forward's numbers and the stream after a step is eager's. The branch steps
+  have static shapes (``F.dropout`` under ``torch.func.vjp`` takes no symbolic sizes), except for
+  blocks whose random layers are all revkernels' own (`DropPath`, `ResidualDropout`:
+  ``draws_with_symbolic_sizes``), which share a second pair of branch steps with the block steps'
+  dynamic shapes (`_any_shape`).
 - Parametrized modules (``torch.nn.utils.parametrize``, e.g. ``weight_norm``) run under a class
   shared by every module of the same class with the same parametrized tensors (see
   `_shared_classes`): parametrize makes a class per module, which would be a signature per block.
@@ -69,7 +73,7 @@ from revkernels.engine.sequential import (as_in_the_forward, block_grads, forwar
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of,
                                      differentiated_once, grad_tensors, maybe_replay, records_graph)
 from revkernels.engine.structure import (cached, coupling_kind, invalidate, param_slots, recompute_context,
-                                         record_buffers, submodule_hooked)
+                                         record_buffers, stochastic_modules, submodule_hooked)
 import revkernels.nn.reversible as _reversible  # (a module object: the import is circular)
 
 
@@ -170,7 +174,8 @@ class CompiledSteps:
                              f"got {sorted(unknown)}")
         backend = options.pop("backend", "inductor")
         # The branch steps (blocks that draw random numbers) with static shapes unless asked: a
-        # symbolic-size recompile cannot differentiate dropout under torch.func.vjp
+        # symbolic-size recompile cannot differentiate nn.Dropout under torch.func.vjp (but see
+        # `any_shape` below)
         branch_dynamic = options.get("dynamic", False)
         if backend == "inductor":
             # fallback_random: random ops draw from the global generator as in eager (see module doc)
@@ -187,6 +192,10 @@ class CompiledSteps:
         self.functions = {name: torch.compile(isolated(fn), fullgraph=True, **_with_guard_filter(
             {**self.options, "dynamic": branch_dynamic} if name.startswith("branch") else self.options))
             for name, fn in _STEPS.items()}
+        # The branch steps of blocks whose random layers all take symbolic sizes (`_any_shape`),
+        # with the block steps' dynamic shapes
+        self.any_shape = {name: torch.compile(isolated(_STEPS[name]), fullgraph=True, **_with_guard_filter(self.options))
+                          for name in ("branch_forward", "branch_backward")}
         self.failed = set()  # structures (`_Layout.key`) whose blocks run the eager steps
 
     def fell_back(self, block):
@@ -198,11 +207,12 @@ class CompiledSteps:
         `StepFailed` where it does not compile."""
         hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled()
         try:
+            step = self.any_shape[name] if name in self.any_shape and _any_shape(block) else self.functions[name]
             classes = cached(block, "shared_classes", _shared_classes)
             if not classes:
-                return self.functions[name](*args)
+                return step(*args)
             with _under_shared_classes(classes):
-                return self.functions[name](*args)
+                return step(*args)
         except Exception as error:  # noqa: BLE001  (any compile error: the block runs the eager steps)
             if hooks_enabled and not torch._C._autograd._saved_tensors_hooks_is_enabled():
                 # A failed compile of torch.func.vjp over saved-tensor hooks (torch.utils.checkpoint
@@ -217,6 +227,15 @@ class CompiledSteps:
             else:
                 what = f"compiling the {name} step of blocks[{position}] ({type(block).__name__}) failed"
             raise StepFailed(self.failed, _layout(block).key, what, error) from error
+
+
+def _any_shape(block):
+    """Whether every layer of `block` that may draw random numbers draws through ops that take
+    symbolic sizes (``draws_with_symbolic_sizes``: revkernels' `DropPath` and `ResidualDropout`),
+    so its branch steps can compile with dynamic shapes. ``nn.Dropout`` cannot: F.dropout under
+    ``torch.func.vjp`` calls numel() on a symbolic-size tensor."""
+    return cached(block, "any_shape", lambda b: all(getattr(m, "draws_with_symbolic_sizes", False)
+                                                    for m in stochastic_modules(b)))
 
 
 def _with_guard_filter(options):

@@ -260,13 +260,18 @@ def _stochastic_modules(module):
             and (isinstance(m, (_DropoutNd, nn.MultiheadAttention)) or hasattr(m, "draws_random"))]
 
 
+def stochastic_modules(module):
+    """The submodules of `module` that may draw random numbers (see `draws_random`; cached)."""
+    return cached(module, "stochastic", _stochastic_modules)
+
+
 def draws_random(module):
     """Whether a submodule of `module` can draw random numbers in its current mode: a dropout layer with p > 0 in
     training, an `nn.MultiheadAttention` with dropout > 0 in
     training, or a module whose ``draws_random`` attribute (a bool, or a method taking no
     argument) says so. Randomness drawn any other way (``F.dropout`` with a float attribute in a
     custom module) is not visible here: such a module must declare ``draws_random``."""
-    for m in cached(module, "stochastic", _stochastic_modules):
+    for m in stochastic_modules(module):
         declared = getattr(m, "draws_random", None)
         if declared is not None:
             if declared() if callable(declared) else declared:

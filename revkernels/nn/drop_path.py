@@ -24,6 +24,8 @@ class DropPath(nn.Module):
     (Dynamo guards on a Python float attribute's value). Set `p` to change the rate.
     """
 
+    draws_with_symbolic_sizes = True  # (the compiled engine's branch steps may then take any shape)
+
     def __init__(self, p=0.0):
         super().__init__()
         self.p = p

@@ -83,6 +83,8 @@ class ResidualDropout(nn.Dropout):
     """Dropout through ``torch.native_dropout``, which returns its keep mask: the fused rebuild
     replays the draw and keeps the mask for the gradient step (same op in every path)."""
 
+    draws_with_symbolic_sizes = True  # (the compiled engine's branch steps may then take any shape)
+
     def draws_random(self):
         return self.training and self.p > 0.0
 
