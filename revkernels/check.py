@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from revkernels.engine.sequential import forward_step
-from revkernels.engine.structure import buffers_kept, recompute_context
+from revkernels.engine.structure import buffers_kept, check_members, recompute_context
 from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential, check_context, check_streams
 
 
@@ -68,6 +68,7 @@ def check_reversibility(module, x1, x2, **context):
     else:
         raise TypeError(f"revkernels: module must be a ReversibleSequential or ReversibleBlock, got {type(module).__name__}")
     check_streams(x1, x2)
+    check_members(module)
     if context:
         check_context(module, blocks, context)
     with_context = {"context": context} if context else {}  # without: the steps' pre-context signature

@@ -427,7 +427,7 @@ class ReversibleSequential(nn.Module):
             return run_opaque(self, x1, x2, context)
         run = self._engine_fn
         if self._engine_name != "autograd":
-            check_members(self.blocks)  # (a block inserted since the last run: its parameters too)
+            check_members(self.blocks)  # (a submodule inserted since the last run: see check_members)
             if _uninitialized_params(self.blocks):
                 # A lazy module (nn.LazyLinear, ...) creates its parameters' shapes in its first
                 # forward, after the memory-saving engines take the parameters as inputs of their
@@ -445,6 +445,7 @@ class ReversibleSequential(nn.Module):
         """Rebuilds the run's input from its output without autograd (no RNG replay); `context`:
         the forward's keywords."""
         check_streams(y1, y2, ("y1", "y2"))
+        check_members(self.blocks)
         if context:
             check_context(self, self.blocks, context)
         for block in reversed(self.blocks):
@@ -480,6 +481,7 @@ class ReversibleSequential(nn.Module):
             raise ValueError(f"revkernels: states must be a list of one state per block ({len(self.blocks)}; "
                              f"forward_step's, or None), got {got}")
         check_streams(y1, y2, ("y1", "y2"))
+        check_members(self.blocks)
         if context:
             check_context(self, self.blocks, context)
             check_context_grads(context)

@@ -105,6 +105,22 @@ def test_caches_rebuild_when_a_block_is_inserted_or_deleted_without_a_registrati
     _assert_grads_equal_plain(seq, data)
 
 
+def test_inverse_and_reverse_see_a_batchnorm_inserted_without_a_registration():
+    """A BatchNorm inserted into F after a step: inverse, reverse and check_reversibility used the
+    cached layer lists, which missed it, so they updated its running statistics."""
+    seq = make_seq(2, WIDTH)
+    norm = nn.BatchNorm1d(WIDTH)  # (made before the step: its registrations would drop the caches)
+    x1, x2, w1, w2 = _inputs()
+    loss_of(*seq(x1.requires_grad_(), x2), w1, w2).backward()  # caches built
+    seq.blocks[1].f.insert(0, norm)
+    y1, y2 = torch.randn_like(x1), torch.randn_like(x2)
+    before = [t.clone() for t in norm.buffers()]
+    for rebuild in (lambda: seq.inverse(y1, y2), lambda: seq.reverse(y1, y2, w1, w2),
+                    lambda: rk.check_reversibility(seq, x1.detach(), x2)):
+        rebuild()
+        assert all(torch.equal(a, b) for a, b in zip(norm.buffers(), before))
+
+
 def test_a_block_appended_between_the_forward_and_its_backward_raises():
     seq = make_seq(2, WIDTH)
     x1, x2, w1, w2 = _inputs()
