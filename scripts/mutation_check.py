@@ -259,6 +259,12 @@ mutation("context_keyword_nobody_uses_accepted", REV,
 mutation("block_hooks_fire_without_a_graph", SEQ,
          "            x1, x2 = block.forward(x1, x2, **context)\n", "            x1, x2 = block(x1, x2, **context)\n",
          "tests/test_interop.py -k own_hooks_never")
+mutation("batch_norm_act_double_backward_by_the_fused_kernel", "csrc/ops/batch_norm_autograd.cpp",
+         "    if (at::GradMode::is_enabled()) {", "    if (false) {",
+         "tests/ops/test_batch_norm.py::test_double_backward tests/nn/test_batch_norm.py -k gradient_penalty")
+mutation("sub_layer_norm_fallback_double_backward_by_the_fused_op", "revkernels/ops/layer_norm.py",
+         "    if torch.is_grad_enabled():  # create_graph", "    if False:  # create_graph",
+         "tests/ops/test_layer_norm.py::test_pure_pytorch_fallback_when_library_missing")
 
 
 def _copy_repo(dst):

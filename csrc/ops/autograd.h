@@ -45,6 +45,11 @@ inline bool records_grad(std::initializer_list<std::reference_wrapper<const at::
   return false;
 }
 
+// The dtype the ops accumulate in: fp64 where an argument is fp64, else fp32.
+inline at::ScalarType accumulate_dtype(const at::Tensor& a, const at::Tensor& b) {
+  return a.scalar_type() == at::kDouble || b.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
 // `op.call(args...)` below autograd (a kernel whose inputs need no graph node).
 template <typename Signature, typename... Args>
 decltype(auto) call_below_autograd(const c10::TypedOperatorHandle<Signature>& op, Args&&... args) {

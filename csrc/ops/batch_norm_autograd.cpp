@@ -2,9 +2,14 @@
 // autograd formula). mean and rstd are not differentiable; with grad dout of out:
 //   (dx, dweight, dbias) = batch_norm_act_bwd(dout in x's dtype, x, weight, bias, mean, rstd, relu)
 //   d x = dx,   d weight = dweight,   d bias = dbias.
+// A backward that builds a graph (create_graph=True: a double backward) computes the same VJP with
+// ATen's differentiable native_batch_norm_backward (its derivative accounts for mean and rstd as
+// functions of x) in the accumulation dtype, after ReLU's mask from y recomputed as the forward
+// formed it (a NaN y passes dout; the mask is constant almost everywhere: no second-order term).
 #include <torch/library.h>
 
 #include <tuple>
+#include <vector>
 
 #include "autograd.h"
 
@@ -27,6 +32,7 @@ struct BatchNormAct : torch::autograd::Function<BatchNormAct> {
     }
     ctx->save_for_backward({x, weight, bias, mean, rstd});
     ctx->saved_data["relu"] = relu;
+    ctx->saved_data["eps"] = eps;
     ctx->mark_non_differentiable({mean, rstd});
     return {out, mean, rstd};
   }
@@ -34,9 +40,33 @@ struct BatchNormAct : torch::autograd::Function<BatchNormAct> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto bwd = typed_op<BatchNormActBwdOp>("revkernels::batch_norm_act_bwd");
     const variable_list s = ctx->get_saved_variables();
-    const at::Tensor &x = s[0], &bias = s[2];
-    auto [dx, dweight, dbias] = bwd.call(grads[0].to(x.scalar_type()), x, s[1], bias, s[3], s[4],
-                                         ctx->saved_data["relu"].toBool());
+    const at::Tensor &x = s[0], &weight = s[1], &bias = s[2], &mean = s[3], &rstd = s[4];
+    const bool relu = ctx->saved_data["relu"].toBool();
+    at::Tensor dx, dweight, dbias;
+    if (at::GradMode::is_enabled()) {
+      const auto acc = mean.scalar_type();  // the statistics are in the accumulation dtype
+      std::vector<int64_t> channel_shape(x.dim(), 1);
+      channel_shape[1] = x.size(1);
+      const at::Tensor xa = x.to(acc), wa = weight.to(acc);
+      at::Tensor dy = grads[0].to(acc);
+      if (relu) {
+        at::Tensor y;
+        {
+          at::NoGradGuard no_grad;
+          y = (xa - mean.view(channel_shape)) * rstd.view(channel_shape) * wa.view(channel_shape) +
+              bias.to(acc).view(channel_shape);
+        }
+        dy = dy * (y.gt(0) | y.isnan()).to(acc);
+      }
+      std::tie(dx, dweight, dbias) = at::native_batch_norm_backward(
+          dy, xa, wa, /*running_mean=*/{}, /*running_var=*/{}, mean, rstd, /*train=*/true,
+          ctx->saved_data["eps"].toDouble(), {true, true, true});
+      dx = dx.to(x.scalar_type());
+      dweight = dweight.to(weight.scalar_type());
+      dbias = dbias.to(bias.scalar_type());
+    } else {
+      std::tie(dx, dweight, dbias) = bwd.call(grads[0].to(x.scalar_type()), x, weight, bias, mean, rstd, relu);
+    }
     return {ctx->needs_input_grad(0) ? dx : at::Tensor(), ctx->needs_input_grad(1) ? dweight : at::Tensor(),
             ctx->needs_input_grad(2) ? dbias : at::Tensor(), at::Tensor(), at::Tensor()};
   }

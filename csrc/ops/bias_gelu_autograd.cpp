@@ -1,5 +1,8 @@
 // Autograd kernel of revkernels::bias_gelu; its VJP is bias_gelu_bwd (which itself has no autograd
 // formula): (dx, dbias) = bias_gelu_bwd(g in x's dtype, x, bias, approximate); no grad for approximate.
+// A backward that builds a graph (create_graph=True: a double backward) computes the same VJP with
+// ATen's differentiable gelu_backward instead, in the op's accumulation dtype:
+//   dz = gelu_backward(g, x + bias),   dx = dz in x's dtype,   dbias = dz summed over rows in bias's dtype
 #include <torch/library.h>
 
 #include <string>
@@ -31,9 +34,17 @@ struct BiasGelu : torch::autograd::Function<BiasGelu> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto bwd = typed_op<BiasGeluBwdOp>("revkernels::bias_gelu_bwd");
     const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor& x = saved[0];
-    auto [dx, dbias] = bwd.call(grads[0].to(x.scalar_type()), x, saved[1],
-                                ctx->saved_data["approximate"].toStringView());
+    const at::Tensor &x = saved[0], &bias = saved[1];
+    const c10::string_view approximate = ctx->saved_data["approximate"].toStringView();
+    at::Tensor dx, dbias;
+    if (at::GradMode::is_enabled()) {
+      const auto acc = accumulate_dtype(x, bias);
+      const at::Tensor dz = at::gelu_backward(grads[0].to(acc), x.to(acc) + bias.to(acc), approximate);
+      dx = dz.to(x.scalar_type());
+      dbias = dz.reshape({-1, bias.size(0)}).sum(0).to(bias.scalar_type());
+    } else {
+      std::tie(dx, dbias) = bwd.call(grads[0].to(x.scalar_type()), x, bias, approximate);
+    }
     return {ctx->needs_input_grad(0) ? dx : at::Tensor(), ctx->needs_input_grad(1) ? dbias : at::Tensor(),
             at::Tensor()};
   }

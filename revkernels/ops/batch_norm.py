@@ -40,7 +40,10 @@ VJP of batch_norm_act (registered; mean and rstd are not differentiable), with g
     d x = dx,   d weight = dweight,   d bias = dbias
 
 The formula is C++ (``csrc/ops/batch_norm_autograd.cpp``), or registered from Python without the
-compiled library. batch_norm_act_bwd itself has no autograd formula (no double backward).
+compiled library. batch_norm_act_bwd itself has no autograd formula; a backward with
+``create_graph=True`` (a double backward, a gradient penalty) takes the same VJP through ATen's
+differentiable ``native_batch_norm_backward`` (after ReLU's mask, from y recomputed as above)
+instead, so batch_norm_act is differentiable twice.
 
 Entry points: ``batch_norm_act`` / ``batch_norm_act_bwd`` are the ops themselves when the compiled
 library is loaded (C++ checks and autograd); without it, Python functions that check the arguments
@@ -244,15 +247,31 @@ def _batch_norm_act_setup_context(ctx, inputs, output):
     x, weight, bias, eps, relu = inputs
     out, mean, rstd = output
     ctx.save_for_backward(x, weight, bias, mean, rstd)
-    ctx.relu = relu
+    ctx.relu, ctx.eps = relu, eps
     ctx.mark_non_differentiable(mean, rstd)
 
 
 def _batch_norm_act_backward(ctx, dout, dmean, drstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dweight, dbias = _batch_norm_act_bwd(dout.to(x.dtype), x, weight, bias, mean, rstd, ctx.relu)
+    if torch.is_grad_enabled():  # create_graph=True: a differentiable VJP (see csrc/ops/batch_norm_autograd.cpp)
+        dx, dweight, dbias = _differentiable_vjp(dout, x, weight, bias, mean, rstd, ctx.eps, ctx.relu)
+    else:
+        dx, dweight, dbias = _batch_norm_act_bwd(dout.to(x.dtype), x, weight, bias, mean, rstd, ctx.relu)
     return (dx if ctx.needs_input_grad[0] else None, dweight if ctx.needs_input_grad[1] else None,
             dbias if ctx.needs_input_grad[2] else None, None, None)
+
+
+def _differentiable_vjp(dout, x, weight, bias, mean, rstd, eps, relu):
+    acc, shape = mean.dtype, (1, -1) + (1,) * (x.dim() - 2)
+    xa, wa = x.to(acc), weight.to(acc)
+    dy = dout.to(acc)
+    if relu:
+        with torch.no_grad():
+            y = (xa - mean.view(shape)) * rstd.view(shape) * wa.view(shape) + bias.to(acc).view(shape)
+        dy = dy * (y.gt(0) | y.isnan()).to(acc)
+    dx, dweight, dbias = torch.ops.aten.native_batch_norm_backward(dy, xa, wa, None, None, mean, rstd, True, eps,
+                                                                   [True, True, True])
+    return dx.to(x.dtype), dweight.to(weight.dtype), dbias.to(bias.dtype)
 
 
 register_autograd_fallback("batch_norm_act", _batch_norm_act_backward, _batch_norm_act_setup_context)

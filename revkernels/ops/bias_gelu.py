@@ -38,7 +38,9 @@ compiled CPU kernel, the references below.
 
 Autograd: bias_gelu's VJP is bias_gelu_bwd (grads for x and bias; none for ``approximate``), in C++
 (``csrc/ops/bias_gelu_autograd.cpp``), or from Python without the compiled library. bias_gelu_bwd
-itself has no autograd formula (no double backward).
+itself has no autograd formula; a backward with ``create_graph=True`` (a double backward) takes
+the same VJP through ATen's differentiable ``gelu_backward`` instead, so bias_gelu is
+differentiable twice.
 
 Entry points: ``bias_gelu`` / ``bias_gelu_bwd`` are the ops themselves when the compiled library is
 loaded (C++ checks and autograd); without it, Python functions that check the arguments first.
@@ -177,7 +179,12 @@ def _setup_context(ctx, inputs, output):
 
 def _bias_gelu_backward(ctx, grad):
     x, bias = ctx.saved_tensors
-    dx, dbias = torch.ops.revkernels.bias_gelu_bwd(grad.to(x.dtype), x, bias, ctx.approximate)
+    if torch.is_grad_enabled():  # create_graph=True: a differentiable VJP (see csrc/ops/bias_gelu_autograd.cpp)
+        acc = _accumulate_dtype(x, bias)
+        dz = torch.ops.aten.gelu_backward(grad.to(acc), x.to(acc) + bias.to(acc), approximate=ctx.approximate)
+        dx, dbias = dz.to(x.dtype), dz.reshape(-1, bias.shape[0]).sum(0).to(bias.dtype)
+    else:
+        dx, dbias = torch.ops.revkernels.bias_gelu_bwd(grad.to(x.dtype), x, bias, ctx.approximate)
     return (dx if ctx.needs_input_grad[0] else None), (dbias if ctx.needs_input_grad[1] else None), None
 
 

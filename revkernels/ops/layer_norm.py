@@ -43,7 +43,9 @@ not differentiable), with grads (dx_out, dln) of its outputs (x, ln)::
 (with weight passed in the accumulation dtype where bias has another dtype, so that dweight and
 dbias are each rounded once, to their parameter's dtype).
 
-layer_norm_bwd_add itself has no autograd formula (no double backward through sub_layer_norm).
+layer_norm_bwd_add itself has no autograd formula; a backward with ``create_graph=True`` (a double
+backward) takes the same VJP through ATen's differentiable ``native_layer_norm_backward`` (on x,
+weight and bias in the accumulation dtype) instead, so sub_layer_norm is differentiable twice.
 
 Kernels: C++ on CPU (``csrc/cpu/vec_kernels.cpp``, semantics ``csrc/kernels/layer_norm.h``; a
 row's sums are chunked, partial sums of at most 64 terms per lane added in fp64, so their error does
@@ -221,13 +223,19 @@ def _layer_norm_bwd_add_fake(dln, x, weight, mean, rstd, dres):
 def _sub_layer_norm_setup_context(ctx, inputs, output):
     y, g, weight, bias, eps = inputs
     x, ln, mean, rstd = output
-    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.save_for_backward(x, weight, mean, rstd, bias)
     ctx.g_dtype, ctx.bias_dtype = g.dtype, bias.dtype
     ctx.mark_non_differentiable(mean, rstd)
 
 
 def _sub_layer_norm_backward(ctx, dx_out, dln, dmean, drstd):
-    x, weight, mean, rstd = ctx.saved_tensors
+    x, weight, mean, rstd, bias = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: a differentiable VJP (see csrc/ops/layer_norm_autograd.cpp)
+        acc = mean.dtype
+        dln_x, dweight, dbias = torch.ops.aten.native_layer_norm_backward(
+            dln.to(acc), x.to(acc), [x.shape[-1]], mean, rstd, weight.to(acc), bias.to(acc), [True, True, True])
+        dx = (dln_x + dx_out.to(acc)).to(x.dtype)
+        return dx, (-dx).to(ctx.g_dtype), dweight.to(weight.dtype), dbias.to(ctx.bias_dtype), None
     # The op returns dweight and dbias in the dtype of the weight it gets: where bias has another dtype, it
     # gets weight in the accumulation dtype, and each sum is rounded once, to its parameter's dtype.
     w = weight if weight.dtype == ctx.bias_dtype else weight.to(_accumulate_dtype(x, dx_out))

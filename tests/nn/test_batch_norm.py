@@ -60,6 +60,24 @@ def test_training_steps_match_batchnorm2d(relu, momentum):
     assert int(ours.num_batches_tracked) == int(ref.num_batches_tracked) == 3
 
 
+def test_a_gradient_penalty_matches_batchnorm2d():
+    """A gradient penalty through a conv and BatchNormAct2d (create_graph=True, then the penalty's
+    backward) gives nn.BatchNorm2d + ReLU's parameter grads in float64 (it gave about half the conv's:
+    the fused op's backward was not differentiable)."""
+    conv = nn.Conv2d(3, 6, 3, padding=1).double()
+    ours, ref = _pair(6, True, 0.1)
+    ours, ref = ours.double(), ref.double()
+    x = (torch.randn(4, 3, 5, 5, dtype=torch.float64) * 2 + 1).requires_grad_()
+    grads = []
+    for bn, forward in ((ours, ours), (ref, lambda h: _ref_forward(ref, h, True))):
+        out = forward(conv(x))
+        (dx,) = torch.autograd.grad((out ** 2).sum(), x, create_graph=True)
+        # (conv.bias is left out: the batch statistics remove it, its grads are rounding noise)
+        grads.append(torch.autograd.grad((dx ** 2).sum(), (conv.weight, bn.weight, bn.bias)))
+    for name, actual, expected in zip(("conv.weight", "weight", "bias"), *grads):
+        assert_close_rel(actual, expected, 1e-10, f"penalty grad of {name}")
+
+
 @pytest.mark.parametrize("momentum", [0.1, None])
 def test_an_empty_batch_keeps_the_running_statistics(momentum):
     # (the fused op's mean and rstd of no values are NaN: they went into the statistics)

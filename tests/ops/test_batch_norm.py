@@ -305,6 +305,30 @@ def test_opcheck_batch_norm_act_bwd():
 
 
 @pytest.mark.parametrize("relu", [True, False])
+def test_double_backward(relu):
+    """A backward with create_graph=True differentiates batch_norm_act twice (autograd's fallback for
+    the backward op warned and returned no second-order grads): against finite differences in
+    float64, and a gradient penalty in fp32 against eager BatchNorm (+ ReLU) in float64."""
+    x = _random((3, 2, 2, 3)).double().requires_grad_()
+    w, b = (t.double().requires_grad_() for t in _params(2))
+    assert torch.autograd.gradgradcheck(lambda *a: torch.ops.revkernels.batch_norm_act(*a, EPS, relu)[0], (x, w, b))
+    x, dout = _random((4, 3, 5, 5)), torch.randn(4, 3, 5, 5)
+    w, b = _params(3)
+
+    def eager(x, w, b):
+        out = F.batch_norm(x, None, None, w, b, True, 0.0, EPS)
+        return torch.relu(out) if relu else out
+
+    grads = []
+    for fn, dtype in ((lambda *a: batch_norm_act(*a, EPS, relu)[0], torch.float32), (eager, torch.float64)):
+        leaves = [t.to(dtype).requires_grad_() for t in (x, w, b)]
+        first = torch.autograd.grad(fn(*leaves), leaves, dout.to(dtype), create_graph=True)
+        grads.append(torch.autograd.grad(sum((d ** 2).sum() for d in first), leaves, materialize_grads=True))
+    for name, actual, expected in zip(("x", "weight", "bias"), *grads):
+        assert_close_rel(actual, expected, tol=1e-5, what=f"second-order grad of {name}")
+
+
+@pytest.mark.parametrize("relu", [True, False])
 def test_autograd_gradcheck(relu):
     x = _random((3, 2, 2, 3)).double().requires_grad_()
     w, b = (t.double().requires_grad_() for t in _params(2))
@@ -395,6 +419,7 @@ def test_pure_pytorch_fallback_when_library_missing():
         f"sys.path.insert(0, {ROOT!r})\n"
         "from tests.ops import test_batch_norm as T\n"
         "T._check_param_grads_of_two_dtypes()\n"
+        "T.test_double_backward(True)\n"
         "print('ok')\n"
     )
 

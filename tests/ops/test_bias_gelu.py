@@ -223,6 +223,25 @@ def test_gradcheck(approximate):
 
 
 @pytest.mark.parametrize("approximate", APPROX)
+def test_double_backward(approximate):
+    """A backward with create_graph=True differentiates bias_gelu twice (autograd's fallback for the
+    backward op warned and returned no second-order grads): against finite differences in float64,
+    and a gradient penalty in fp32 against eager GELU in float64."""
+    x = _random((4, 7), torch.float64).requires_grad_()
+    bias = _random(7, torch.float64).requires_grad_()
+    assert torch.autograd.gradgradcheck(lambda x, b: torch.ops.revkernels.bias_gelu(x, b, approximate), (x, bias))
+    dy, x, bias = _inputs((3, 2, 33))
+    grads = []
+    for fn, dtype in ((lambda a, b: bias_gelu(a, b, approximate), torch.float32),
+                      (lambda a, b: F.gelu(a + b, approximate=approximate), torch.float64)):
+        a, b = x.to(dtype).requires_grad_(), bias.to(dtype).requires_grad_()
+        da, db = torch.autograd.grad(fn(a, b), (a, b), dy.to(dtype), create_graph=True)
+        grads.append(torch.autograd.grad((da ** 2).sum() + (db ** 3).sum(), (a, b)))
+    for name, actual, expected in zip(("x", "bias"), *grads):
+        assert_close_rel(actual, expected, tol=1e-5, what=f"second-order grad of {name}")
+
+
+@pytest.mark.parametrize("approximate", APPROX)
 def test_autograd_matches_pytorch(approximate):
     dy, x, bias = _inputs((2, 5, 1000))
     x1, b1 = x.clone().requires_grad_(), bias.clone().requires_grad_()
@@ -294,6 +313,8 @@ def test_pure_pytorch_fallback_when_library_missing():
         "xg, bg = x.clone().requires_grad_(), b.clone().requires_grad_()\n"
         "bias_gelu(xg, bg).backward(dy)\n"
         "assert torch.equal(xg.grad, rdx) and torch.equal(bg.grad, rdb)\n"
+        "xd, bd = x.double().requires_grad_(), b.double().requires_grad_()\n"
+        "assert torch.autograd.gradgradcheck(lambda a, c: bias_gelu(a, c, 'tanh'), (xd, bd))\n"
         "expect_error(lambda: torch.ops.revkernels.bias_gelu(x, torch.randn(6)), 'bias must have shape')\n"
         "print('ok')\n"
     )

@@ -13,7 +13,7 @@ from revkernels.ops._library import has_compiled_kernel
 from revkernels.ops.coupling import coupling_sub_reference
 from revkernels.ops.layer_norm import (layer_norm_bwd_add, layer_norm_bwd_add_reference, sub_layer_norm,
                                        sub_layer_norm_reference)
-from tests.helpers import assert_close_rel, run_without_c_extension, triton_device
+from tests.helpers import assert_close_rel, assert_low_precision_rule, run_without_c_extension, triton_device
 
 EPS = 1e-5
 ROOT = str(pathlib.Path(__file__).resolve().parents[2])  # the checkout, for the subprocess checks
@@ -294,6 +294,37 @@ def test_opcheck_layer_norm_bwd_add():
         torch.library.opcheck(op, args)
 
 
+def test_double_backward():
+    """A backward with create_graph=True differentiates sub_layer_norm twice (autograd's fallback for
+    the backward op warned and returned zero second-order grads): against finite differences in
+    float64; and a gradient penalty in fp32 (a bf16 g) against float64, with DESIGN's rule for
+    results whose PyTorch counterpart is itself inexact: ATen's LayerNorm double backward in fp32 is
+    some 3e-5 from float64 on these rows, and ours may be at most twice that."""
+    inputs = [torch.randn(3, 6, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    inputs += [torch.randn(6, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    assert torch.autograd.gradgradcheck(lambda *a: torch.ops.revkernels.sub_layer_norm(*a, EPS)[:2], inputs)
+    y, g, dx, dln = _random((3, 2, 33)), _random((3, 2, 33), torch.bfloat16), torch.randn(3, 2, 33), torch.randn(3, 2, 33)
+    w, b = _params(33)
+
+    def fused(y, g, w, b):
+        x, ln, _, _ = sub_layer_norm(y, g, w, b, EPS)
+        return x, ln
+
+    def eager(y, g, w, b):
+        x = y - g
+        return x, F.layer_norm(x, (33,), w, b, EPS)
+
+    grads = []
+    for fn, dtype in ((fused, None), (eager, None), (eager, torch.float64)):
+        leaves = [t.to(dtype or t.dtype).requires_grad_() for t in (y, g, w, b)]
+        x, ln = fn(*leaves)
+        first = torch.autograd.grad((x, ln), leaves, (dx.to(x.dtype), dln.to(ln.dtype)), create_graph=True)
+        grads.append(torch.autograd.grad(sum((d.double() ** 2).sum() for d in first), leaves, materialize_grads=True))
+    for name, actual, same_dtype_torch, exact in zip(("y", "g", "weight"), *grads):
+        assert_low_precision_rule(actual, same_dtype_torch, exact, what=f"second-order grad of {name}")
+    assert not grads[0][3].any() and not grads[2][3].any()  # no first-order grad depends on the bias
+
+
 def test_autograd_gradcheck():
     for shape in [(4, 7), (2, 3, 5)]:
         inputs = [torch.randn(shape, dtype=torch.float64, requires_grad=True) for _ in range(2)]
@@ -424,6 +455,7 @@ def test_pure_pytorch_fallback_when_library_missing():
         f"sys.path.insert(0, {ROOT!r})\n"
         "from tests.ops import test_layer_norm as T\n"
         "T._check_param_grads_of_two_dtypes()\n"
+        "T.test_double_backward()\n"
         # the ops called directly run the C++ kernels' checks
         "expect_error(lambda: torch.ops.revkernels.sub_layer_norm(y, g[:, :1], w, b), 'g must have the shape')\n"
         "expect_error(lambda: torch.ops.revkernels.sub_layer_norm(y, g, w, b, -1.0), 'eps must be')\n"
