@@ -262,6 +262,9 @@ mutation("block_hooks_fire_without_a_graph", SEQ,
 mutation("batch_norm_act_double_backward_by_the_fused_kernel", "csrc/ops/batch_norm_autograd.cpp",
          "    if (at::GradMode::is_enabled()) {", "    if (false) {",
          "tests/ops/test_batch_norm.py::test_double_backward tests/nn/test_batch_norm.py -k gradient_penalty")
+mutation("linear_sub_da_in_the_weight_dtype", "csrc/ops/linear_sub_autograd.cpp",
+         "da = at::mm(g.to(gemm).neg(), weight.to(gemm))", "da = at::mm(g.to(weight.scalar_type()).neg(), weight)",
+         "tests/ops/test_linear_sub.py -k mixed_a_and_weight")
 mutation("sub_layer_norm_fallback_double_backward_by_the_fused_op", "revkernels/ops/layer_norm.py",
          "    if torch.is_grad_enabled():  # create_graph", "    if False:  # create_graph",
          "tests/ops/test_layer_norm.py::test_pure_pytorch_fallback_when_library_missing")

@@ -2,6 +2,8 @@
 // the grad of x viewed as (rows, N):
 //   d y = g in y's dtype,   d a = -g @ W in a's dtype,   d W = -g^T a in W's dtype,
 //   d b = -sum_rows(g), summed in fp32 (fp64 for an fp64 g), in b's dtype.
+// The GEMMs run in the promoted dtype of a and W, as the forward's (an fp32 a with a bf16 W: an
+// fp32 da, not one of bf16 accuracy), and their results are cast to the parameter's dtype.
 #include <c10/util/accumulate.h>
 #include <torch/library.h>
 
@@ -36,11 +38,12 @@ struct LinearSub : torch::autograd::Function<LinearSub> {
     const int64_t rows = c10::multiply_integers(a.sizes().slice(0, a.dim() - 1));  // k or n may be 0: no -1
     const at::Tensor g = grads[0].reshape({rows, weight.size(0)});
     at::Tensor da, dweight, dbias;
+    const auto gemm = at::promote_types(a.scalar_type(), weight.scalar_type());
     if (ctx->needs_input_grad(1)) {
-      da = at::mm(g.to(weight.scalar_type()).neg(), weight).reshape(a.sizes()).to(a.scalar_type());
+      da = at::mm(g.to(gemm).neg(), weight.to(gemm)).reshape(a.sizes()).to(a.scalar_type());
     }
     if (ctx->needs_input_grad(2)) {
-      dweight = at::mm(g.to(a.scalar_type()).t().neg(), a.reshape({rows, a.size(-1)})).to(weight.scalar_type());
+      dweight = at::mm(g.to(gemm).t().neg(), a.reshape({rows, a.size(-1)}).to(gemm)).to(weight.scalar_type());
     }
     // Without a bias the node has edges for y, a and weight only.
     const auto bias_dtype = ctx->saved_data.find("bias_dtype");

@@ -16,7 +16,10 @@
   leaves out trailing arguments equal to their defaults when it calls a Python kernel.
 """
 import math
+import numbers
 import os
+
+import numpy
 
 import torch
 from torch.autograd import forward_ad
@@ -138,8 +141,11 @@ def entry_point(name, checked, check_scalars=None):
 
 
 def check_eps(eps):
-    """ValueError unless `eps` is a finite, non-negative Python number (bool excluded)."""
-    if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not math.isfinite(eps) or eps < 0:
+    """TypeError unless `eps` is a real number (a Python or NumPy float or int; a bool would reach
+    the kernel as 1.0 or 0.0), ValueError unless it is finite and non-negative."""
+    if isinstance(eps, (bool, numpy.bool_)) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"revkernels: eps must be a real number (a float), got {type(eps).__name__} {eps!r}")
+    if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"revkernels: eps must be finite and non-negative, got {eps!r}")
 
 

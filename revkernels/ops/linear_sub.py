@@ -28,6 +28,9 @@ VJP (linear in every input)::
 
     dy = g     da = -g @ W     dW = -g^T a     db = -sum_rows(g)
 
+with the GEMMs in the promoted dtype of a and W (the forward's), each result cast to its input's
+dtype: an fp32 a with a bf16 W gets a da of fp32 accuracy.
+
 Kernels: one cuBLAS / CPU BLAS ``addmm`` per call (the bias is subtracted from y in the same pass
 that makes the accumulator), so there is no device-specific code: the op is a composite of ATen
 calls, registered for every device (``csrc/ops/linear_sub.cpp``, its autograd formula in
@@ -140,10 +143,11 @@ def _backward(ctx, grad):
     rows = math.prod(a.shape[:-1])  # k or n may be 0: no -1
     g = grad.reshape(rows, weight.shape[0])
     da = dweight = dbias = None
+    gemm = torch.promote_types(a.dtype, weight.dtype)  # the forward's GEMM dtype (see csrc/ops/linear_sub_autograd.cpp)
     if ctx.needs_input_grad[1]:
-        da = (-g.to(weight.dtype) @ weight).reshape(a.shape).to(a.dtype)
+        da = (-g.to(gemm) @ weight.to(gemm)).reshape(a.shape).to(a.dtype)
     if ctx.needs_input_grad[2]:
-        dweight = (-g.to(a.dtype).t() @ a.reshape(rows, a.shape[-1])).to(weight.dtype)
+        dweight = (-g.to(gemm).t() @ a.reshape(rows, a.shape[-1]).to(gemm)).to(weight.dtype)
     if ctx.has_bias and ctx.needs_input_grad[3]:
         dbias = (-g.to(_accumulate_dtype(g)).sum(0)).to(ctx.bias_dtype)
     return grad.to(ctx.y_dtype), da, dweight, dbias

@@ -4,6 +4,7 @@ with -m gpu, the CUDA path."""
 
 import pathlib
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -390,8 +391,10 @@ def test_scalars_the_schema_parser_would_convert_are_rejected(relu):
     out, mean, rstd = batch_norm_act(x, w, b, EPS, True)
     with pytest.raises(TypeError, match="relu must be a bool"):
         batch_norm_act_bwd(out, x, w, b, mean, rstd, relu)
-    with pytest.raises(ValueError, match="eps must be finite and non-negative"):
+    with pytest.raises(TypeError, match="eps must be a real number"):
         batch_norm_act(x, w, b, True, True)
+    out, _, _ = batch_norm_act(x, w, b, np.float32(EPS), True)  # a NumPy float is a real number
+    assert torch.equal(out, batch_norm_act(x, w, b, float(np.float32(EPS)), True)[0])
 
 
 def test_torch_op_checks_in_cpp():

@@ -4,6 +4,7 @@ and, with -m gpu, the CUDA path."""
 
 import pathlib
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -691,5 +692,15 @@ def test_cuda_opcheck_and_autograd():
 def test_eps_the_schema_parser_would_convert_is_rejected():
     # eps=True would reach the kernel as 1.0: the entry point checks the Python scalar first.
     y, g, w, b = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8), torch.randn(8)
-    with pytest.raises(ValueError, match="eps must be finite and non-negative"):
-        sub_layer_norm(y, g, w, b, True)
+    for eps in (True, np.bool_(True), torch.tensor(1e-5)):
+        with pytest.raises(TypeError, match="eps must be a real number"):
+            sub_layer_norm(y, g, w, b, eps)
+
+
+def test_eps_may_be_a_numpy_number():
+    """A NumPy float or int eps is a real number (the entry point said it was not finite)."""
+    y, g, w, b = _random((3, 8)), _random((3, 8)), *_params(8)
+    want = sub_layer_norm(y, g, w, b, 1e-3)
+    for eps in (np.float32(1e-3), np.float64(1e-3)):
+        assert all(torch.equal(o, e) for o, e in zip(sub_layer_norm(y, g, w, b, eps), want))
+    assert all(torch.equal(o, e) for o, e in zip(sub_layer_norm(y, g, w, b, np.int64(1)), sub_layer_norm(y, g, w, b, 1.0)))
