@@ -265,6 +265,16 @@ mutation("batch_norm_act_double_backward_by_the_fused_kernel", "csrc/ops/batch_n
 mutation("linear_sub_da_in_the_weight_dtype", "csrc/ops/linear_sub_autograd.cpp",
          "da = at::mm(g.to(gemm).neg(), weight.to(gemm))", "da = at::mm(g.to(weight.scalar_type()).neg(), weight)",
          "tests/ops/test_linear_sub.py -k mixed_a_and_weight")
+mutation("batch_norm_spatial_mean_unshifted", "csrc/cpu/vec_kernels.cpp",
+         "      const acc_t pivot = count > 0 ? stats_pivot(load<acc_t>(xc)) : acc_t(0);",
+         "      const acc_t pivot = acc_t(0);",
+         "tests/ops/test_batch_norm.py -k constant_and_offset_channels")
+mutation("batch_norm_channels_mean_unshifted", "csrc/cpu/vec_kernels.cpp",
+         "pivots[l] = stats_pivot(pivots[l]);", "pivots[l] = acc_t(0);",
+         "tests/ops/test_batch_norm.py -k constant_and_offset_channels")
+mutation("layer_norm_infinite_pivot", "csrc/cpu/vec_kernels.cpp",
+         "stats_pivot(load<acc_t>(&first_x))", "load<acc_t>(&first_x)",
+         "tests/ops/test_layer_norm.py -k starting_with_inf")
 mutation("sub_layer_norm_fallback_double_backward_by_the_fused_op", "revkernels/ops/layer_norm.py",
          "    if torch.is_grad_enabled():  # create_graph", "    if False:  # create_graph",
          "tests/ops/test_layer_norm.py::test_pure_pytorch_fallback_when_library_missing")

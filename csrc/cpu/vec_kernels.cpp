@@ -391,7 +391,7 @@ void sub_layer_norm_vec(x_t* x, x_t* ln, acc_t* mean, acc_t* rstd, const x_t* y,
     // stores below round it.
     x_t first_x;
     store<acc_t>(&first_x, load<acc_t>(yr) - load<acc_t>(gr));
-    const acc_t pivot = load<acc_t>(&first_x);
+    const acc_t pivot = stats_pivot(load<acc_t>(&first_x));
     const Block<acc_t> pivot_v(pivot);
     Block<acc_t> part(acc_t(0));
     double sum = 0.0, squares = 0.0;
@@ -750,15 +750,18 @@ void batch_norm_act_vec(x_t* out, acc_t* mean, acc_t* rstd, const x_t* x, const 
   if (path == BnPath::Spatial) {
     for (int64_t c = c_begin; c < c_end; ++c) {
       const x_t* xc = x + c * xv.c_stride;
+      // The sums of x - the channel's first value (stats_pivot: a constant channel's mean is exact)
+      const acc_t pivot = count > 0 ? stats_pivot(load<acc_t>(xc)) : acc_t(0);
+      const Block<acc_t> pivot_v(pivot);
       Block<acc_t> part(acc_t(0));
       double sum = 0, squares = 0;
       for_spatial_chunks<acc_t>(
           xv,
           [&](int64_t i, int64_t j, int64_t k) C10_ALWAYS_INLINE_ATTRIBUTE {
-            part = part + first(load_block<acc_t>(xc + i * xv.n_stride + j, k), k);
+            part = part + first(load_block<acc_t>(xc + i * xv.n_stride + j, k) - pivot_v, k);
           },
           [&] { add_total(sum, part); });
-      mean[c] = static_cast<acc_t>(sum / count);
+      mean[c] = static_cast<acc_t>(pivot + sum / count);
       const Block<acc_t> mu(mean[c]);
       for_spatial_chunks<acc_t>(
           xv,
@@ -784,10 +787,17 @@ void batch_norm_act_vec(x_t* out, acc_t* mean, acc_t* rstd, const x_t* x, const 
     auto at = [&](int64_t i, int64_t j) { return load_block<acc_t>(x + i * xv.n_stride + j * xv.s_stride + c0, k); };
     Block<acc_t> part(acc_t(0));
     double sums[kBlock<acc_t>] = {}, squares[kBlock<acc_t>] = {};
+    // The sums of x - each channel's first value (stats_pivot: a constant channel's mean is exact)
+    __at_align__ acc_t pivots[kBlock<acc_t>] = {};
+    if (count > 0) {
+      store_block(pivots, at(0, 0), k);
+      for (int64_t l = 0; l < k; ++l) pivots[l] = stats_pivot(pivots[l]);
+    }
+    const Block<acc_t> pivot_v = load_block<acc_t>(pivots, k);
     for_position_chunks(
-        xv, [&](int64_t i, int64_t j) C10_ALWAYS_INLINE_ATTRIBUTE { part = part + at(i, j); },
+        xv, [&](int64_t i, int64_t j) C10_ALWAYS_INLINE_ATTRIBUTE { part = part + (at(i, j) - pivot_v); },
         [&] { add_lanes(sums, part); });
-    for (int64_t l = 0; l < k; ++l) mean[c0 + l] = static_cast<acc_t>(sums[l] / count);
+    for (int64_t l = 0; l < k; ++l) mean[c0 + l] = static_cast<acc_t>(pivots[l] + sums[l] / count);
     const Block<acc_t> mu = load_block<acc_t>(mean + c0, k);
     for_position_chunks(
         xv,

@@ -67,7 +67,9 @@ void batch_norm_act_cpu(x_t* out, acc_t* mean, acc_t* rstd, const x_t* x, const 
   for (int64_t c = c_begin; c < c_end; ++c) {
     const x_t* xc = x + c * xv.c_stride;
     auto at = [&](int64_t i, int64_t j) { return load<acc_t>(xc + i * xv.n_stride + j * xv.s_stride); };
-    const acc_t mu = static_cast<acc_t>(bn_channel_sum<acc_t>(xv, at) / count);
+    const acc_t pivot = count > 0 ? stats_pivot(at(0, 0)) : acc_t(0);  // (lane_sums.h)
+    const acc_t mu = static_cast<acc_t>(
+        pivot + bn_channel_sum<acc_t>(xv, [&](int64_t i, int64_t j) { return at(i, j) - pivot; }) / count);
     const acc_t var = static_cast<acc_t>(bn_channel_sum<acc_t>(xv, [&](int64_t i, int64_t j) {
                                            const acc_t d = at(i, j) - mu;
                                            return d * d;

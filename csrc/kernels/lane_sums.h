@@ -5,12 +5,21 @@
 // vector kernels (cpu/vec_kernels.cpp) chunk their blocks of lanes alike.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 namespace revkernels {
 
 constexpr int64_t kSumLanes = 8;
 constexpr int64_t kSumChunk = 64;
+
+// The shift of a mean's sum (a row's or channel's first value): the terms x - pivot of a constant
+// row or channel are exact zeros and its mean is the value itself (a rounded mean would be an error
+// of its own, times rstd, up to 1 / sqrt(eps)). 0 for a non-finite first value (inf - inf is NaN).
+template <typename acc_t>
+inline acc_t stats_pivot(acc_t first) {
+  return std::isfinite(first) ? first : acc_t(0);
+}
 
 // total += the sum of the lanes (folded pairwise); the lanes reset to zero.
 template <typename acc_t>

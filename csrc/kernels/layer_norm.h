@@ -37,7 +37,7 @@ void sub_layer_norm_cpu(x_t* x, x_t* ln, acc_t* mean, acc_t* rstd, const x_t* y,
     x_t* lr = ln + r * n;
     for (int64_t i = 0; i < n; ++i) store<acc_t>(xr + i, load<acc_t>(yr + i) - load<acc_t>(gr + i));
     const double count = static_cast<double>(n);
-    const acc_t pivot = load<acc_t>(xr);
+    const acc_t pivot = stats_pivot(load<acc_t>(xr));  // (lane_sums.h)
     const acc_t mu = static_cast<acc_t>(
         pivot + lane_sum<acc_t>(n, [&](int64_t i) { return load<acc_t>(xr + i) - pivot; }) / count);
     const acc_t var = static_cast<acc_t>(lane_sum<acc_t>(n, [&](int64_t i) {

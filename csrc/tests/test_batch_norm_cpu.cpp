@@ -2,7 +2,7 @@
 // loops in double: revkernels::batch_norm_act_cpu and batch_norm_act_bwd_cpu, for float, double,
 // bf16 and fp16 data, NCHW and channels_last views, with and without ReLU, channel ranges split as
 // threads would (channels outside a range stay untouched), one value per channel, and millions of
-// values per channel far from zero (the chunked sums).
+// values per channel far from zero (the chunked sums); channels of one value (exact mean, out = bias).
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -119,6 +119,29 @@ void run_all(std::mt19937& rng) {
   }
 }
 
+// Channels of one value each (1234.5 and -7.3, 16 x 4096 of them): the mean is the value itself and
+// out is the bias exactly (sums of x - the channel's first value; summed from the values themselves
+// the mean rounded, and that rounding times rstd ~ 1 / sqrt(eps) moved out by 1e-3).
+void constant_channels(bool channels_last) {
+  const Shape sh{16, 2, 4096};
+  const float values[2] = {1234.5f, -7.3f}, w[2] = {1.5f, 0.75f}, b[2] = {0.5f, -0.25f};
+  const BnView v = make_view(sh, channels_last);
+  std::vector<float> x(sh.n * sh.c * sh.s), out(x.size()), mean(2), rstd(2);
+  for (int64_t i = 0; i < sh.n; ++i)
+    for (int64_t c = 0; c < sh.c; ++c)
+      for (int64_t j = 0; j < sh.s; ++j) x[at(v, i, c, j)] = values[c];
+  batch_norm_act_cpu<float>(out.data(), mean.data(), rstd.data(), x.data(), v, v, w, b, 1e-5f, false, 0, sh.c);
+  for (int64_t c = 0; c < sh.c; ++c) {
+    RK_CHECK(mean[c] == values[c], "constant channel %lld: mean %.9g, not %.9g", (long long)c, (double)mean[c],
+             (double)values[c]);
+    for (int64_t i = 0; i < sh.n; ++i)
+      for (int64_t j = 0; j < sh.s; ++j) {
+        RK_CHECK(out[at(v, i, c, j)] == b[c], "constant channel %lld: out %.9g, not the bias", (long long)c,
+                 (double)out[at(v, i, c, j)]);
+      }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -129,5 +152,6 @@ int main() {
   run_all<Half>(rng);
   // 2^21 values per channel near 100: a running sum over all of them per lane loses the statistics.
   for (bool channels_last : {false, true}) run_case<float>(Shape{1, 2, 1 << 21}, channels_last, false, rng, 100.0);
+  for (bool channels_last : {false, true}) constant_channels(channels_last);
   return finish("test_batch_norm_cpu");
 }

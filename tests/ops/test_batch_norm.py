@@ -465,6 +465,24 @@ def test_triton_batch_norm_act(shape, layout, path):
                 assert_close_rel(got, e, 1e-5, what)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_statistics_of_constant_and_offset_channels(layout, dtype):
+    """Channels of one value (random, up to 1e4) and channels far from zero, on every CPU path: the
+    statistics are formed from x minus each channel's first value, so a constant channel's mean is
+    exact and out is its bias (the mean summed from the values rounded, and times rstd ~ 1/sqrt(eps)
+    put out 2.7e-3 off in fp32)."""
+    values = torch.randn(1, 2, 1, 1, dtype=torch.float64) * 1e4
+    x = torch.cat([values.expand(8, 2, 16, 16), _random((8, 2, 16, 16)).double() + 100.0], dim=1).to(dtype)
+    x = _in_layout(x, layout)
+    weight, bias = (t.to(dtype) for t in _params(4))
+    out, mean, rstd = batch_norm_act(x, weight, bias, EPS, False)
+    want = batch_norm_act_reference(x.double(), weight.double(), bias.double(), EPS, False)
+    for got, exact, what in zip((out, mean, rstd), want, ("out", "mean", "rstd")):
+        assert_close_rel(got, exact, 1e-5, what)
+    assert torch.equal(mean[:2], x[0, :2, 0, 0]) and torch.equal(out[:, :2], bias[:2].view(1, 2, 1, 1).expand(8, 2, 16, 16))
+
+
 @pytest.mark.parametrize("path", list(TRITON_PATHS))
 def test_triton_statistics_of_constant_and_offset_channels(path):
     """Channels of one value (random, up to 1e4) and channels far from zero: the statistics are

@@ -117,6 +117,18 @@ def test_sub_layer_norm_constant_rows(n, dtype):
     assert torch.equal(mean[:3], x[:3, 0].to(mean.dtype)) and torch.equal(ln[:3], bias.expand(3, n))
 
 
+def test_sub_layer_norm_mean_of_a_row_starting_with_inf():
+    """A row whose first x is infinite: mean inf or -inf as the reference's (it was NaN: the sums
+    are shifted by the first value, and inf - inf is NaN; a non-finite first value shifts by 0)."""
+    y = _random((4, 33))
+    y[0, 0], y[1, 0], y[2, 5] = float("inf"), float("-inf"), float("inf")
+    g, (weight, bias) = _g((4, 33)), _params(33)
+    mean = sub_layer_norm(y, g, weight, bias, EPS)[2]
+    want = sub_layer_norm_reference(y.double(), g.double(), weight.double(), bias.double(), EPS)[2]
+    assert torch.equal(mean[:3], want[:3].float()) and mean[:3].isinf().all()
+    assert_close_rel(mean[3:], want[3:], 1e-5, "mean of the finite row")
+
+
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_sub_layer_norm_low_precision(dtype, shape):
