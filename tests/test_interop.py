@@ -191,12 +191,29 @@ def test_a_blocks_own_hooks_never_fire_without_a_graph_either(engine, grad):
         assert_close_rel(got, expected.detach(), 0, "output without a graph")
 
 
-def test_fused_revvit_block_does_not_call_its_submodules_in_the_backward():
-    """RevViTBlock's fused recompute computes F and G from their weights directly: hooks on its
-    submodules see the forward only (no backward hook fires) with a memory-saving engine."""
-    seq = perturb_parameters(ReversibleSequential(*[RevViTBlock(8, 2) for _ in range(2)], engine="sequential"))
-    log, calls, _ = _submodule_hooks(seq, *_data((2, 3, 8)))
-    assert log == [] and calls == [("f", False)]
+@pytest.mark.parametrize("engine", MEMORY_SAVING + ["compiled"])
+def test_a_hooked_revvit_block_runs_its_modules_in_the_recompute(engine):
+    """A RevViTBlock with hooks below it runs its modules in the recompute too, as a generic block:
+    F's forward hook fires twice, its full backward hook once with plain autograd's grads, and a
+    hook that changes a submodule's output (fc1's, times 1.5) is in the rebuild as in the forward
+    (the fused recompute computed F and G from their weights without it: grads 0.28 off)."""
+    x = torch.randn(2, 3, 8)
+    w1, w2 = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    seq = perturb_parameters(ReversibleSequential(*[RevViTBlock(8, 2) for _ in range(2)], engine=engine))
+    seq.compile_options = {"backend": "aot_eager"}
+    for block in seq.blocks:
+        block.g.fc1.register_forward_hook(lambda m, i, o: o * 1.5)
+    reference = copy.deepcopy(seq)
+    reference.engine = "autograd"
+    ref_log, ref_calls, ref_grads = _submodule_hooks(reference, x, x, w1, w2)
+    torch._dynamo.reset()
+    log, calls, grads = _submodule_hooks(seq, x, x, w1, w2)
+    assert [e[0] for e in ref_log] == ["f", "block"] and ref_calls == [("f", True), ("block", True)]
+    assert [e[0] for e in log] == ["f"] and calls == [("f", False), ("f", True)]
+    for got, expected in zip(log[0][1] + log[0][2], ref_log[0][1] + ref_log[0][2]):
+        assert_close_rel(got, expected, 1e-5, "F's hook grads")
+    for got, expected in zip(grads, ref_grads, strict=True):
+        assert_close_rel(got, expected, 1e-5, "grads")
 
 
 def test_state_dict_round_trip_between_engines():

@@ -67,9 +67,9 @@ from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
 from revkernels.engine.fsdp import block_units, run_sharded_compiled
-from revkernels.engine.sequential import (as_in_the_forward, block_grads, forward_step, output_grads, recompute_step,
-                                          save_forward_state, save_with_context, saved_with_context, with_buffers,
-                                          without_unused)
+from revkernels.engine.sequential import (add_param_grads, as_in_the_forward, block_grads, forward_step, output_grads,
+                                          recompute_step, save_forward_state, save_with_context, saved_with_context,
+                                          with_buffers, without_unused)
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of,
                                      differentiated_once, grad_tensors, maybe_replay, records_graph)
 from revkernels.engine.structure import (cached, coupling_kind, invalidate, param_slots, recompute_context,
@@ -459,7 +459,8 @@ def forward_blocks(blocks, x1, x2, steps, preserve_rng_state=True, context=NO_CO
                 try:
                     x1, x2, state = _pure_forward(block, i, layout, x1, x2, steps, preserve_rng_state, context)
                 except StepFailed as failure:
-                    # (a block that draws random numbers draws anew here: its recompute replays these)
+                    # (a block that draws random numbers draws from the state before it, as eager
+                    # does: `_random_forward`; its recompute replays these)
                     x1, x2, state = forward_step(block, x1, x2, preserve_rng_state, context)
                     failure.fall_back()
             states.append(state)
@@ -502,7 +503,13 @@ def _random_forward(block, position, layout, x1, x2, steps, context):
     if layout.kind == "half":
         return x2, y, _reversible.BlockState(rng_f, None)
     rng_g = RngState(devices)
-    y2 = _step(steps, "branch_forward", block, position, block.g, "g", x2, y, context)
+    try:
+        y2 = _step(steps, "branch_forward", block, position, block.g, "g", x2, y, context)
+    except StepFailed:
+        # The eager steps that run the block instead draw F's numbers again: from the same state,
+        # so the block's numbers and the stream after it are eager's
+        rng_f.restore()
+        raise
     return y, y2, _reversible.BlockState(rng_f, rng_g)
 
 
@@ -531,12 +538,6 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
     (as in `revkernels.engine.sequential.reverse_blocks`)."""
     index = {id(p): i for i, p in enumerate(params)}
     param_grads = [None] * len(params)
-
-    def accumulate(p, grad):
-        k = index.get(id(p))  # None: p did not require grad when the forward ran (no grad, as with autograd)
-        if k is not None:
-            param_grads[k] = grad if param_grads[k] is None else param_grads[k] + grad
-
     autocast_state = autocast_state or AutocastState.capture(y1.device.type)
     autocast = contextlib.nullcontext if autocast_state.off_then_and_now() else autocast_state.enter
     # A loss like y.sum() hands down expanded (stride-0) grads, which would be a signature of their own
@@ -564,9 +565,7 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
             except StepFailed as failure:
                 y1, y2, dy1, dy2, grads = _eager_backward(block, state, y1, y2, dy1, dy2, autocast, context)
                 failure.fall_back()
-        for p, grad in grads:
-            if grad is not None:
-                accumulate(p, grad)
+        add_param_grads(param_grads, index, grads)
     return y1, y2, dy1, dy2, param_grads
 
 

@@ -39,7 +39,8 @@ from torch.utils._pytree import tree_leaves
 
 from revkernels.engine import compiled
 from revkernels.engine.sequential import forward_step, with_buffers
-from revkernels.engine.state import NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of, in_mode
+from revkernels.engine.state import (NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of, in_mode,
+                                     module_modes)
 
 
 def _assume_constant_result(fn):
@@ -250,7 +251,7 @@ def reversible_run(handle: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, par
     y1, y2 = _outputs((x1, x2), inputs, inputs)
     changed = [getattr(state, "buffers", ()) for state in states]
     # (`params`: the module's parameters themselves, which a scan of the modules would rebuild per call)
-    _keep_forward(handle, y1, _Forward([block.training for block in seq.blocks], list(params),
+    _keep_forward(handle, y1, _Forward([module_modes(block) for block in seq.blocks], list(params),
                                        changed if any(changed) else ()))
     return y1, y2, _pack(states, devices)
 

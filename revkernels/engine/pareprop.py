@@ -18,7 +18,7 @@ import contextlib
 
 import torch
 
-from revkernels.engine.sequential import block_grads, recompute_step, reverse_blocks, run_reversible
+from revkernels.engine.sequential import add_param_grads, block_grads, recompute_step, reverse_blocks, run_reversible
 from revkernels.engine.state import NO_CONTEXT
 
 _SIDE_STREAMS = {}
@@ -80,11 +80,7 @@ def reverse_blocks_two_streams(blocks, states, y1, y2, dy1, dy2, params, autocas
             _hand_over(param_grads, stream)
         with torch.cuda.stream(stream):
             grads = block_grads(blocks[i], rec, *out, dy1, dy2)
-            for p, grad in zip(grads.params, grads.param_grads):
-                if grad is None:
-                    continue
-                k = index[id(p)]
-                param_grads[k] = grad if param_grads[k] is None else param_grads[k] + grad
+            add_param_grads(param_grads, index, zip(grads.params, grads.param_grads))
             grads_ready = stream.record_event()
         x1_out, x2_out = rec.x1, rec.x2.detach()
         dy1, dy2 = grads.dx1, grads.dx2

@@ -16,7 +16,7 @@ from torch.func import functional_call
 
 from revkernels.engine.fsdp import enter, module_units
 from revkernels.engine.state import (AutocastState, RngState, check_param_versions, cuda_devices_of, differentiated_once,
-                                     in_mode, maybe_replay, param_versions)
+                                     in_mode, maybe_replay, module_modes, param_versions)
 from revkernels.engine.structure import recompute_context
 
 
@@ -27,7 +27,7 @@ class _Recomputed(torch.autograd.Function):
         # The parameters as the forward used them (a torch.func.functional_call's, which are back
         # out of the module by the backward) and the module's mode then
         ctx.module, ctx.names, ctx.n_inputs = module, names, n_inputs
-        ctx.params, ctx.training = tensors[n_inputs:], module.training
+        ctx.params, ctx.modes = tensors[n_inputs:], module_modes(module)
         ctx.param_versions = param_versions(ctx.params)
         ctx.rng = RngState(cuda_devices_of(*inputs))
         ctx.autocast_state = AutocastState.capture(inputs[0].device.type)
@@ -43,7 +43,7 @@ class _Recomputed(torch.autograd.Function):
         check_param_versions(ctx.params, ctx.param_versions, ctx.module)
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
         aliases = {name: p.detach().requires_grad_() for name, p in zip(ctx.names, ctx.params)}
-        with torch.enable_grad(), in_mode(ctx.module, ctx.training), recompute_context(ctx.module), \
+        with torch.enable_grad(), in_mode(ctx.module, ctx.modes), recompute_context(ctx.module), \
                 maybe_replay(ctx.rng), ctx.autocast_state.enter():
             out = functional_call(ctx.module, aliases, tuple(inputs))
         outs = out if isinstance(out, tuple) else (out,)

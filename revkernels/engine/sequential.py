@@ -25,7 +25,7 @@ from torch.nn.utils import parametrize
 
 from revkernels.engine.fsdp import block_units, run_sharded
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, BlockState, check_param_versions, differentiated_once,
-                                     grad_tensors, in_mode, param_versions, records_graph)
+                                     grad_tensors, in_mode, module_modes, param_versions, records_graph)
 from revkernels.engine.structure import (buffers_as_before, buffers_kept, invalidate, param_slots,
                                          parametrize_cache_off, record_buffers, y2_only_params)
 
@@ -55,17 +55,24 @@ def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None
         if monitor is not None:
             errors[i] = monitor[0].error(monitor[1][i], rec.x1, rec.x2)
         grads = block_grads(block, rec, y1, y2, dy1, dy2)
-        for p, grad in zip(grads.params, grads.param_grads):
-            k = index.get(id(p))
-            if grad is None or k is None:
-                continue
-            param_grads[k] = grad if param_grads[k] is None else param_grads[k] + grad
+        add_param_grads(param_grads, index, zip(grads.params, grads.param_grads))
         y1, y2 = rec.x1, rec.x2.detach()
         dy1, dy2 = grads.dx1, grads.dx2
         del rec, grads  # free this block's local graph before the next one is built
     if monitor is not None:
         monitor[0].report(errors)
     return y1, y2, dy1, dy2, param_grads
+
+
+def add_param_grads(param_grads, index, pairs):
+    """Adds each (parameter, grad) of `pairs` into ``param_grads[index[id(parameter)]]``; a None
+    grad, and a parameter not in `index` (it did not require grad when the forward ran: no grad, as
+    with autograd), are skipped."""
+    for p, grad in pairs:
+        k = index.get(id(p))
+        if grad is None or k is None:
+            continue
+        param_grads[k] = grad if param_grads[k] is None else param_grads[k] + grad
 
 
 def forward_step(block, x1, x2, preserve_rng_state, context=NO_CONTEXT):
@@ -127,8 +134,9 @@ def _recompute(block, y1, y2, state, context):
 @contextlib.contextmanager
 def as_in_the_forward(ctx):
     """The body (a backward walk) runs with the blocks as the run's forward left them: in the
-    train/eval mode each block had (``model.eval()`` between a forward and its backward would
-    recompute dropout and BatchNorm in another mode) and holding the parameters the forward used
+    train/eval mode each block and each of its submodules had (``model.eval()``, or a submodule's
+    ``eval()``, between a forward and its backward would recompute dropout and BatchNorm in another
+    mode) and holding the parameters the forward used
     (`revkernels.nn.reversible.swapped_params`). Reads ``ctx.run_blocks`` (the run's ModuleList),
     ``ctx.blocks``, ``ctx.all_params`` and ``ctx.modes``, set by `save_forward_state`. A parameter
     changed in place since the forward raises autograd's error (`check_param_versions`)."""
@@ -136,7 +144,7 @@ def as_in_the_forward(ctx):
 
     check_param_versions(ctx.all_params, ctx.param_versions, ctx.run_blocks, "blocks.")
     swapped = swapped_params(ctx.run_blocks, ctx.all_params)
-    changed = [block for block, mode in zip(ctx.blocks, ctx.modes) if block.training != mode]
+    changed = [block for block, modes in zip(ctx.blocks, ctx.modes) if module_modes(block) != modes]
     if not swapped and not changed:
         yield
         return
@@ -156,7 +164,7 @@ def as_in_the_forward(ctx):
 
 def save_forward_state(ctx, seq, all_params):
     """What `as_in_the_forward` needs, kept on `ctx` by a run's forward."""
-    ctx.run_blocks, ctx.all_params, ctx.modes = seq.blocks, all_params, [block.training for block in seq.blocks]
+    ctx.run_blocks, ctx.all_params, ctx.modes = seq.blocks, all_params, [module_modes(block) for block in seq.blocks]
     ctx.param_versions = param_versions(all_params)
 
 

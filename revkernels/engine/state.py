@@ -4,7 +4,7 @@
   a recompute so dropout draws the same masks; the caller's RNG stream is restored afterwards.
 - `AutocastState` records the autocast mode of the forward so the recompute runs in the same
   dtypes.
-- `in_mode` puts a module back in the train/eval mode its forward ran in.
+- `in_mode` puts a module and its submodules back in the train/eval modes its forward ran in.
 - `param_versions` / `check_param_versions`: a parameter changed in place between a forward and
   its backward raises autograd's error (the rebuild would use the new values).
 - `differentiated_once`: the engines' backwards are not differentiable.
@@ -17,26 +17,44 @@ from dataclasses import dataclass
 
 import torch
 
+from revkernels.engine.structure import cached
+
 
 # The context of a run called without keywords. A plain dict (``f(x, **NO_CONTEXT)`` costs least
 # with one); nothing may write to it (a callee's ``**context`` is always a copy).
 NO_CONTEXT = {}
 
 
+def module_modes(module):
+    """The train/eval flags of `module` and of each of its submodules (what `in_mode` puts back)."""
+    return tuple(m.training for m in _modules(module))
+
+
+def _modules(module):
+    # (`module` is not part of its own cache entry, which must not keep its key alive)
+    return [module, *cached(module, "submodules", lambda m: list(m.modules())[1:])]
+
+
 @contextlib.contextmanager
-def in_mode(module, training):
-    """The body runs with `module` in train (`training` True) or eval mode (``model.eval()`` between
-    a forward and its backward must not change what the recompute computes); every submodule's
-    own mode is restored after."""
-    if module.training == training:
+def in_mode(module, modes):
+    """The body runs with `module` and its submodules in the train/eval modes `modes` (their
+    `module_modes` when the forward ran: ``model.eval()``, or a submodule's own ``eval()``, between
+    a forward and its backward must not change what the recompute computes); their modes now are
+    restored after."""
+    modules = _modules(module)
+    now = tuple(m.training for m in modules)
+    if now == modes:
         yield
         return
-    modes = [(m, m.training) for m in module.modules()]
-    module.train(training)
+    if len(modes) != len(modules):
+        raise RuntimeError("revkernels: modules were added to or removed from a run's blocks between its forward and "
+                           "its backward; the backward rebuilds activations from the modules")
+    for m, mode in zip(modules, modes):
+        m.training = mode
     try:
         yield
     finally:
-        for m, mode in modes:
+        for m, mode in zip(modules, now):
             m.training = mode
 
 
@@ -49,19 +67,21 @@ class RngState:
         self.cpu = torch.get_rng_state()
         self.cuda = {d: torch.cuda.get_rng_state(d) for d in cuda_devices}
 
+    def restore(self):
+        """Sets the generators to this state (they draw on from it)."""
+        torch.set_rng_state(self.cpu)
+        for device, state in self.cuda.items():
+            torch.cuda.set_rng_state(state, device)
+
     @contextlib.contextmanager
     def replay(self):
         """Runs the body from this state; restores the generators as they were before."""
         saved = RngState(tuple(self.cuda))
-        torch.set_rng_state(self.cpu)
-        for device, state in self.cuda.items():
-            torch.cuda.set_rng_state(state, device)
+        self.restore()
         try:
             yield
         finally:
-            torch.set_rng_state(saved.cpu)
-            for device, state in saved.cuda.items():
-                torch.cuda.set_rng_state(state, device)
+            saved.restore()
 
 
 @dataclass

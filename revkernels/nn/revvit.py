@@ -281,7 +281,9 @@ class RevTransformerBlock(ReversibleBlock):
 
     def recompute(self, y1, y2, state=None, context=NO_CONTEXT):
         m = self._parts()
-        if not m.fused:
+        if not m.fused or submodule_hooked(self, backward=True):
+            # Hooks below the block (a forward hook may change a submodule's output, a pre-hook
+            # compute a pruned weight) run in the rebuild as in the forward: the modules' own steps
             return super().recompute(y1, y2, state, context)
         P = self._params()
         shape = y1.shape
@@ -428,14 +430,20 @@ class RevViTBlock(RevTransformerBlock):
 def _holds_fused_layers(block):
     """Whether `block`'s F and G are the library's branches with the layers its fused steps read by
     name: exactly nn.LayerNorm (with weight and bias) and nn.Linear (biases where the steps read
-    them), none parametrized."""
+    them), none parametrized, their weights and biases parameters."""
     f, g = block.f, block.g
     if type(f) is not AttentionBranch or type(g) is not MlpBranch or param_slots(block).parametrized:
         return False
-    norms_ok = all(type(n) is nn.LayerNorm and n.weight is not None and n.bias is not None for n in (f.norm, g.norm))
+    # The steps read weights and biases as parameters (`_params`): a pruned weight (weight_orig and a
+    # mask) or one held as a buffer is not one.
+    def held(layer, name):
+        return layer._parameters.get(name) is not None
+
     linears = (f.qkv, f.proj, g.fc1, g.fc2)
-    return norms_ok and all(type(layer) is nn.Linear for layer in linears) and all(
-        layer.bias is not None for layer in (f.proj, g.fc1, g.fc2))
+    return (all(type(n) is nn.LayerNorm and held(n, "weight") and held(n, "bias") for n in (f.norm, g.norm))
+            and all(type(layer) is nn.Linear and held(layer, "weight") for layer in linears)
+            and all(held(layer, "bias") for layer in (f.proj, g.fc1, g.fc2))
+            and (f.qkv.bias is None or held(f.qkv, "bias")))
 
 
 class _BlockParts:

@@ -677,6 +677,27 @@ class _Scaled(nn.Module):
         return torch.tanh(self.lin(x)) * self.scale
 
 
+def test_a_fall_back_after_f_ran_draws_the_blocks_numbers_as_eager():
+    """A block with dropout whose G branch step fails after F's ran (here Dynamo's recompile limit,
+    1: F's signature compiles, G's does not): the eager steps that run the block instead draw from
+    the state before it, so masks, outputs, grads and the generator stream after the step are those
+    of plain autograd with the same seed (they drew F's mask a second time: outputs 0.4 off)."""
+    torch.manual_seed(0)
+    seq = ReversibleSequential(*[rk.nn.ReversibleBlock(_mlp(0.2), _Scaled(8, 0.5)) for _ in range(2)],
+                               engine="compiled")
+    seq.compile_options = {"backend": "aot_eager", "dynamic": False}  # steps of their own: a fresh count
+    ref = copy.deepcopy(seq)
+    data = _data(4, 8)
+    with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = run_grads(seq, seq, *data, seed=3)
+        rng_after = torch.rand(4)
+    expected = run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data, seed=3)
+    assert torch.equal(rng_after, torch.rand(4))
+    for a, b in zip(got, expected, strict=True):
+        assert_close_rel(a, b, 1e-5)
+
+
 def test_past_the_recompile_limit_the_warning_says_so_and_the_grads_stay_exact():
     # (the warning read "compiling the block_forward step ... failed", as for a step that cannot compile)
     torch.manual_seed(0)

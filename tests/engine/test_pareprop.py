@@ -6,7 +6,7 @@ import torch
 
 import revkernels as rk
 from revkernels.nn.revvit import RevViTBlock
-from tests.helpers import assert_close_rel, make_seq, perturb_parameters, plain_forward, rel_err, run_grads
+from tests.helpers import assert_close_rel, loss_of, make_seq, perturb_parameters, plain_forward, rel_err, run_grads
 
 
 def test_cpu_runs_the_sequential_schedule():
@@ -34,6 +34,21 @@ def test_cuda_grads_equal_autograd_fp32(depth):
     actual = run_grads(seq, seq, *data, seed=1)
     for i, (a, e) in enumerate(zip(actual, expected)):
         assert_close_rel(a, e, 1e-5, f"output/grad {i}")
+
+
+@pytest.mark.gpu
+def test_cuda_a_parameter_unfrozen_between_forward_and_backward_gets_no_grad():
+    """As with autograd and the sequential walker: a parameter that did not require grad when the
+    forward ran gets no grad from that backward (the two-stream walker raised KeyError)."""
+    seq = _vit_stack(2)
+    frozen = seq.blocks[0].g.fc1.weight
+    frozen.requires_grad_(False)
+    data = [torch.randn(4, 9, 64, device="cuda") for _ in range(4)]
+    a1, a2 = (t.clone().requires_grad_() for t in data[:2])
+    y1, y2 = seq(a1, a2)
+    frozen.requires_grad_(True)
+    loss_of(y1, y2, *data[2:]).backward()
+    assert frozen.grad is None and all(p.grad is not None for p in seq.parameters() if p is not frozen)
 
 
 @pytest.mark.gpu

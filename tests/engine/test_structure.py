@@ -234,12 +234,24 @@ def test_functional_call_differentiates_the_tensors_passed_in(kind, which):
     _assert_grads_equal_plain(seq, data)  # and the modules' own parameters again afterwards
 
 
-def test_eval_between_forward_and_backward_recomputes_in_the_forwards_mode():
-    """The backward rebuilds each block in the train/eval mode its forward ran in (dropout replayed,
-    BatchNorm on batch statistics), as autograd's recorded graph does."""
-    seq = perturb_parameters(make_seq(3, WIDTH, dropout=0.3, norm="batch"))
+def _layers_eval(module):
+    for m in module.modules():
+        if isinstance(m, (torch.nn.Dropout, torch.nn.modules.batchnorm._BatchNorm)):
+            m.eval()
+
+
+@pytest.mark.parametrize("engine", ["sequential", "compiled"])
+@pytest.mark.parametrize("switch", ["model.eval()", "layers' eval()"])
+def test_eval_between_forward_and_backward_recomputes_in_the_forwards_mode(switch, engine):
+    """The backward rebuilds each block, and each module in it, in the train/eval mode its forward
+    ran in (dropout replayed, BatchNorm on batch statistics), as autograd's recorded graph does:
+    also where only the dropout and BatchNorm layers were switched (only the blocks' own modes were
+    put back: grads 1.6 off)."""
+    seq = perturb_parameters(make_seq(3, WIDTH, dropout=0.3, norm="batch", engine=engine))
+    seq.compile_options = {"backend": "aot_eager"}
     ref = copy.deepcopy(seq)
     x1, x2, w1, w2 = _inputs(batch=8)
+    to_eval = (lambda m: m.eval()) if switch == "model.eval()" else _layers_eval
 
     def step(fn, module):
         for p in module.parameters():
@@ -247,7 +259,7 @@ def test_eval_between_forward_and_backward_recomputes_in_the_forwards_mode():
         a1, a2 = x1.clone().requires_grad_(), x2.clone().requires_grad_()
         torch.manual_seed(4)
         y1, y2 = fn(a1, a2)
-        module.eval()
+        to_eval(module)
         loss_of(y1, y2, w1, w2).backward()
         module.train()
         return [a1.grad, a2.grad] + [p.grad for p in module.parameters()]

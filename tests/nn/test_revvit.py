@@ -1,6 +1,7 @@
 """RevViTBlock: fused recompute/grads against ordinary autograd through the same modules."""
 import pytest
 import torch
+import torch.nn.utils.prune
 
 import revkernels as rk
 from revkernels.nn.revvit import RevViTBlock
@@ -64,7 +65,16 @@ SWAPS = {
     "LoRA qkv": lambda b: setattr(b.f, "qkv", _LowRankAdapted(b.f.qkv)),
     "LoRA fc2": lambda b: setattr(b.g, "fc2", _LowRankAdapted(b.g.fc2)),
     "weight_norm fc1": lambda b: torch.nn.utils.parametrizations.weight_norm(b.g.fc1),
+    # (no parameter named weight: weight_orig and a mask, or a buffer; the steps raised KeyError)
+    "pruned fc1": lambda b: torch.nn.utils.prune.l1_unstructured(b.g.fc1, "weight", amount=0.3),
+    "qkv weight as a buffer": lambda b: _weight_as_buffer(b.f.qkv),
 }
+
+
+def _weight_as_buffer(linear):
+    weight = linear.weight.detach().clone()
+    del linear.weight
+    linear.register_buffer("weight", weight)
 
 
 @pytest.mark.parametrize("swap", list(SWAPS))
