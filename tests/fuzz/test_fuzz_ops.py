@@ -663,10 +663,10 @@ def test_sub_layer_norm_bad_input(entry, shape, bad, bad_dtype, data):
     elif bad == "eps":
         args["eps"], error, names = data.draw(st.sampled_from([-1e-5, -1.0, math.nan, math.inf, -math.inf])), ValueError, ["eps"]
     elif bad == "eps_type":
-        # The Python entry checks its scalars before the op (ValueError); the op's schema parser
-        # rejects what does not convert to a float (RuntimeError naming eps).
+        # The Python entry checks its scalars before the op (TypeError: not a real number); the op's
+        # schema parser rejects what does not convert to a float (RuntimeError naming eps).
         args["eps"] = data.draw(st.sampled_from(["1e-5", None, [1e-5], True]))
-        error, names = ValueError if entry == "python" else NOT_CONVERTIBLE, ["eps"]
+        error, names = TypeError if entry == "python" else NOT_CONVERTIBLE, ["eps"]
         if args["eps"] is True and entry != "python":
             return  # the parser converts True to 1.0: only the entry point guards against it
     elif bad == "zero_d":
