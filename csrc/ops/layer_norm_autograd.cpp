@@ -54,9 +54,7 @@ struct SubLayerNorm : torch::autograd::Function<SubLayerNorm> {
     }
     // The op returns dweight and dbias in the dtype of the weight it gets: where bias has another dtype, it gets
     // weight in the accumulation dtype, and each sum is rounded once, to its parameter's dtype.
-    const bool acc_double = x.scalar_type() == at::kDouble || grads[0].scalar_type() == at::kDouble;
-    const at::Tensor w =
-        weight.scalar_type() == bias_dtype ? weight : weight.to(acc_double ? at::kDouble : at::kFloat);
+    const at::Tensor w = weight.scalar_type() == bias_dtype ? weight : weight.to(accumulate_dtype(x, grads[0]));
     auto [dx, dweight, dbias] = bwd.call(grads[1], x, w, saved[2], saved[3], grads[0]);
     at::Tensor dg;
     if (ctx->needs_input_grad(1)) dg = dx.neg().to(g_dtype);

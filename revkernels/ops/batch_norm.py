@@ -16,7 +16,8 @@ Forward (``torch.ops.revkernels.batch_norm_act``)::
 
 Statistics and math are fp32 (fp64 for fp64 x); mean and rstd (shape (C,)) are returned in that
 type. Every kernel sums x minus the channel's first value (0 where that is not finite), so a
-constant channel's mean is exact and its out is the bias. weight and bias may have any float dtype. The running statistics are not the op's business:
+constant channel's mean is exact and its out is the bias. weight and bias may have any float
+dtype. The running statistics are not the op's business:
 `revkernels.nn.BatchNormAct2d` updates them from mean and rstd (unbiased variance
 ``(1 / rstd^2 - eps) * M / (M - 1)``).
 

@@ -179,10 +179,8 @@ def _setup_context(ctx, inputs, output):
 
 def _bias_gelu_backward(ctx, grad):
     x, bias = ctx.saved_tensors
-    if torch.is_grad_enabled():  # create_graph=True: a differentiable VJP (see csrc/ops/bias_gelu_autograd.cpp)
-        acc = _accumulate_dtype(x, bias)
-        dz = torch.ops.aten.gelu_backward(grad.to(acc), x.to(acc) + bias.to(acc), approximate=ctx.approximate)
-        dx, dbias = dz.to(x.dtype), dz.reshape(-1, bias.shape[0]).sum(0).to(bias.dtype)
+    if torch.is_grad_enabled():  # create_graph=True: the reference is differentiable (ATen's gelu_backward)
+        dx, dbias = bias_gelu_bwd_reference(grad.to(x.dtype), x, bias, ctx.approximate)
     else:
         dx, dbias = torch.ops.revkernels.bias_gelu_bwd(grad.to(x.dtype), x, bias, ctx.approximate)
     return (dx if ctx.needs_input_grad[0] else None), (dbias if ctx.needs_input_grad[1] else None), None
