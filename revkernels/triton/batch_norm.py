@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from revkernels.triton._device import sm_count
+from revkernels.triton._stats import stats_pivot
 
 TILE = 2048  # elements of a BLOCK_C x BLOCK_M tile
 MAX_BLOCK_C = 32  # channels of a tile when channels are adjacent in memory
@@ -83,12 +84,12 @@ def _xhat_and_masked_dy(x, dy, mean, rstd, w, b, RELU: tl.constexpr):
 
 @triton.jit
 def _channel_pivot(x_ptr, xc, chans, cmask, ACC_FP64: tl.constexpr):
-    """Each channel's first value (n = 0, s = 0): the statistics are formed from x - pivot, so a
-    constant channel's mean is exact and its variance zero (block means of the values themselves
-    round, and the merge carried the rounding into the variance: rstd 4.5e-2 off for a constant
-    channel of 12345.678)."""
+    """Each channel's first value (n = 0, s = 0; 0 if it is not finite): the statistics are formed
+    from x - pivot, so a constant channel's mean is exact and its variance zero (block means of the
+    values themselves round, and the merge carried the rounding into the variance: rstd 4.5e-2 off
+    for a constant channel of 12345.678)."""
     acc_type = tl.float64 if ACC_FP64 else tl.float32
-    return tl.load(x_ptr + chans * xc, mask=cmask, other=0.0).to(acc_type)
+    return stats_pivot(tl.load(x_ptr + chans * xc, mask=cmask, other=0.0).to(acc_type))
 
 
 @triton.jit

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from revkernels.triton._device import sm_count
+from revkernels.triton._stats import stats_pivot
 
 MAX_FUSED_N = 8192  # widest row kept whole in registers by the forward
 MAX_FUSED_N_BWD = 4096  # widest row kept whole by the backward (BLOCK_N 8192 spills registers)
@@ -52,9 +53,9 @@ def _sub_layer_norm_fwd_kernel(x_ptr, ln_ptr, mean_ptr, rstd_ptr, y_ptr, y_row_s
     x = (y - g).to(x_ptr.dtype.element_ty)  # rounded once; everything below uses this x
     tl.store(x_ptr + row * n + cols, x, mask=mask)
     x = x.to(acc_type)
-    # The mean sums x - x[0]: a constant row's is exact (a sum of the values rounds, and the rounding,
-    # over sqrt(eps), was ln: 5e-3 off)
-    pivot = tl.sum(tl.where(cols == 0, x, 0.0), axis=0)
+    # The mean sums x - x[0] (x[0] if finite, else 0): a constant row's is exact (a sum of the values
+    # rounds, and the rounding, over sqrt(eps), was ln: 5e-3 off)
+    pivot = stats_pivot(tl.sum(tl.where(cols == 0, x, 0.0), axis=0))
     mean = pivot + tl.sum(tl.where(mask, x - pivot, 0.0), axis=0) / n
     diff = tl.where(mask, x - mean, 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / n + eps)
@@ -73,9 +74,10 @@ def _sub_layer_norm_fwd_chunked_kernel(x_ptr, ln_ptr, mean_ptr, rstd_ptr, y_ptr,
     y_row = y_ptr + row * y_row_stride
     g_row = g_ptr + row * g_row_stride
     # Pass 1: count, mean and M2 (sum of squared deviations) of x - x[0], merged chunk by chunk
-    # (shifted by the row's first value: a constant row's mean is exact, and each chunk's mean is
-    # formed from small values)
-    pivot = (tl.load(y_row).to(acc_type) - tl.load(g_row).to(acc_type)).to(x_ptr.dtype.element_ty).to(acc_type)
+    # (shifted by the row's first value if finite: a constant row's mean is exact, and each chunk's
+    # mean is formed from small values)
+    first = (tl.load(y_row).to(acc_type) - tl.load(g_row).to(acc_type)).to(x_ptr.dtype.element_ty).to(acc_type)
+    pivot = stats_pivot(first)
     count = tl.zeros((), dtype=acc_type)
     mean = tl.zeros((), dtype=acc_type)
     m2 = tl.zeros((), dtype=acc_type)

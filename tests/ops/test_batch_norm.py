@@ -427,6 +427,28 @@ def test_pure_pytorch_fallback_when_library_missing():
     )
 
 
+def _channels_starting_with_inf():
+    """(3, 4, 5, 7): channel 0 starts with inf, channel 1 with -inf, channel 2 has an inf later."""
+    x = _random((3, 4, 5, 7))
+    x[0, 0, 0, 0], x[0, 1, 0, 0], x[1, 2, 3, 4] = float("inf"), float("-inf"), float("inf")
+    return x
+
+
+def _check_mean_of_channels_starting_with_inf(kernel, x):
+    weight, bias = (t.to(x.device) for t in _params(x.shape[1]))
+    mean = kernel(x, weight, bias, EPS, False)[1].cpu()
+    want = batch_norm_act_reference(x.double(), weight.double(), bias.double(), EPS, False)[1].cpu()
+    assert torch.equal(mean[:3], want[:3].float()) and mean[:3].isinf().all()
+    assert_close_rel(mean[3:], want[3:], 1e-5, "mean of the finite channel")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mean_of_a_channel_starting_with_inf(layout):
+    """A channel whose first value is infinite: mean inf or -inf as the reference's (the sums are
+    shifted by the first value, and inf - inf is NaN; a non-finite first value shifts by 0)."""
+    _check_mean_of_channels_starting_with_inf(batch_norm_act, _in_layout(_channels_starting_with_inf(), layout))
+
+
 # --- Triton kernels (under TRITON_INTERPRET=1 on CPU: fp32, small shapes) ---------------------------
 
 # "split": each channel's reduction over several programs, forced with small blocks.
@@ -481,6 +503,14 @@ def test_statistics_of_constant_and_offset_channels(layout, dtype):
     for got, exact, what in zip((out, mean, rstd), want, ("out", "mean", "rstd")):
         assert_close_rel(got, exact, 1e-5, what)
     assert torch.equal(mean[:2], x[0, :2, 0, 0]) and torch.equal(out[:, :2], bias[:2].view(1, 2, 1, 1).expand(8, 2, 16, 16))
+
+
+def test_triton_mean_of_a_channel_starting_with_inf():
+    """The default path (a channel in one program). The split path merges its chunks' means, and a
+    merge subtracts means: its mean is NaN for a channel holding an infinite value anywhere."""
+    from revkernels.triton.batch_norm import batch_norm_act as fwd_kernel
+
+    _check_mean_of_channels_starting_with_inf(fwd_kernel, _channels_starting_with_inf().to(triton_device()))
 
 
 @pytest.mark.parametrize("path", list(TRITON_PATHS))

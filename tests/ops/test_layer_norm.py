@@ -117,16 +117,20 @@ def test_sub_layer_norm_constant_rows(n, dtype):
     assert torch.equal(mean[:3], x[:3, 0].to(mean.dtype)) and torch.equal(ln[:3], bias.expand(3, n))
 
 
-def test_sub_layer_norm_mean_of_a_row_starting_with_inf():
-    """A row whose first x is infinite: mean inf or -inf as the reference's (it was NaN: the sums
-    are shifted by the first value, and inf - inf is NaN; a non-finite first value shifts by 0)."""
+def _check_mean_of_rows_starting_with_inf(kernel, device="cpu"):
     y = _random((4, 33))
     y[0, 0], y[1, 0], y[2, 5] = float("inf"), float("-inf"), float("inf")
     g, (weight, bias) = _g((4, 33)), _params(33)
-    mean = sub_layer_norm(y, g, weight, bias, EPS)[2]
+    mean = kernel(*(t.to(device) for t in (y, g, weight, bias)), EPS)[2].cpu()
     want = sub_layer_norm_reference(y.double(), g.double(), weight.double(), bias.double(), EPS)[2]
     assert torch.equal(mean[:3], want[:3].float()) and mean[:3].isinf().all()
     assert_close_rel(mean[3:], want[3:], 1e-5, "mean of the finite row")
+
+
+def test_sub_layer_norm_mean_of_a_row_starting_with_inf():
+    """A row whose first x is infinite: mean inf or -inf as the reference's (it was NaN: the sums
+    are shifted by the first value, and inf - inf is NaN; a non-finite first value shifts by 0)."""
+    _check_mean_of_rows_starting_with_inf(sub_layer_norm)
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
@@ -513,6 +517,14 @@ def test_triton_sub_layer_norm_constant_rows(n, path):
     want = sub_layer_norm_reference(*(t.double() for t in (y, g, weight, bias)), EPS)
     for got, exact, what in zip((x, ln, mean, rstd), want, ("x", "ln", "mean", "rstd")):
         assert_close_rel(got.cpu(), exact.cpu(), 1e-5, what)
+
+
+def test_triton_sub_layer_norm_mean_of_a_row_starting_with_inf():
+    """The fused kernel (a row in one block). The chunked kernel merges its chunks' means, and a
+    merge subtracts means: its mean is NaN for a row holding an infinite value anywhere."""
+    from revkernels.triton.layer_norm import sub_layer_norm as kernel
+
+    _check_mean_of_rows_starting_with_inf(kernel, triton_device())
 
 
 @pytest.mark.parametrize("path", list(TRITON_PATHS))
