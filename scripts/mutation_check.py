@@ -224,11 +224,12 @@ mutation("compiled_attention_in_low_precision", "revkernels/nn/attention.py",
          "        if q.dtype in (torch.bfloat16, torch.float16):", "        if False:",
          "tests/models/test_revtext.py -k low_precision")
 mutation("triton_layer_norm_mean_unshifted", "revkernels/triton/layer_norm.py",
-         "    pivot = tl.sum(tl.where(cols == 0, x, 0.0), axis=0)\n", "    pivot = tl.sum(tl.where(cols == 0, x, 0.0), axis=0) * 0.0\n",
+         "    pivot = stats_pivot(tl.sum(tl.where(cols == 0, x, 0.0), axis=0))\n",
+         "    pivot = stats_pivot(tl.sum(tl.where(cols == 0, x, 0.0), axis=0)) * 0.0\n",
          "tests/ops/test_layer_norm.py -k triton_sub_layer_norm_constant")
 mutation("triton_batch_norm_stats_unshifted", "revkernels/triton/batch_norm.py",
-         "    return tl.load(x_ptr + chans * xc, mask=cmask, other=0.0).to(acc_type)\n",
-         "    return tl.load(x_ptr + chans * xc, mask=cmask, other=0.0).to(acc_type) * 0.0\n",
+         "    return stats_pivot(tl.load(x_ptr + chans * xc, mask=cmask, other=0.0).to(acc_type))\n",
+         "    return stats_pivot(tl.load(x_ptr + chans * xc, mask=cmask, other=0.0).to(acc_type)) * 0.0\n",
          "tests/ops/test_batch_norm.py -k constant_and_offset")
 
 # --- fifteenth session: fallback tangents, NaN reports, tree changes, unused y2, hooks, shapes, context ----
@@ -285,6 +286,9 @@ mutation("compiled_fall_back_redraws", "revkernels/engine/compiled.py", "       
 mutation("sub_layer_norm_fallback_double_backward_by_the_fused_op", "revkernels/ops/layer_norm.py",
          "    if torch.is_grad_enabled():  # create_graph", "    if False:  # create_graph",
          "tests/ops/test_layer_norm.py::test_pure_pytorch_fallback_when_library_missing")
+mutation("triton_stats_pivot_infinite", "revkernels/triton/_stats.py",
+         "    return tl.where(first - first == 0, first, 0.0)", "    return first",
+         "tests/ops/test_layer_norm.py tests/ops/test_batch_norm.py -k starting_with_inf")
 
 
 def _copy_repo(dst):
