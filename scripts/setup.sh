@@ -15,7 +15,7 @@ pip_quiet() { pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v "^W
 # Pinned: an unpinned torch pulls a multi-GB CUDA build; 2.13.0 is the CPU wheel this project tests on.
 python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
   || pip_quiet torch==2.13.0
-pip_quiet setuptools wheel ninja cmake numpy tqdm pytest hypothesis matplotlib triton scikit-learn
+pip_quiet setuptools wheel ninja cmake numpy tqdm pytest pytest-xdist hypothesis matplotlib triton scikit-learn
 # Peer libraries the train-step benchmark compares against (pure Python; --no-deps: memcnn's declared
 # SimpleITK/torchvision are not needed by its couplings, and would pull another torch).
 pip_quiet --no-deps revlib==1.7.2 memcnn==1.5.2

@@ -125,6 +125,7 @@ def test_stage_costs_leaves_the_model_and_rng_untouched():
         stage_costs(model, x, accum_k=0)
 
 
+@pytest.mark.serial  # times the stages
 def test_balance_time_balances_a_tiny_revnet():
     """RevNet-18 at 8x8: the deep stages (512 channels) cost most, so the count split (0-4 | 5-9) is
     far off balance. The time split is the min-max split of the measured stage costs, and by those

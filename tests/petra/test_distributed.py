@@ -105,6 +105,7 @@ def _fault_time(err_path):
     return float(re.search(r"\(time ([0-9.]+)\)", line).group(1))
 
 
+@pytest.mark.serial  # a wall-clock bound
 @pytest.mark.parametrize("killed", [1, 0])  # a middle rank; rank 0, which also hosts the rendezvous store
 def test_killed_worker_stops_every_process_naming_the_stage(killed, tmp_path):
     """Every other process exits non-zero within the documented timeout + 1 s of the kill, naming the rank."""
@@ -149,6 +150,7 @@ def test_a_receive_that_fails_to_post_names_the_sender(monkeypatch):
     assert "Connection closed by peer" in e.value.args[1]
 
 
+@pytest.mark.serial  # a wall-clock bound
 @pytest.mark.parametrize("hung", [1, 0])
 def test_hung_worker_is_detected_within_the_timeout(hung, tmp_path):
     """A rank stopped by SIGSTOP (alive, connections open, silent): every other process exits non-zero
@@ -200,6 +202,7 @@ def test_cli_distributed_nproc_writes_logs_like_simulate(tmp_path):
     assert all(b == 0 for b, k in zip(d["peak_buffer_bytes"], config["stage_kinds"]) if k == "reversible")
 
 
+@pytest.mark.serial  # a wall-clock bound
 def test_cli_nproc_kills_a_hung_rank_timeout_plus_1_s_after_the_others_exit(tmp_path):
     """The launcher gives the ranks --timeout + 1 s after the first exit (the bound within which a rank that is not
     hung exits after a failure), then kills the hung one: the command ends ~2 --timeout + 1 s after the hang."""
