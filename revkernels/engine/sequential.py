@@ -22,6 +22,7 @@ import warnings
 
 import torch
 from torch.nn.utils import parametrize
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from revkernels.engine.fsdp import block_units, run_sharded
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, BlockState, check_param_versions, differentiated_once,
@@ -199,13 +200,22 @@ def without_unused(params, grads, unused):
 
 
 def save_with_context(ctx, context, *tensors):
-    """``ctx.save_for_backward(*tensors)`` plus the context's tensors (each once); its plain
-    values stay on `ctx`. Undone by `saved_with_context`."""
+    """``ctx.save_for_backward(*tensors)`` plus the context's tensors: each top-level one, then
+    those inside a tuple, list or dict value (which never require grad: `check_context_grads`), so
+    the backward sees the tensors the forward saw (an element the caller replaces later is not
+    seen; one changed in place raises autograd's error, as for a saved tensor). Other values stay
+    on `ctx`. Undone by `saved_with_context`."""
     names = [k for k, v in context.items() if isinstance(v, torch.Tensor)]
     ctx.context_names = names
     ctx.context_values = {k: v for k, v in context.items() if k not in names}
     ctx.context_grad = [context[k].requires_grad for k in names]
-    ctx.save_for_backward(*tensors, *(context[k] for k in names))
+    nested, ctx.context_containers = [], {}
+    for k, v in ctx.context_values.items():
+        if isinstance(v, (tuple, list, dict)):
+            leaves, spec = tree_flatten(v)
+            nested += [t for t in leaves if isinstance(t, torch.Tensor)]
+            ctx.context_containers[k] = ([None if isinstance(t, torch.Tensor) else t for t in leaves], spec)
+    ctx.save_for_backward(*tensors, *(context[k] for k in names), *nested)
 
 
 def saved_with_context(ctx, count):
@@ -213,13 +223,16 @@ def saved_with_context(ctx, count):
     with a fresh detached leaf (requiring grad) for each context tensor that required grad, and
     those leaves in context order (what the walker differentiates like parameters)."""
     saved = ctx.saved_tensors
-    if not ctx.context_names:
+    if not ctx.context_names and not ctx.context_containers:
         return saved[:count], ctx.context_values or NO_CONTEXT, []
     context, leaves = dict(ctx.context_values), []
     for name, t, grad in zip(ctx.context_names, saved[count:], ctx.context_grad):
         context[name] = t.detach().requires_grad_() if grad else t.detach()
         if grad:
             leaves.append(context[name])
+    nested = iter(saved[count + len(ctx.context_names):])
+    for name, (values, spec) in ctx.context_containers.items():
+        context[name] = tree_unflatten([next(nested) if v is None else v for v in values], spec)
     return saved[:count], context, leaves
 
 

@@ -177,6 +177,37 @@ def test_tensors_requiring_grad_inside_a_context_container_raise(engine):
     assert pair[0].grad is not None
 
 
+@pytest.mark.parametrize("engine", ["sequential", "pareprop", "graphs", "compiled"])
+@pytest.mark.parametrize("container", [tuple, list, lambda pair: dict(enumerate(pair))], ids=["tuple", "list", "dict"])
+def test_tensors_inside_a_context_container_are_the_forwards(engine, container):
+    """A container's tensors are saved by the run like its top-level ones: one changed in place
+    between the forward and the backward raises autograd's error (as with plain autograd, which
+    saved it), and an element the caller replaces is not seen (the rebuild used the changed values
+    before: wrong grads, no error)."""
+    seq = rk.nn.ReversibleSequential(*[rk.nn.ReversibleBlock(TableScaled(), TableScaled()) for _ in range(2)],
+                                     engine=engine)
+    seq.compile_options = AOT
+    x1, x2, w1, w2 = (torch.randn(BATCH, WIDTH) for _ in range(4))
+    pair = [torch.randn(WIDTH), torch.randn(WIDTH)]
+    expected = run_grads(lambda a, b: _plain(seq, a, b, {"pair": container(pair)}), seq, x1, x2, w1, w2)
+
+    def replaced(a, b):
+        held = container(list(pair))
+        out = seq(a, b, pair=held)
+        held[0] = torch.randn(WIDTH)  # the caller's own container, changed after the forward
+        return out
+
+    if container is not tuple:  # (a tuple's elements cannot be replaced)
+        actual = run_grads(replaced, seq, x1, x2, w1, w2)
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_close_rel(a, e, 1e-5, f"output/grad {i}")
+    changed = [t.clone() for t in pair]
+    y1, y2 = seq(x1.clone().requires_grad_(), x2, pair=container(changed))
+    changed[0].mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss_of(y1, y2, w1, w2).backward()
+
+
 @pytest.mark.slow  # inductor code generation of four step graphs: ~45 s on 2 cores
 def test_compiled_engine_with_inductor_and_context():
     # Compiled steps are within 1e-4 of eager (the mask and the float are inputs and guards, not
