@@ -288,6 +288,10 @@ mutation("sub_layer_norm_fallback_double_backward_by_the_fused_op", "revkernels/
          "tests/ops/test_layer_norm.py::test_pure_pytorch_fallback_when_library_missing")
 mutation("context_container_tensors_not_saved", SEQ, "        if isinstance(v, (tuple, list, dict)):\n",
          "        if False:\n", "tests/engine/test_context.py -k inside_a_context_container_are")
+mutation("second_backward_error_off_the_path", STATE,
+         "        anchors = [t for t in (*ctx.saved_tensors, *getattr(ctx, \"params\", ())) if t.requires_grad]\n",
+         "        anchors = []\n", "tests/nn/test_reversible.py::test_a_second_backward_restricted_to_some_inputs_raises_too "
+         "tests/engine/test_recompute.py::test_gradient_penalty_through_a_recompute_raises")
 mutation("triton_stats_pivot_infinite", "revkernels/triton/_stats.py",
          "    return tl.where(first - first == 0, first, 0.0)", "    return first",
          "tests/ops/test_layer_norm.py tests/ops/test_batch_norm.py -k starting_with_inf")

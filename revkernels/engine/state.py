@@ -196,9 +196,13 @@ def differentiated_once(backward):
             outputs = backward(ctx, *grads)
         if not torch.is_grad_enabled():
             return outputs
+        # The node also takes the saved tensors and ``ctx.params`` that require grad (the run's outputs
+        # lead on to all its inputs): on the path to every input, a second backward restricted to some
+        # of them (``inputs=``, ``torch.autograd.grad``) raises too, where it found no path before.
+        anchors = [t for t in (*ctx.saved_tensors, *getattr(ctx, "params", ())) if t.requires_grad]
         error = torch._C._functions.DelayedError(
             b"trying to differentiate twice the backward of a revkernels memory-saving run (engine='autograd' "
-            b"differentiates twice)", len(outputs))
-        return error(*[None if t is None else t.detach().requires_grad_() for t in outputs])
+            b"differentiates twice)", len(outputs) + len(anchors))
+        return error(*[None if t is None else t.detach().requires_grad_() for t in outputs], *anchors)[:len(outputs)]
 
     return wrapper

@@ -112,6 +112,8 @@ def test_gradient_penalty_through_a_recompute_raises():
     (da,) = torch.autograd.grad(h.sum() + y.sum(), a, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         da.square().sum().backward()
+    with pytest.raises(RuntimeError, match="differentiate twice"):  # restricted to the parameters too
+        torch.autograd.grad(da.square().sum(), list(piece.parameters()), allow_unused=True)
 
 
 def test_keeps_only_its_inputs():

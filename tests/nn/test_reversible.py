@@ -237,6 +237,22 @@ def test_lazy_modules_initialize_in_the_first_step(engine):
             assert_close_rel(got, expected, 1e-5, f"step {step}: output/grad {i}")
 
 
+@pytest.mark.parametrize("wrt", ["parameters", "input"])
+@pytest.mark.parametrize("engine", [e for e in rk.engine.ENGINES if e != "autograd"])
+def test_a_second_backward_restricted_to_some_inputs_raises_too(engine, wrt):
+    """``torch.autograd.grad(penalty, parameters or x, allow_unused=True)``: the node that raises
+    lies on the path to every input of the run (it hung off fresh leaves, so a restricted backward
+    found no path to it and returned None for every input, silently)."""
+    seq = make_seq(2, WIDTH, engine=engine)
+    seq.compile_options = {"backend": "eager"}
+    x = torch.randn(5, WIDTH, requires_grad=True)
+    y1, y2 = seq(x, x)
+    (dx,) = torch.autograd.grad(y1.square().sum() + y2.sum(), x, create_graph=True)
+    inputs = list(seq.parameters()) if wrt == "parameters" else [x]
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        torch.autograd.grad(dx.square().sum(), inputs, allow_unused=True)
+
+
 @pytest.mark.parametrize("loss", ["quadratic", "linear"])
 @pytest.mark.parametrize("engine", rk.engine.ENGINES)
 def test_gradient_penalty_needs_the_autograd_engine(engine, loss):
