@@ -59,7 +59,7 @@ from torch import nn
 
 from revkernels.engine.recompute import run_recomputed
 from revkernels.nn.batch_norm import BatchNormAct2d
-from revkernels.models.staged import StagedModel, check_positive_int, streams_in
+from revkernels.models.staged import StagedModel, check_images, check_positive_int, streams_in
 from revkernels.nn.reversible import HalfCouplingBlock, ReversibleSequential, check_streams
 
 STEMS = ("cifar", "imagenet")
@@ -273,9 +273,7 @@ class RevNet(StagedModel, nn.Module):
                 nn.init.zeros_(m.bias)
 
     def forward(self, x):
-        if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
-            got = f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"revkernels: images must be a float tensor (batch, channels, height, width), got {got}")
+        check_images(x)
         # With a memory-saving engine the stem and downsampling blocks keep only their input and
         # recompute in the backward, so no high-resolution activation is stored anywhere.
         recompute = self.recompute_nonreversible and self.engine != "autograd"

@@ -43,7 +43,7 @@ from torch import nn
 from revkernels.engine.recompute import run_recomputed
 from revkernels.nn.attention import scaled_dot_product_attention
 from revkernels.nn.drop_path import DropPath, check_drop_probability
-from revkernels.models.staged import StagedModel, check_positive_int, streams_in
+from revkernels.models.staged import StagedModel, check_images, check_positive_int, streams_in
 from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential, check_streams
 from revkernels.nn.revvit import MlpBranch
 
@@ -60,7 +60,8 @@ def window_partition(x, window_size):
     raster order inside each window."""
     b, h, w, c = x.shape
     x = x.view(b, h // window_size, window_size, w // window_size, window_size, c)
-    return x.permute(0, 1, 3, 2, 4, 5).reshape(b, -1, window_size * window_size, c)
+    windows = (h // window_size) * (w // window_size)  # (not -1: a batch of 0 has no size to infer it from)
+    return x.permute(0, 1, 3, 2, 4, 5).reshape(b, windows, window_size * window_size, c)
 
 
 def window_reverse(windows, window_size, height, width):
@@ -147,7 +148,7 @@ class WindowAttention(nn.Module):
         if self.attn_mask is None:
             bias = bias.repeat(n_win, 1, 1)
         o = scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))
-        o = o.view(batch, n_win, heads, n, -1).transpose(2, 3).reshape(batch, n_win, n, self.dim)
+        o = o.view(batch, n_win, heads, n, self.dim // heads).transpose(2, 3).reshape(batch, n_win, n, self.dim)
         o = window_reverse(self.proj(o), self.window_size, height, width)
         if s:
             o = torch.roll(o, shifts=(s, s), dims=(1, 2))
@@ -171,9 +172,7 @@ class PatchEmbed(nn.Module):
         self.norm = nn.LayerNorm(dim)
 
     def forward(self, images):
-        if images.dim() != 4 or images.shape[-2:] != (self.img_size, self.img_size):
-            raise ValueError(f"revkernels: images must be (batch, channels, {self.img_size}, {self.img_size}), "
-                             f"got shape {tuple(images.shape)}")
+        check_images(images, self.img_size)
         tokens = self.norm(self.proj(images).flatten(2).transpose(1, 2))
         return streams_in(self.proj.weight.dtype, tokens, tokens)
 
@@ -197,7 +196,7 @@ class PatchMerging(nn.Module):
         if x1.dim() != 3 or x1.shape[1:] != (height * width, self.dim):
             raise ValueError(f"revkernels: PatchMerging input must be (batch, {height * width}, {self.dim}), "
                              f"got shape {tuple(x1.shape)}")
-        x = ((x1 + x2) * 0.5).view(-1, height, width, self.dim)
+        x = ((x1 + x2) * 0.5).view(x1.shape[0], height, width, self.dim)
         x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], dim=-1)
         z = self.reduction(self.norm(x.flatten(1, 2)))
         return streams_in(self.reduction.weight.dtype, z, z)

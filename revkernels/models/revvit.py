@@ -11,7 +11,7 @@ depth up to `drop_path_rate`. Sizes follow ViT: S/16 (384 wide, 12 blocks, 6 hea
 import torch
 from torch import nn
 
-from revkernels.models.staged import OneRunModel, check_positive_int
+from revkernels.models.staged import OneRunModel, check_images, check_positive_int
 from revkernels.nn.drop_path import check_drop_probability
 from revkernels.nn.reversible import ReversibleSequential
 from revkernels.nn.revvit import RevViTBlock
@@ -42,9 +42,7 @@ class RevViT(OneRunModel, nn.Module):
         self.head = nn.Linear(dim, num_classes)
 
     def forward(self, images):
-        if images.dim() != 4 or images.shape[-2:] != (self.img_size, self.img_size):
-            raise ValueError(f"revkernels: images must be (batch, channels, {self.img_size}, {self.img_size}), "
-                             f"got shape {tuple(images.shape)}")
+        check_images(images, self.img_size)
         tokens = self.patch_embed(images).flatten(2).transpose(1, 2) + self.pos_embed
         y1, y2 = self.blocks(tokens, tokens)
         return self.head(self.norm((y1 + y2) * 0.5).mean(dim=1))

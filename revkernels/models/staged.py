@@ -2,6 +2,8 @@
 run or a non-reversible stage (stem, downsampling/merging, head, each with a `kind`), exposed to
 PETRA as one flat stage list and switched between engines as a whole (`StagedModel`); Rev-ViT and
 Rev-Text hold one run (`OneRunModel`). Argument checks they all use."""
+import torch
+
 from revkernels.nn.reversible import ReversibleSequential
 
 _LETTER = {"stem": "S", "reversible": "r", "down": "D", "head": "H"}
@@ -14,6 +16,17 @@ def streams_in(dtype, *streams):
     "Expected drift"); in the parameters' dtype the streams stay fp32 while F and G compute under
     autocast. No copy where a stream already has `dtype`."""
     return tuple(s if s.dtype == dtype else s.to(dtype) for s in streams)
+
+
+def check_images(images, size=None):
+    """Raises ValueError unless `images` is a float tensor (batch, channels, size, size); any height
+    and width for size None."""
+    shape = "(batch, channels, height, width)" if size is None else f"(batch, channels, {size}, {size})"
+    if not (isinstance(images, torch.Tensor) and images.dim() == 4 and images.is_floating_point()
+            and (size is None or images.shape[-2:] == (size, size))):
+        is_tensor = isinstance(images, torch.Tensor)
+        got = f"{images.dtype} of shape {tuple(images.shape)}" if is_tensor else type(images).__name__
+        raise ValueError(f"revkernels: images must be a float tensor {shape}, got {got}")
 
 
 def check_positive_int(value, name):

@@ -320,5 +320,19 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="num_classes must be a positive int"):
         revswin("swin_t", num_classes=0)
     model = RevSwin(embed_dim=8, depths=(1, 1), num_heads=(2, 2), num_classes=CLASSES, img_size=16, window_size=2)
-    with pytest.raises(ValueError, match=r"images must be \(batch, channels, 16, 16\)"):
+    with pytest.raises(ValueError, match=r"images must be a float tensor \(batch, channels, 16, 16\)"):
         model(torch.randn(1, 3, 32, 32))
+    with pytest.raises(ValueError, match=r"images must be a float tensor .* got torch.int64"):
+        model(torch.randint(0, 255, (1, 3, 16, 16)))
+
+
+@pytest.mark.parametrize("engine", ["autograd", "sequential"])
+def test_an_empty_batch_gives_an_empty_output(engine):
+    """A batch of 0 images (the windows' reshapes inferred a size from it and raised)."""
+    model = RevSwin(embed_dim=8, depths=(1, 1), num_heads=(2, 2), num_classes=CLASSES, img_size=16, window_size=2,
+                    engine=engine)
+    images = torch.randn(0, 3, 16, 16, requires_grad=True)
+    out = model(images)
+    assert out.shape == (0, CLASSES)
+    out.sum().backward()
+    assert images.grad.shape == images.shape

@@ -42,8 +42,10 @@ def test_bad_input():
     with pytest.raises(ValueError, match="name must be one of"):
         revvit("vit_h14")
     model = revvit("vit_s16", num_classes=3, img_size=32)
-    with pytest.raises(ValueError, match=r"images must be \(batch, channels, 32, 32\)"):
+    with pytest.raises(ValueError, match=r"images must be a float tensor \(batch, channels, 32, 32\)"):
         model(torch.randn(1, 3, 16, 16))
+    with pytest.raises(ValueError, match=r"images must be a float tensor .* got torch.uint8"):
+        model(torch.randint(0, 255, (1, 3, 32, 32), dtype=torch.uint8))
     assert model(torch.randn(1, 3, 32, 32)).shape == (1, 3)
     assert isinstance(model.blocks, rk.nn.ReversibleSequential)
     with pytest.raises(ValueError, match="num_classes must be a positive int"):
