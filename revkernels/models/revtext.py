@@ -35,7 +35,8 @@ CONFIGS = {
 class RevText(OneRunModel, nn.Module):
     """See the module docstring. ``model(tokens, attention_mask=None)``: tokens (batch, tokens) of
     ints; attention_mask (batch, tokens), HF's padding mask (1 or True: a real token, 0: padding;
-    padded keys get no attention weight)."""
+    padded keys get no attention weight; any non-zero value is a real token, so an additive float
+    mask, 0 for real tokens, would be read inverted)."""
 
     def __init__(self, vocab_size, max_len, dim, depth, heads, causal, lm_head, embed_norm, mlp_ratio=4.0,
                  dropout=0.1, drop_path_rate=0.0, eps=1e-5, approximate="none", engine="sequential"):
