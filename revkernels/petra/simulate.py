@@ -208,13 +208,16 @@ def split_groups(num_stages, groups=None):
 
 
 def check_batch(images, labels, context):
-    """Raises TypeError/ValueError naming the argument unless `images` is a tensor, `labels` one label
-    per image and `context` holds no tensor that requires grad."""
+    """Raises TypeError/ValueError naming the argument unless `images` is a tensor, `labels` one
+    class index (int64, as cross-entropy takes) per image and `context` holds no tensor that requires
+    grad. (Checked when the batch is fed: a pipelined run reaches its labels ticks later.)"""
     if not isinstance(images, torch.Tensor):
         raise TypeError(f"revkernels: images must be a torch.Tensor, got {type(images).__name__}")
     if not isinstance(labels, torch.Tensor) or labels.dim() != 1 or labels.shape[0] != images.shape[0]:
         raise ValueError("revkernels: labels must be a 1-D tensor with one label per image, got "
                          f"{getattr(labels, 'shape', type(labels).__name__)} for {images.shape[0]} images")
+    if labels.dtype != torch.int64:
+        raise TypeError(f"revkernels: labels must be int64 class indices, got {labels.dtype}")
     check_constant_context(context)
 
 
@@ -444,6 +447,9 @@ class Trainer:
         if self.method in PIPELINED or self.analyze_every:
             images, labels, context = own_batch(images, labels, context)
         if self.batch_size is None:
+            if images.shape[0] == 0:  # (the peak learning rate scales with it: 0 would train nothing)
+                raise ValueError("revkernels: the first batch is empty, so the batch size (which scales the "
+                                 "learning rate) cannot be taken from it: pass Trainer(batch_size=...)")
             self.batch_size = int(images.shape[0])
         batch = self.batches_in
         self.batches_in += 1

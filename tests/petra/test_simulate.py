@@ -365,6 +365,13 @@ def test_bad_arguments():
     trainer = Trainer(stages, "petra")
     with pytest.raises(ValueError, match="labels"):
         trainer.train_step(torch.randn(4, 8), torch.zeros(3, dtype=torch.long))
+    # checked when fed: a pipelined run reaches the labels ticks later, when the error named no batch
+    for labels in (torch.rand(4), torch.randint(0, 3, (4,), dtype=torch.int32)):
+        with pytest.raises(TypeError, match="labels must be int64 class indices"):
+            trainer.train_step(torch.randn(4, 8), labels)
+    with pytest.raises(ValueError, match=r"first batch is empty.*Trainer\(batch_size=\.\.\.\)"):
+        trainer.train_step(torch.randn(0, 8), torch.zeros(0, dtype=torch.long))
+    assert trainer.batches_in == 0 and trainer.batch_size is None
     with pytest.raises(ValueError, match="at least one stage"):
         partition([])
     with pytest.raises(ValueError, match="must not be reversible"):
