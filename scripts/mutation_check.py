@@ -286,8 +286,10 @@ mutation("compiled_fall_back_redraws", "revkernels/engine/compiled.py", "       
 mutation("sub_layer_norm_fallback_double_backward_by_the_fused_op", "revkernels/ops/layer_norm.py",
          "    if torch.is_grad_enabled():  # create_graph", "    if False:  # create_graph",
          "tests/ops/test_layer_norm.py::test_pure_pytorch_fallback_when_library_missing")
-mutation("context_container_tensors_not_saved", SEQ, "        if isinstance(v, (tuple, list, dict)):\n",
-         "        if False:\n", "tests/engine/test_context.py -k inside_a_context_container_are")
+mutation("context_container_tensors_not_saved", SEQ,  # the container kept as the caller's, as before 0eab64b
+         "        if isinstance(v, CONTEXT_CONTAINERS):  # kept as its leaves (tensors saved) and structure\n",
+         "        if False:\n            pass\n        if k not in names:\n            ctx.context_values[k] = v\n"
+         "        elif False:\n", "tests/engine/test_context.py -k inside_a_context_container_are")
 mutation("second_backward_error_off_the_path", STATE,
          "        anchors = [t for t in (*ctx.saved_tensors, *getattr(ctx, \"params\", ())) if t.requires_grad]\n",
          "        anchors = []\n", "tests/nn/test_reversible.py::test_a_second_backward_restricted_to_some_inputs_raises_too "

@@ -25,8 +25,9 @@ from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from revkernels.engine.fsdp import block_units, run_sharded
-from revkernels.engine.state import (NO_CONTEXT, AutocastState, BlockState, check_param_versions, differentiated_once,
-                                     grad_tensors, in_mode, module_modes, param_versions, records_graph)
+from revkernels.engine.state import (CONTEXT_CONTAINERS, NO_CONTEXT, AutocastState, BlockState, check_param_versions,
+                                     differentiated_once, grad_tensors, in_mode, module_modes, param_versions,
+                                     records_graph)
 from revkernels.engine.structure import (buffers_as_before, buffers_kept, invalidate, param_slots,
                                          parametrize_cache_off, record_buffers, y2_only_params)
 
@@ -207,14 +208,15 @@ def save_with_context(ctx, context, *tensors):
     on `ctx`. Undone by `saved_with_context`."""
     names = [k for k, v in context.items() if isinstance(v, torch.Tensor)]
     ctx.context_names = names
-    ctx.context_values = {k: v for k, v in context.items() if k not in names}
     ctx.context_grad = [context[k].requires_grad for k in names]
-    nested, ctx.context_containers = [], {}
-    for k, v in ctx.context_values.items():
-        if isinstance(v, (tuple, list, dict)):
+    ctx.context_values, ctx.context_containers, nested = {}, {}, []
+    for k, v in context.items():
+        if isinstance(v, CONTEXT_CONTAINERS):  # kept as its leaves (tensors saved) and structure
             leaves, spec = tree_flatten(v)
             nested += [t for t in leaves if isinstance(t, torch.Tensor)]
             ctx.context_containers[k] = ([None if isinstance(t, torch.Tensor) else t for t in leaves], spec)
+        elif k not in names:
+            ctx.context_values[k] = v
     ctx.save_for_backward(*tensors, *(context[k] for k in names), *nested)
 
 

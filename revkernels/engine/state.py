@@ -95,6 +95,11 @@ class BlockState:
     buffers: tuple = ()
 
 
+# Context values whose tensors the engines look into (never differentiated: `check_context_grads`;
+# saved for the backward: `save_with_context`)
+CONTEXT_CONTAINERS = (tuple, list, dict)
+
+
 def grad_tensors(context):
     """The context tensors that require grad (inputs of the engines' autograd nodes)."""
     return [v for v in context.values() if isinstance(v, torch.Tensor) and v.requires_grad] if context else []

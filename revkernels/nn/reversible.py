@@ -27,8 +27,8 @@ from torch.func import functional_call
 from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_leaves
 
-from revkernels.engine.state import (NO_CONTEXT, BlockState, RngState, cuda_devices_of, grad_tensors, maybe_replay,
-                                     records_graph)
+from revkernels.engine.state import (CONTEXT_CONTAINERS, NO_CONTEXT, BlockState, RngState, cuda_devices_of,
+                                     grad_tensors, maybe_replay, records_graph)
 from revkernels.engine.structure import (buffers_as_before, buffers_kept, cached, check_members, detached_aliases,
                                          draws_random, invalidate, param_slots, recompute_context)
 from revkernels.ops.coupling import coupling_add, coupling_sub
@@ -87,7 +87,7 @@ def check_context_grads(context):
     (a tuple, list or dict): the memory-saving engines differentiate the context's top-level
     tensors only, so such a tensor would get no grad."""
     for name, value in context.items():
-        if isinstance(value, (tuple, list, dict)) and any(
+        if isinstance(value, CONTEXT_CONTAINERS) and any(
                 isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(value)):
             raise TypeError(f"revkernels: context {name!r} holds tensors that require grad inside a "
                             f"{type(value).__name__}; a memory-saving engine differentiates only tensors "
