@@ -297,6 +297,9 @@ mutation("second_backward_error_off_the_path", STATE,
 mutation("triton_stats_pivot_infinite", "revkernels/triton/_stats.py",
          "    return tl.where(first - first == 0, first, 0.0)", "    return first",
          "tests/ops/test_layer_norm.py tests/ops/test_batch_norm.py -k starting_with_inf")
+mutation("petra_failed_tick_not_kept", SIM,  # a tick that raised, then the trainer went on mid-tick
+         '            self._failed_tick = f"tick {self.tick} ({type(error).__name__}: {first_line})"\n', "",
+         f"{T_SIM} -k tick_that_raises")
 
 
 def _copy_repo(dst):

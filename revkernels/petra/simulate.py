@@ -59,7 +59,10 @@ in-flight pipeline (messages between workers, labels not yet used, every stage's
 parameter copies), the analysis inputs and records, tick and batch counters, and which batch each of
 the last 2R ticks fed (``fed``; what the distributed runtime needs to know which messages arrive).
 `load_state_dict` into a `Trainer` built with the same model and arguments. (``events``/``schedule``
-restart empty.) `revkernels.petra.distributed.merge_rank_states` / `split_trainer_state` convert
+restart empty.) A tick that raises (a label out of the head's range, a BatchNorm stage given one
+value per channel) has run part of its workers' steps: the trainer then raises on `train_step`,
+`advance` and `state_dict` until `load_state_dict` restores a checkpoint.
+`revkernels.petra.distributed.merge_rank_states` / `split_trainer_state` convert
 between this format (pipelined methods) and the distributed runtime's per-rank checkpoints.
 
 Context. ``train_step(images, labels, **context)``: keywords of that batch (an attention mask, a
@@ -406,6 +409,7 @@ class Trainer:
         self._fwd_msgs = {}  # worker index -> (batch, output) sent to worker index + 1 last tick
         self._bwd_msgs = {}  # worker index -> (batch, x, dx) sent to worker index - 1 last tick
         self._fed = {}  # tick -> batch id fed at that tick or None, for the last 2 * workers ticks (checkpoints)
+        self._failed_tick = None  # what an exception inside a tick interrupted (see `_check_usable`)
 
     # --- schedule ---------------------------------------------------------------------------------
 
@@ -443,6 +447,7 @@ class Trainer:
     def train_step(self, images, labels, **context):
         """Feeds one batch (with its `context` keywords): one tick of the pipeline (petra) or one
         forward/backward (baselines)."""
+        self._check_usable()
         check_batch(images, labels, context)
         if self.method in PIPELINED or self.analyze_every:
             images, labels, context = own_batch(images, labels, context)
@@ -471,6 +476,7 @@ class Trainer:
 
     def advance(self):
         """One tick without new input (draining the pipeline); its dict, or None if nothing is pending."""
+        self._check_usable()
         if self.method not in PIPELINED or not self.pending():
             return None
         out = self._tick(None)
@@ -544,6 +550,7 @@ class Trainer:
 
     def state_dict(self):
         """Everything needed to continue this run exactly (module docstring); a deep copy."""
+        self._check_usable()
         state = {"version": 1, "method": self.method, "num_stages": self.num_stages, "groups": self.groups,
                  "accum_k": self.accum_k, "tick": self.tick, "batches_in": self.batches_in,
                  "batch_size": self.batch_size,
@@ -574,6 +581,16 @@ class Trainer:
         self._contexts = state.get("contexts", {})
         self._inputs = {b: (x, y, *rest) if rest else (x, y, {}) for b, (x, y, *rest) in self._inputs.items()}
         self._fed = state.get("fed", {})
+        self._failed_tick = None
+
+    def _check_usable(self):
+        """Raises once a tick of this trainer raised: its workers ran part of that tick (some
+        stages stepped, messages and FIFOs half updated), so another tick would feed them wrong
+        inputs. `load_state_dict` (a checkpoint from before) makes the trainer usable again."""
+        if self._failed_tick is not None:
+            raise RuntimeError(f"revkernels: {self._failed_tick} raised and left the pipeline part-way through "
+                               "that tick; load_state_dict a checkpoint taken before it (or build a new Trainer) "
+                               "to go on")
 
     def flush(self):
         """Runs ticks without new input until the pipeline is empty; returns each tick's dict."""
@@ -583,6 +600,14 @@ class Trainer:
         return out
 
     def _tick(self, new_input):
+        try:
+            return self._run_tick(new_input)
+        except BaseException as error:
+            first_line = (str(error).splitlines() or [""])[0]
+            self._failed_tick = f"tick {self.tick} ({type(error).__name__}: {first_line})"
+            raise
+
+    def _run_tick(self, new_input):
         fwd_msgs, bwd_msgs = {}, {}
         result = {"loss": None, "batch": None, "tick": self.tick, "stepped": []}
         for w, worker in enumerate(self.workers):

@@ -381,6 +381,39 @@ def test_bad_arguments():
     assert METHODS == ("petra", "delayed", "backprop", "revbackprop")
 
 
+
+@pytest.mark.parametrize("method", ["petra", "delayed"])
+def test_a_tick_that_raises_stops_the_trainer_until_a_checkpoint_is_loaded(method):
+    # A label out of the head's range is fed without error and fails ticks later, at the head, after
+    # the tick's earlier workers ran their steps: going on from there would feed the pipeline twice
+    # (the next call raised again and pushed duplicate FIFO entries).
+    torch.manual_seed(0)
+    good = _batches(8, seed=1)
+    trainer = Trainer(synthetic_stages("S r r H"), method, accum_k=1, base_lr=0.2, warmup_steps=2)
+    for x, y in good[:3]:
+        trainer.train_step(x, y)
+    checkpoint = trainer.state_dict()
+    bad_labels = good[3][1].clone()
+    bad_labels[1] = 7  # three classes
+    with pytest.raises(IndexError, match="out of bounds"):
+        trainer.train_step(good[3][0], bad_labels)
+        for x, y in good[4:]:
+            trainer.train_step(x, y)
+    for call in (lambda: trainer.train_step(*good[4]), trainer.advance, trainer.flush, trainer.state_dict):
+        with pytest.raises(RuntimeError, match=r"tick \d+ \(IndexError: .*out of bounds.*\) raised .*load_state_dict"):
+            call()
+    # Restored from the checkpoint, it trains as a trainer that never saw the bad batch.
+    trainer.load_state_dict(checkpoint)
+    reference = Trainer(synthetic_stages("S r r H"), method, accum_k=1, base_lr=0.2, warmup_steps=2)
+    reference.load_state_dict(checkpoint)
+    for x, y in good[3:]:
+        got, want = trainer.train_step(x, y), reference.train_step(x, y)
+        assert got["loss"] == want["loss"] and got["stepped"] == want["stepped"]
+    got, want = trainer.flush(), reference.flush()
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+    for (_, a), (_, b) in zip(trainer.state_dict()["modules"][1].items(), reference.state_dict()["modules"][1].items()):
+        assert torch.equal(a, b)
+
 # --- smoke: PETRA learns ------------------------------------------------------------------------------
 
 def test_petra_loss_decreases_on_separable_data():
