@@ -297,6 +297,10 @@ mutation("second_backward_error_off_the_path", STATE,
 mutation("triton_stats_pivot_infinite", "revkernels/triton/_stats.py",
          "    return tl.where(first - first == 0, first, 0.0)", "    return first",
          "tests/ops/test_layer_norm.py tests/ops/test_batch_norm.py -k starting_with_inf")
+mutation("petra_stages_share_the_process_generator", PART,  # as before the stage streams
+         "        with torch.no_grad(), self._stream.drawing(cuda_devices_of(*x)) if stochastic else contextlib.nullcontext():",
+         "        with torch.no_grad():",
+         "tests/petra/test_distributed.py::test_distributed_equals_simulator tests/petra/test_stage_randomness.py")
 mutation("petra_failed_tick_not_kept", SIM,  # a tick that raised, then the trainer went on mid-tick
          '            self._failed_tick = f"tick {self.tick} ({type(error).__name__}: {first_line})"\n', "",
          f"{T_SIM} -k tick_that_raises")

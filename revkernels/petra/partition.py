@@ -19,7 +19,11 @@ parameters possibly updated in between; the backward always uses the *current* p
   reversible stage: the states before F and before G, `revkernels.engine.state.BlockState`; any
   other: the state before the module), a few KB on the host, and its backward's rebuild or
   recompute replays them, so it draws that batch's masks whatever ran in between; the global
-  generator is left as it was. Checkpoints keep them (`replay_state`).
+  generator is left as it was. Each such stage draws from a generator stream of its own
+  (`StageStream`: seeded from ``torch.initial_seed()`` when the stage is made and its index,
+  swapped in for its forward), so its masks do not depend on which stages share its process:
+  the distributed runtime's ranks draw what the simulator draws, and two stages do not draw the
+  same masks. Checkpoints keep the streams and the pending states (`replay_state`).
 
 Delayed gradients (``delayed=True``, the PipeDream-like baseline, "weight stashing"): every stage but
 the last, reversible or not, pushes (its input, a copy of the parameters its forward used) onto its
@@ -44,6 +48,7 @@ costs (`balanced_sizes`: exact, deterministic). The costs are `stage_costs` (for
 of each stage and its share of an optimizer step, timed on the example's device) or a list given by
 the user (``costs=``).
 """
+import contextlib
 import copy
 import dataclasses
 import math
@@ -122,6 +127,7 @@ class Stage:
         # the states before F and before G) or an `RngState` (the state before the module)
         self._replays = deque()
         self._forwards = self._backwards = 0
+        self._stream = StageStream(torch.initial_seed(), index)
 
     def __repr__(self):
         return f"Stage({self.index}, kind={self.kind!r}, reversible={self.reversible}, buffered={len(self._fifo)})"
@@ -168,20 +174,23 @@ class Stage:
         have none: no pending forward drew random numbers)."""
         self._fifo = deque((b, tuple(x), None if p is None else tuple(p)) for b, x, p in entries)
         self.peak_buffer_bytes = int(peak_buffer_bytes)
-        in_flight, entries = replays if replays is not None else (0, [])
+        in_flight, entries, *stream = replays if replays is not None else (0, [])
         self._backwards, self._forwards = 0, int(in_flight)
+        if stream:  # (checkpoints from before the stage streams: the stream starts afresh)
+            self._stream.state = stream[0]
         self._replays = deque((int(k), self._with_buffers(state, self.module.get_submodule))
                               for k, state in entries)
 
     def replay_state(self):
-        """``(pending forwards, [(k, generator state)])``: the generator states of the pending
-        forwards that drew random numbers, k counting the pending forwards from the oldest (for
+        """``(pending forwards, [(k, generator state)], stream state)``: the generator states of the
+        pending forwards that drew random numbers, k counting the pending forwards from the oldest,
+        and where the stage's own stream (`StageStream`) has got to (None: it drew nothing yet; for
         checkpoints, beside `fifo_state`; a buffer a forward changed is named by its module's path
         in the stage, not held with its module)."""
         paths = {id(m): name for name, m in self.module.named_modules()}
         return (self._forwards - self._backwards,
                 [(number - self._backwards, self._with_buffers(state, lambda m: paths[id(m)]))
-                 for number, state in self._replays])
+                 for number, state in self._replays], self._stream.state)
 
     @staticmethod
     def _with_buffers(state, holder):
@@ -216,7 +225,7 @@ class Stage:
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
         number = self._forwards
         self._forwards += 1
-        with torch.no_grad():
+        with torch.no_grad(), self._stream.drawing(cuda_devices_of(*x)) if stochastic else contextlib.nullcontext():
             if rebuilds and stochastic:
                 if len(x) != 2:
                     raise ValueError(f"revkernels: a reversible stage's input has two streams, got {len(x)} tensors")
@@ -312,7 +321,8 @@ class Stage:
             raise RuntimeError(f"revkernels: stage {self.index} is not the last stage")
         x = tuple(t.detach() for t in _as_tuple(x))
         leaves = self._leaves(x)
-        with torch.enable_grad():
+        stream = self._stream.drawing(cuda_devices_of(*x)) if draws_random(self.module) else contextlib.nullcontext()
+        with torch.enable_grad(), stream:
             logits = self.module(*leaves, **context)
             if not isinstance(logits, torch.Tensor):
                 raise TypeError(f"revkernels: the last stage must return logits (a tensor), got {type(logits).__name__}")
@@ -320,6 +330,34 @@ class Stage:
             loss.backward()
         dx = None if self.is_first else tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves)
         return loss.detach(), logits.detach(), x, dx
+
+
+class StageStream:
+    """A stage's own random stream. `drawing` swaps it in as the generators' state for a forward
+    of the stage (the CPU generator and those of the CUDA devices the stage runs on) and puts the
+    caller's state back after, so the stage's masks depend only on its seed and the forwards it
+    ran, not on what else runs in its process. The seed mixes `base_seed` (``torch.initial_seed()``
+    when the stage is made: the same in every process of a run seeded alike) with the stage index."""
+
+    def __init__(self, base_seed, index):
+        self.seed = (int(base_seed) * 1_000_003 + 7_919 * (int(index) + 1)) % 2**63
+        self.state = None  # RngState where the stream has got to; None until the first forward
+
+    @contextlib.contextmanager
+    def drawing(self, cuda_devices=()):
+        caller = RngState(cuda_devices)
+        if self.state is None:
+            torch.default_generator.manual_seed(self.seed)
+        else:
+            self.state.restore()
+        for device in cuda_devices:
+            if self.state is None or device not in self.state.cuda:
+                torch.cuda.default_generators[device].manual_seed(self.seed)
+        try:
+            yield
+        finally:
+            self.state = RngState(cuda_devices)
+            caller.restore()
 
 
 BALANCES = ("count", "time")

@@ -62,10 +62,13 @@ def _simulate(layout, groups, n_steps, method="petra"):
     return model, trainer, losses
 
 
-@pytest.mark.parametrize("layout, groups, batched", [("S r H", None, None), ("S r D r r H", 3, None),
+@pytest.mark.parametrize("layout, groups, batched", [("S r H", None, None), ("S d D r d H", 3, None),
                                                      ("S r D r r H", 3, True)])
 def test_distributed_equals_simulator(layout, groups, batched, tmp_path):
-    """J = 3 stages on 3 ranks, and 6 stages in 3 groups (also with the grouped posting NCCL uses)."""
+    """J = 3 stages on 3 ranks, and 6 stages in 3 groups (also with the grouped posting NCCL uses).
+    "d": reversible stages with dropout, on two ranks whose generators start alike: each stage
+    draws from its own stream, so the ranks draw the simulator's masks (before, every rank drew
+    from its process's generator: other masks than the simulator's, the same on every rank)."""
     n = 6
     results = launch(_train_rank, 3, (layout, groups, n, 20.0, batched), log_dir=str(tmp_path), timeout=120)
     model, trainer, sim_losses = _simulate(layout, groups, n)

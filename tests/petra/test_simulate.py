@@ -60,11 +60,16 @@ def _rev(width=WIDTH):
     return ReversibleStage(nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.Tanh()))
 
 
+def _noisy_rev(width=WIDTH):
+    return ReversibleStage(nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Dropout(0.3)))
+
+
 def synthetic_stages(layout, d_in=8, classes=3):
-    """Stage list from a layout string such as "S r r D r H" (S and H required at the ends)."""
+    """Stage list from a layout string such as "S r r D r H" (S and H required at the ends; "d": a
+    reversible stage with dropout)."""
     letters = layout.split()
     assert letters[0] == "S" and letters[-1] == "H"
-    make = {"r": _rev, "D": Mix}
+    make = {"r": _rev, "D": Mix, "d": _noisy_rev}
     return nn.ModuleList([Split(d_in)] + [make[c]() for c in letters[1:-1]] + [TwoStreamHead(classes)])
 
 

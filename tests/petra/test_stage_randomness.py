@@ -66,12 +66,18 @@ def _input_of(stages, i):
     return torch.randn(shape), torch.randn(shape)
 
 
-def _reference(module, x, dy, seed):
-    """Plain autograd through a copy of `module` from the generator state `seed`: output, input
-    grads, parameter grads."""
+def _stream_start(stage):
+    """Sets the CPU generator where the stage's own stream stands (its forward draws from there)."""
+    state = stage._stream.state
+    return (lambda: torch.manual_seed(stage._stream.seed)) if state is None else state.restore
+
+
+def _reference(module, x, dy, start):
+    """Plain autograd through a copy of `module` from the generator state `start()` sets: output,
+    input grads, parameter grads."""
     module = copy.deepcopy(module)
     leaves = tuple(t.clone().requires_grad_() for t in (x if isinstance(x, tuple) else (x,)))
-    torch.manual_seed(seed)
+    start()
     out = module(*leaves)
     torch.autograd.backward(out, dy)
     return out, [t.grad for t in leaves], [p.grad for p in module.parameters()]
@@ -81,17 +87,18 @@ def _reference(module, x, dy, seed):
 def test_a_backward_replays_its_own_forwards_draws(delayed):
     model = _model()
     stages = partition(list(model), delayed=delayed)
-    seeds = (11, 12)
     for i, stage in enumerate(stages[:-1]):
-        inputs = [_input_of(model, i) for _ in seeds]
-        outputs = []
-        for x, seed in zip(inputs, seeds):  # two batches in flight, as in a pipeline
-            torch.manual_seed(seed)
-            outputs.append(stage.forward(x))
-        torch.randn(7)  # other stages draw in between
-        for x, y, seed in zip(inputs, outputs, seeds):
+        inputs = [_input_of(model, i) for _ in range(2)]
+        outputs, starts = [], []
+        for x in inputs:  # two batches in flight, as in a pipeline
+            starts.append(_stream_start(stage))
+            generator = torch.get_rng_state()
+            outputs.append(stage.forward(x))  # (from the stage's own stream: the global one stays)
+            assert torch.equal(torch.get_rng_state(), generator), f"stage {i}: the forward moved the generator"
+            torch.randn(7)  # other stages draw in between
+        for x, y, start in zip(inputs, outputs, starts):
             dy = tuple(torch.randn_like(t) for t in y)
-            ref_out, ref_dx, ref_grads = _reference(stage.module, x, dy, seed)
+            ref_out, ref_dx, ref_grads = _reference(stage.module, x, dy, start)
             for a, b in zip(y, ref_out, strict=True):  # the forward drew what plain autograd draws
                 assert torch.equal(a, b), f"stage {i}: forward"
             for p in stage.module.parameters():
@@ -107,6 +114,27 @@ def test_a_backward_replays_its_own_forwards_draws(delayed):
             for (name, p), b in zip(stage.module.named_parameters(), ref_grads, strict=True):
                 assert_close_rel(p.grad, b, 1e-5, f"stage {i}: grad of {name}")
 
+
+def test_each_stage_draws_from_a_stream_of_its_own():
+    """Stages holding copies of one dropout module draw other masks from the same input (before, all
+    drew from the process's generator: on ranks seeded alike, the same masks), and a partition
+    made after the same seed draws the same masks again, whatever the global generator did."""
+    def masks_of(seed):
+        torch.manual_seed(seed)
+        branch = _branch(0.5)
+        stages = partition([NoisyStem()] + [ReversibleStage(copy.deepcopy(branch)) for _ in range(3)]
+                           + [TwoStreamHead(CLASSES, WIDTH)])
+        x = (torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH))
+        torch.manual_seed(1234)  # every stage starts from this state (the forwards leave it as it is)
+        return [stage.forward(x)[1] - x[0] for stage in stages[1:4]], x
+
+    first, x = masks_of(0)
+    for a, b in [(0, 1), (0, 2), (1, 2)]:
+        assert not torch.equal(first[a] == 0, first[b] == 0), f"stages {a + 1} and {b + 1} drew the same mask"
+    again, x_again = masks_of(0)
+    assert all(torch.equal(a, b) for a, b in zip(x, x_again)) and all(torch.equal(a, b) for a, b in zip(first, again))
+    other, _ = masks_of(1)
+    assert not torch.equal(first[0] == 0, other[0] == 0)
 
 def _batches(n):
     g = torch.Generator().manual_seed(3)
