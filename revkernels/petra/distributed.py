@@ -91,7 +91,7 @@ from torch import nn
 
 from revkernels.engine.state import NO_CONTEXT
 from revkernels.petra.partition import _stage_modules
-from revkernels.petra.simulate import PIPELINED, Trainer, check_batch
+from revkernels.petra.simulate import PIPELINED, Trainer, check_batch, first_batch_size
 
 FAULT_ENV = "REVKERNELS_PETRA_FAULT_AFTER"
 ATTEMPT_ENV = "REVKERNELS_PETRA_ATTEMPT"
@@ -274,15 +274,17 @@ class PipelineRank:
 
     def train_step(self, images, labels, **context):
         check_batch(images, labels, context)
+        batch_size = first_batch_size(images) if self.trainer.batch_size is None else None
         if self._specs is None:
             self._image_spec = (tuple(images.shape), images.dtype)
             self._specs = boundary_specs(self.stages, self.trainer.groups, tuple(images.shape), images.dtype, context)
         elif (tuple(images.shape), images.dtype) != self._image_spec:
             raise ValueError(f"revkernels: the distributed runtime needs every batch of one shape and dtype "
-                             f"{self._image_spec}, got {(tuple(images.shape), images.dtype)} (drop the last batch)")
+                             f"{self._image_spec}, got {(tuple(images.shape), images.dtype)}"
+                             + (" (drop the last batch)" if images.dtype == self._image_spec[1] else ""))
         self._last_fed = self.tick
-        if self.trainer.batch_size is None:
-            self.trainer.batch_size = int(images.shape[0])
+        if batch_size is not None:
+            self.trainer.batch_size = batch_size
         batch = self.batches_in
         self.batches_in += 1
         # copies of what this rank keeps for later ticks (a caller may refill its tensors meanwhile)

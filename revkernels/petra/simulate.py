@@ -210,6 +210,15 @@ def split_groups(num_stages, groups=None):
     return out
 
 
+def first_batch_size(images):
+    """The batch size a trainer given none takes from its first batch; an empty one raises (the
+    peak learning rate scales with it: 0 would train nothing)."""
+    if images.shape[0] == 0:
+        raise ValueError("revkernels: the first batch is empty, so the batch size (which scales the learning rate) "
+                         "cannot be taken from it: pass batch_size=... to the Trainer (or PipelineRank)")
+    return int(images.shape[0])
+
+
 def check_batch(images, labels, context):
     """Raises TypeError/ValueError naming the argument unless `images` is a tensor, `labels` one
     class index (int64, as cross-entropy takes) per image and `context` holds no tensor that requires
@@ -452,10 +461,7 @@ class Trainer:
         if self.method in PIPELINED or self.analyze_every:
             images, labels, context = own_batch(images, labels, context)
         if self.batch_size is None:
-            if images.shape[0] == 0:  # (the peak learning rate scales with it: 0 would train nothing)
-                raise ValueError("revkernels: the first batch is empty, so the batch size (which scales the "
-                                 "learning rate) cannot be taken from it: pass Trainer(batch_size=...)")
-            self.batch_size = int(images.shape[0])
+            self.batch_size = first_batch_size(images)
         batch = self.batches_in
         self.batches_in += 1
         if self.analyze_every:

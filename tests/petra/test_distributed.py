@@ -92,6 +92,41 @@ def test_distributed_equals_simulator(layout, groups, batched, tmp_path):
     assert trainer.optimizers[0].steps == n // KW["accum_k"]
 
 
+def _bad_batches_rank():
+    """One rank: the errors of an empty first batch and of a batch of another dtype, then the run
+    goes on (neither changed the rank's state)."""
+    torch.manual_seed(0)
+    init(timeout=20.0)
+    pr = PipelineRank(synthetic_stages("S r H"), timeout=20.0, **KW)
+    errors = []
+    try:
+        pr.train_step(torch.randn(0, 8), torch.zeros(0, dtype=torch.int64))
+    except ValueError as e:
+        errors.append(str(e))
+    batches = _batches(2)
+    pr.train_step(*batches[0])
+    try:
+        pr.train_step(batches[1][0].double(), batches[1][1])
+    except ValueError as e:
+        errors.append(str(e))
+    pr.train_step(*batches[1])
+    pr.flush()
+    out = (errors, pr.trainer.batch_size, pr.batches_in)
+    pr.close()
+    return out
+
+
+def test_bad_batches_raise_on_every_rank_and_change_nothing(tmp_path):
+    """An empty first batch raises as in the simulator (it set the batch size, and so the peak learning
+    rate, to 0 and trained nothing); a batch of another dtype is not told to drop the last batch."""
+    results = launch(_bad_batches_rank, 2, (), log_dir=str(tmp_path), timeout=120)
+    for r, res in enumerate(results):
+        assert res is not None, open(tmp_path / f"rank{r}.err").read()
+        (empty, dtype), batch_size, batches_in = res
+        assert "first batch is empty" in empty and "pass batch_size=..." in empty
+        assert "float64" in dtype and "drop the last batch" not in dtype
+        assert batch_size == 4 and batches_in == 2
+
 def test_pipeline_rank_takes_a_list_of_stage_modules(tmp_path):
     """As `Trainer` and `partition` do: 5 stage modules in a list, on 2 ranks, train as the simulator's."""
     results = launch(_train_rank, 2, ("S r D r H", 2, 4, 20.0, None, "petra", True), log_dir=str(tmp_path), timeout=120)

@@ -374,7 +374,7 @@ def test_bad_arguments():
     for labels in (torch.rand(4), torch.randint(0, 3, (4,), dtype=torch.int32)):
         with pytest.raises(TypeError, match="labels must be int64 class indices"):
             trainer.train_step(torch.randn(4, 8), labels)
-    with pytest.raises(ValueError, match=r"first batch is empty.*Trainer\(batch_size=\.\.\.\)"):
+    with pytest.raises(ValueError, match=r"first batch is empty.*pass batch_size=\.\.\. to the Trainer"):
         trainer.train_step(torch.randn(0, 8), torch.zeros(0, dtype=torch.long))
     assert trainer.batches_in == 0 and trainer.batch_size is None
     with pytest.raises(ValueError, match="at least one stage"):
