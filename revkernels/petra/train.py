@@ -566,6 +566,10 @@ def _read_checkpoint(args, folder_or_file, restart=False):
                          f"of the {world} ranks (the steps per rank: {steps}; a distributed run resumes with as many "
                          f"ranks as it was saved with)")
     path, ckpt = found[max(common)]
+    saved_world = ckpt.get("trainer", {}).get("world_size", world) if isinstance(ckpt, dict) else world
+    if saved_world != world:  # (fewer ranks than saved find their own files: an argument error, not a rank's)
+        raise ValueError(f"revkernels: --resume {folder_or_file!r}: the checkpoint was saved by {saved_world} ranks, "
+                         f"this run has {world} (a distributed run resumes with as many ranks as it was saved with)")
     return _check_checkpoint(args, ckpt, path)
 
 

@@ -272,6 +272,29 @@ def test_cli_nproc_rank_argument_error_is_one_line(tmp_path):
     assert "restart" not in proc.stderr
 
 
+
+@pytest.mark.parametrize("saved_ranks, found", [(2, True), (1, False)])
+def test_resume_with_another_rank_count_is_an_argument_error(saved_ranks, found, tmp_path):
+    """A distributed checkpoint resumed by one rank: saved by 2 ranks, this rank's file is there, but the
+    checkpoint is refused before any training (a ValueError, which the CLI reports as an argument error:
+    status 2, no restart; before, the rank's load_state_dict raised inside training, status 1, and
+    --max-restarts restarted into the same error); with no file for this rank, no step is complete."""
+    import argparse
+
+    import torch.distributed as dist
+
+    from revkernels.petra.train import _read_checkpoint
+
+    name = "rank0.pt" if found else "rank1.pt"
+    torch.save({"step": 2, "trainer": {"world_size": saved_ranks}}, tmp_path / name)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        match = "saved by 2 ranks, this run has 1" if found else "no step with a complete rank file"
+        with pytest.raises(ValueError, match=match):
+            _read_checkpoint(argparse.Namespace(runtime="distributed"), str(tmp_path))
+    finally:
+        dist.destroy_process_group()
+
 # --- the simulator's stage groups (what the ranks run) ------------------------------------------------
 
 def test_split_groups_and_grouped_simulator_schedule():
