@@ -301,6 +301,9 @@ mutation("petra_stages_share_the_process_generator", PART,  # as before the stag
          "        with torch.no_grad(), self._stream.drawing(cuda_devices_of(*x)) if stochastic else contextlib.nullcontext():",
          "        with torch.no_grad():",
          "tests/petra/test_distributed.py::test_distributed_equals_simulator tests/petra/test_stage_randomness.py")
+mutation("petra_meet_with_a_deadline", DIST,  # a barrier under the process group's timeout, as before meet
+         "        store = self._watchdog.store\n        if store is None:", "        store = None\n        if store is None:",
+         "tests/petra/test_distributed.py -k busy_rank")
 mutation("petra_failed_tick_not_kept", SIM,  # a tick that raised, then the trainer went on mid-tick
          '            self._failed_tick = f"tick {self.tick} ({type(error).__name__}: {first_line})"\n', "",
          f"{T_SIM} -k tick_that_raises")

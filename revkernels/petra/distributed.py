@@ -214,6 +214,7 @@ class PipelineRank:
         # Waits end past the watchdog's horizon (timeout + 2 polls): a silent rank is named by its stalled
         # heartbeat, not by a neighbour that is waiting on it.
         self._wait_s = self.timeout + 4 * _Watchdog.POLL
+        self._meetings = 0  # `meet` calls so far (each meeting's store key)
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
         for module in [model] if isinstance(model, nn.Module) else _stage_modules(model):
@@ -524,6 +525,21 @@ class PipelineRank:
     def barrier(self):
         """Waits for every rank (collective, on the control group)."""
         dist.barrier(group=self._control)
+
+    def meet(self):
+        """Waits for every rank (collective) however long the slowest takes: a rank that is busy (the
+        logging rank evaluating the test set at an epoch's end) keeps its heartbeat, and one that dies
+        or hangs is caught by the watchdog, so no deadline applies here (a barrier's, or the next
+        tick's message wait, `timeout` + 0.8 s, stopped healthy runs whose evaluation took longer)."""
+        store = self._watchdog.store
+        if store is None:  # (no store, no watchdog: the barrier's deadline stands in)
+            self.barrier()
+            return
+        key = f"{_PREFIX}meet/{self._meetings}"
+        self._meetings += 1
+        store.add(key, 1)
+        while store.add(key, 0) < self.world_size:
+            time.sleep(_Watchdog.POLL)
 
     def close(self):
         """Waits for the last sends, stops the watchdog, meets every rank and leaves the group."""

@@ -657,6 +657,7 @@ def _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tq
             opt_steps = trainer.optimizers[0].steps
             peak = [s["peak_bytes"] for s in trainer.buffer_stats()]
         if not logs:
+            pipe.meet()  # (while the logging rank evaluates: no deadline, see PipelineRank.meet)
             if last:
                 break
             continue
@@ -678,6 +679,8 @@ def _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tq
         logger.log(record)
         bar.write(f"epoch {epoch}: step {step} train_loss {record['train_loss']} test_acc {test_acc:.4f} "
                   f"images/s {record['images_per_s']:.1f}", file=sys.stderr)
+        if pipe is not None:
+            pipe.meet()
         if last:
             break
     bar.close()

@@ -127,6 +127,35 @@ def test_bad_batches_raise_on_every_rank_and_change_nothing(tmp_path):
         assert "float64" in dtype and "drop the last batch" not in dtype
         assert batch_size == 4 and batches_in == 2
 
+def _slow_rank_meets(busy_s):
+    torch.manual_seed(0)
+    init(timeout=2.0)
+    pr = PipelineRank(synthetic_stages("S r H"), timeout=2.0, **KW)
+    for x, y in _batches(2):
+        pr.train_step(x, y)
+    pr.flush()
+    start = time.monotonic()
+    if pr.is_last:
+        time.sleep(busy_s)  # an epoch-end evaluation: busy, heartbeat going
+    pr.meet()
+    waited = time.monotonic() - start
+    for x, y in _batches(2):  # the next epoch's ticks, and the final barrier, see no late rank
+        pr.train_step(x, y)
+    pr.flush()
+    pr.close()
+    return waited
+
+
+def test_ranks_meet_a_busy_rank_past_the_timeout(tmp_path):
+    """`PipelineRank.meet` (what the trainer CLI calls after each epoch, while the logging rank evaluates)
+    waits past `timeout` for a rank that is busy but alive (before, the other ranks went on to the next
+    epoch's ticks and stopped the run when its messages were `timeout` + 0.8 s late, or at the final
+    barrier)."""
+    results = launch(_slow_rank_meets, 2, (5.0,), log_dir=str(tmp_path), timeout=120)
+    for r, res in enumerate(results):
+        assert res is not None, open(tmp_path / f"rank{r}.err").read()
+    assert results[0] >= 4.5
+
 def test_pipeline_rank_takes_a_list_of_stage_modules(tmp_path):
     """As `Trainer` and `partition` do: 5 stage modules in a list, on 2 ranks, train as the simulator's."""
     results = launch(_train_rank, 2, ("S r D r H", 2, 4, 20.0, None, "petra", True), log_dir=str(tmp_path), timeout=120)
