@@ -59,9 +59,9 @@ in-flight pipeline (messages between workers, labels not yet used, every stage's
 parameter copies), the analysis inputs and records, tick and batch counters, and which batch each of
 the last 2R ticks fed (``fed``; what the distributed runtime needs to know which messages arrive).
 `load_state_dict` into a `Trainer` built with the same model and arguments. (``events``/``schedule``
-restart empty.) A tick that raises (a label out of the head's range, a BatchNorm stage given one
-value per channel) has run part of its workers' steps: the trainer then raises on `train_step`,
-`advance` and `state_dict` until `load_state_dict` restores a checkpoint.
+restart empty.) A pipelined tick (petra, delayed) that raises (a label out of the head's range, a
+BatchNorm stage given one value per channel) has run part of its workers' steps: the trainer then
+raises on `train_step`, `advance` and `state_dict` until `load_state_dict` restores a checkpoint.
 `revkernels.petra.distributed.merge_rank_states` / `split_trainer_state` convert
 between this format (pipelined methods) and the distributed runtime's per-rank checkpoints.
 
