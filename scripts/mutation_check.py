@@ -304,6 +304,9 @@ mutation("petra_stages_share_the_process_generator", PART,  # as before the stag
 mutation("petra_meet_with_a_deadline", DIST,  # a barrier under the process group's timeout, as before meet
          "        store = self._watchdog.store\n        if store is None:", "        store = None\n        if store is None:",
          "tests/petra/test_distributed.py -k busy_rank")
+mutation("compiled_static_branch_steps_get_marked_tensors", "revkernels/engine/compiled.py",
+         "                    args = [_unmarked(a) for a in args]\n", "                    pass\n",
+         "tests/engine/test_compiled.py -k dropout_block_below")
 mutation("petra_failed_tick_not_kept", SIM,  # a tick that raised, then the trainer went on mid-tick
          '            self._failed_tick = f"tick {self.tick} ({type(error).__name__}: {first_line})"\n', "",
          f"{T_SIM} -k tick_that_raises")

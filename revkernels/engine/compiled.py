@@ -207,7 +207,12 @@ class CompiledSteps:
         `StepFailed` where it does not compile."""
         hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled()
         try:
-            step = self.any_shape[name] if name in self.any_shape and _any_shape(block) else self.functions[name]
+            if name in self.any_shape and _any_shape(block):
+                step = self.any_shape[name]
+            else:
+                step = self.functions[name]
+                if name in self.any_shape:  # a static branch step (see `_unmarked`)
+                    args = [_unmarked(a) for a in args]
             classes = cached(block, "shared_classes", _shared_classes)
             if not classes:
                 return step(*args)
@@ -227,6 +232,15 @@ class CompiledSteps:
             else:
                 what = f"compiling the {name} step of blocks[{position}] ({type(block).__name__}) failed"
             raise StepFailed(self.failed, _layout(block).key, what, error) from error
+
+
+def _unmarked(t):
+    """`t`, or where it is an output of a step compiled with dynamic shapes, a detached alias
+    without the dynamic-size marks Dynamo leaves on such outputs (``_dynamo_propagated_dynamic_indices``):
+    a static branch step given the marked tensor traced it with symbolic sizes despite
+    ``dynamic=False``, and F.dropout then failed under ``torch.func.vjp`` (a dropout block
+    backed by a deterministic block fell back to the eager steps at its second batch size)."""
+    return t.detach() if isinstance(t, torch.Tensor) and hasattr(t, "_dynamo_propagated_dynamic_indices") else t
 
 
 def _any_shape(block):
