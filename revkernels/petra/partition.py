@@ -345,19 +345,20 @@ class StageStream:
 
     @contextlib.contextmanager
     def drawing(self, cuda_devices=()):
-        caller = RngState(cuda_devices)
-        if self.state is None:
-            torch.default_generator.manual_seed(self.seed)
-        else:
-            self.state.restore()
-        for device in cuda_devices:
-            if self.state is None or device not in self.state.cuda:
-                torch.cuda.default_generators[device].manual_seed(self.seed)
-        try:
+        if self.state is None or any(d not in self.state.cuda for d in cuda_devices):
+            self.state = self._seeded(cuda_devices)
+        with self.state.replay():  # (the caller's generator states are put back after)
             yield
-        finally:
             self.state = RngState(cuda_devices)
-            caller.restore()
+
+    def _seeded(self, cuda_devices):
+        """The stream's state with the generators it has not drawn from yet at their seeded start."""
+        state = RngState.__new__(RngState)
+        state.cpu = torch.Generator().manual_seed(self.seed).get_state() if self.state is None else self.state.cpu
+        state.cuda = {} if self.state is None else dict(self.state.cuda)
+        for device in cuda_devices:
+            state.cuda.setdefault(device, torch.Generator(f"cuda:{device}").manual_seed(self.seed).get_state())
+        return state
 
 
 BALANCES = ("count", "time")

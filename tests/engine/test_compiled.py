@@ -398,8 +398,8 @@ def test_a_dropout_block_below_a_deterministic_one_keeps_static_steps():
     branch step was traced with a symbolic batch size, F.dropout failed under torch.func.vjp, and
     the block ran eagerly for good with a warning at the second batch size (found by a probe)."""
     torch.manual_seed(0)
-    seq = _perturbed(ReversibleSequential(rk.nn.ReversibleBlock(_mlp(0.3), _mlp()), rk.nn.ReversibleBlock(_mlp(), _mlp()),
-                                          engine="compiled"))
+    blocks = [rk.nn.ReversibleBlock(_mlp(0.3), _mlp()), rk.nn.ReversibleBlock(_mlp(), _mlp())]
+    seq = _perturbed(ReversibleSequential(*blocks, engine="compiled"))
     seq.compile_options = AOT
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -408,6 +408,7 @@ def test_a_dropout_block_below_a_deterministic_one_keeps_static_steps():
             expected = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=batch)
             _assert_all_close(run_grads(seq, seq, *data, seed=batch), expected, 1e-5, f"batch {batch}")
     assert not any(compiled_steps(seq, "cpu").fell_back(block) for block in seq.blocks)
+
 
 def test_blocks_without_randomness_take_any_number_of_batch_sizes():
     """The block steps keep Dynamo's automatic dynamic shapes: ten batch sizes stay within the

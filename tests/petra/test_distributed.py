@@ -302,8 +302,8 @@ def test_cli_nproc_rank_argument_error_is_one_line(tmp_path):
 
 
 
-@pytest.mark.parametrize("saved_ranks, found", [(2, True), (1, False)])
-def test_resume_with_another_rank_count_is_an_argument_error(saved_ranks, found, tmp_path):
+@pytest.mark.parametrize("found", [True, False])
+def test_resume_with_another_rank_count_is_an_argument_error(found, tmp_path):
     """A distributed checkpoint resumed by one rank: saved by 2 ranks, this rank's file is there, but the
     checkpoint is refused before any training (a ValueError, which the CLI reports as an argument error:
     status 2, no restart; before, the rank's load_state_dict raised inside training, status 1, and
@@ -315,7 +315,7 @@ def test_resume_with_another_rank_count_is_an_argument_error(saved_ranks, found,
     from revkernels.petra.train import _read_checkpoint
 
     name = "rank0.pt" if found else "rank1.pt"
-    torch.save({"step": 2, "trainer": {"world_size": saved_ranks}}, tmp_path / name)
+    torch.save({"step": 2, "trainer": {"world_size": 2}}, tmp_path / name)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         match = "saved by 2 ranks, this run has 1" if found else "no step with a complete rank file"

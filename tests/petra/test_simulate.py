@@ -386,7 +386,6 @@ def test_bad_arguments():
     assert METHODS == ("petra", "delayed", "backprop", "revbackprop")
 
 
-
 @pytest.mark.parametrize("method", ["petra", "delayed"])
 def test_a_tick_that_raises_stops_the_trainer_until_a_checkpoint_is_loaded(method):
     # A label out of the head's range is fed without error and fails ticks later, at the head, after
@@ -418,6 +417,7 @@ def test_a_tick_that_raises_stops_the_trainer_until_a_checkpoint_is_loaded(metho
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
     for (_, a), (_, b) in zip(trainer.state_dict()["modules"][1].items(), reference.state_dict()["modules"][1].items()):
         assert torch.equal(a, b)
+
 
 # --- smoke: PETRA learns ------------------------------------------------------------------------------
 
