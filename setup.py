@@ -4,10 +4,10 @@ REVKERNELS_BUILD_CUDA=1 forces the CUDA kernels (failing if they cannot be built
 REVKERNELS_SKIP_EXTENSION=1 installs the pure-PyTorch package without compiling anything.
 
 CPU kernels: csrc/cpu/vec_kernels.cpp is compiled once per instruction set, as ATen compiles its
-own (see that file): with the other sources for DEFAULT, and on x86-64 with GCC three times more,
-once per entry of ISA_VARIANTS below (AVX2, AVX512, and AVX512 with the CPU's bf16 conversion;
-build_ext compiles those objects itself with ninja: an Extension applies one flag set to all its
-sources). cpu/dispatch.cpp picks one at run time.
+own (see that file): for DEFAULT, and on x86-64 with GCC once more per entry of ISA_VARIANTS below
+(AVX2, AVX512, and AVX512 with the CPU's bf16 conversion; build_ext then compiles all four objects
+itself with ninja: an Extension applies one flag set to all its sources). cpu/dispatch.cpp picks
+one at run time.
 """
 import glob
 import os
@@ -38,12 +38,17 @@ ISA_VARIANTS = {
                     *_AVX512_FLAGS, "-mavx512bf16"],
 }
 VEC_SOURCE = "csrc/cpu/vec_kernels.cpp"
+PRECOMPILED_HEADER = "csrc/precompiled.h"
+
+
+def _gcc():
+    compiler = os.environ.get("CXX") or sysconfig.get_config_var("CXX") or ""
+    return "clang" not in compiler
 
 
 def _isa_variants():
     """The ISA variants to build: x86-64 with GCC (the flags above are GCC's)."""
-    compiler = os.environ.get("CXX") or sysconfig.get_config_var("CXX") or ""
-    if platform.machine() not in ("x86_64", "AMD64") or "clang" in compiler:
+    if platform.machine() not in ("x86_64", "AMD64") or not _gcc():
         return {}
     return ISA_VARIANTS
 
@@ -52,63 +57,99 @@ def _ninja_path(path):
     return path.replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
 
 
-def _build_ext_class(BuildExtension, cxx_flags):
+def _build_ext_class(BuildExtension, variant_flags):
     class BuildExt(BuildExtension):
-        """Compiles the ISA variants of VEC_SOURCE and links them into revkernels._C."""
+        """Compiles the precompiled header and the ISA variants of VEC_SOURCE (GCC), then
+        revkernels._C against the one and linked with the others."""
 
         def build_extension(self, ext):
             variants = _isa_variants()
             if variants:
-                objects = self._variant_objects(ext, variants)
-                if objects is None:
-                    return
-                # After the extension's own objects, so for any symbol the objects share (none
-                # expected) the linker keeps the baseline build's code.
-                ext.extra_objects = list(ext.extra_objects or []) + objects
+                # Then every build of VEC_SOURCE is ours, the baseline one at -O2: only CPUs without
+                # AVX2 run it, and -O3 took its compile from ~50 s to ~90 s, the longest of all.
+                ext.sources = [s for s in ext.sources if os.path.normpath(s) != os.path.normpath(VEC_SOURCE)]
+                variants = {"default": ["-O2"], **variants}
+            objects = self._own_builds(ext, variants)
+            if objects is None:
+                return
+            if _gcc():
+                # Added after the header was built, with exactly the flags the sources get.
+                ext.extra_compile_args["cxx"] += ["-Winvalid-pch", "-include", self._header_copy()]
+            # After the extension's own objects, so for any symbol the objects share (none
+            # expected) the linker keeps the baseline build's code.
+            ext.extra_objects = list(ext.extra_objects or []) + objects
             super().build_extension(ext)
 
-        def _variant_objects(self, ext, variants):
-            """`_compile_variants`, or None where they fail to compile in an optional extension:
-            skipped with a warning, as setuptools skips an optional extension whose compile fails
-            (the pure-PyTorch package is installed; its filter does not catch ninja's error)."""
+        def _own_builds(self, ext, variants):
+            """Builds the precompiled header (GCC) and the `variants` of VEC_SOURCE; returns the
+            variants' objects, or None where they fail to compile in an optional extension: skipped
+            with a warning, as setuptools skips an optional extension whose compile fails (the
+            pure-PyTorch package is installed; its filter does not catch ninja's error)."""
             import subprocess
 
+            builds = [self._precompiled_header(ext)] if _gcc() else []  # (output, source, flags)
+            objects = []
+            for isa, flags in variants.items():
+                objects.append(os.path.join(self._own_dir(), f"vec_kernels_{isa}.o"))
+                builds.append((objects[-1], VEC_SOURCE, self._base_flags(ext) + variant_flags + flags))
             try:
-                return self._compile_variants(ext, variants)
+                self._ninja(builds)
             except subprocess.CalledProcessError as error:
                 if not ext.optional:
                     raise
-                self.warn(f'building extension "{ext.name}" failed: the CPU ISA variants of {VEC_SOURCE}: {error}')
+                self.warn(f'building extension "{ext.name}" failed: the precompiled header or the CPU ISA '
+                          f'variants of {VEC_SOURCE}: {error}')
                 return None
+            return objects
 
-        def _compile_variants(self, ext, variants):
-            """One object per ISA, built by ninja as BuildExtension builds the others: in parallel
-            (MAX_JOBS), and again only when the source, a header it includes or the flags change."""
+        def _own_dir(self):
+            path = os.path.abspath(os.path.join(self.build_temp, "own_builds"))
+            os.makedirs(path, exist_ok=True)
+            return path
+
+        def _base_flags(self, ext):
+            from torch.utils.cpp_extension import include_paths
+
+            dirs = ext.include_dirs + include_paths() + list(self.compiler.include_dirs)
+            return [*self.compiler.compiler_so[1:], *(f"-I{d}" for d in dirs)]
+
+        def _header_copy(self):
+            # GCC takes <header>.gch from the folder of the header it includes: the sources
+            # include a copy beside the .gch (read only if the .gch is unusable).
+            return os.path.join(self._own_dir(), os.path.basename(PRECOMPILED_HEADER))
+
+        def _precompiled_header(self, ext):
+            """The header built with the flags BuildExtension compiles the sources with."""
+            import shutil
+
+            shutil.copyfile(os.path.join(ROOT, PRECOMPILED_HEADER), self._header_copy())
+            flags = list(ext.extra_compile_args["cxx"])
+            if not any(f.startswith("-std=") for f in flags):
+                flags.append("-std=c++20")  # as BuildExtension adds it
+            return self._header_copy() + ".gch", PRECOMPILED_HEADER, self._base_flags(ext) + flags + ["-x", "c++-header"]
+
+        def _ninja(self, builds):
+            """Runs `builds` as BuildExtension builds the sources: with ninja, in parallel (MAX_JOBS)
+            and again only when a source, a header it includes or the flags change."""
             import shlex
             import subprocess
 
-            from torch.utils.cpp_extension import include_paths, is_ninja_available
+            from torch.utils.cpp_extension import is_ninja_available
 
-            base = [*self.compiler.compiler_so, *(f"-I{d}" for d in ext.include_dirs + include_paths())]
-            out_dir = os.path.abspath(os.path.join(self.build_temp, "isa_variants"))
-            os.makedirs(out_dir, exist_ok=True)
+            compiler = self.compiler.compiler_cxx[0]  # the driver BuildExtension compiles with
             if not is_ninja_available():  # as BuildExtension does without ninja: one at a time
-                return [self.compiler.compile([VEC_SOURCE], output_dir=os.path.join(out_dir, isa),
-                                              include_dirs=ext.include_dirs + include_paths(),
-                                              extra_postargs=cxx_flags + flags)[0]
-                        for isa, flags in variants.items()]
+                for output, source, flags in builds:
+                    subprocess.run([compiler, *flags, "-c", os.path.join(ROOT, source), "-o", output], check=True)
+                return
             lines = ["ninja_required_version = 1.3", "rule cxx", "  command = $cmd -MMD -MF $out.d -c $in -o $out",
                      "  depfile = $out.d", "  deps = gcc"]
-            objects = []
-            for isa, flags in variants.items():
-                objects.append(os.path.join(out_dir, f"vec_kernels_{isa}.o"))
-                lines += [f"build {_ninja_path(objects[-1])}: cxx {_ninja_path(os.path.join(ROOT, VEC_SOURCE))}",
-                          "  cmd = " + shlex.join(base + cxx_flags + flags).replace("$", "$$")]
-            with open(os.path.join(out_dir, "build.ninja"), "w") as f:
+            for output, source, flags in builds:
+                lines += [f"build {_ninja_path(output)}: cxx {_ninja_path(os.path.join(ROOT, source))}",
+                          "  cmd = " + shlex.join([compiler, *flags]).replace("$", "$$")]
+            with open(os.path.join(self._own_dir(), "build.ninja"), "w") as f:
                 f.write("\n".join(lines) + "\n")
             jobs = ["-j", os.environ["MAX_JOBS"]] if os.environ.get("MAX_JOBS") else []
-            subprocess.run(["ninja", "-C", out_dir, *jobs], check=True)
-            return objects
+            subprocess.run(["ninja", "-C", self._own_dir(), *jobs], check=True)
 
     return BuildExt
 

@@ -43,10 +43,11 @@ def test_the_sdist_holds_every_source_header_and_build_file(tmp_path):
 
 
 @pytest.mark.parametrize("optional", [True, False])
-def test_a_failed_isa_variant_compile_skips_an_optional_extension(tmp_path, monkeypatch, optional):
-    """ninja's failure skips the optional extension with a warning (the pure-PyTorch package is then
-    installed), as setuptools does for a failed compile; it aborted the install. A required
-    extension (REVKERNELS_BUILD_CUDA set) still fails."""
+def test_a_failed_own_build_skips_an_optional_extension(tmp_path, monkeypatch, optional):
+    """ninja's failure on the builds setup.py runs itself (the precompiled header, the ISA variants)
+    skips the optional extension with a warning (the pure-PyTorch package is then installed), as
+    setuptools does for a failed compile; it aborted the install. A required extension
+    (REVKERNELS_BUILD_CUDA set) still fails."""
     pytest.importorskip("ninja")
     from torch.utils.cpp_extension import BuildExtension
 
@@ -54,17 +55,19 @@ def test_a_failed_isa_variant_compile_skips_an_optional_extension(tmp_path, monk
     monkeypatch.setenv("REVKERNELS_SKIP_EXTENSION", "1")
     namespace = runpy.run_path(os.path.join(ROOT, "setup.py"))
     command = namespace["_build_ext_class"](BuildExtension, [])(setuptools.Distribution({"name": "probe"}))
-    command.compiler = types.SimpleNamespace(compiler_so=[shutil.which("c++") or "c++"])
+    cxx = shutil.which("c++") or "c++"
+    command.compiler = types.SimpleNamespace(compiler_so=[cxx], compiler_cxx=[cxx], include_dirs=[])
     command.build_temp = str(tmp_path)
     warnings = []
     monkeypatch.setattr(command, "warn", warnings.append)
-    ext = types.SimpleNamespace(name="revkernels._C", optional=optional, include_dirs=[])
-    bad = {"bad": ["-fno-such-flag-revkernels"]}
+    bad_flag = ["-fno-such-flag-revkernels"]
+    ext = types.SimpleNamespace(name="revkernels._C", optional=optional, include_dirs=[],
+                                extra_compile_args={"cxx": bad_flag})
     if not optional:
         with pytest.raises(subprocess.CalledProcessError):
-            command._variant_objects(ext, bad)
+            command._own_builds(ext, {"bad": bad_flag})
         return
-    assert command._variant_objects(ext, bad) is None
+    assert command._own_builds(ext, {"bad": bad_flag}) is None
     assert len(warnings) == 1 and "ISA variants" in warnings[0]
 
 
