@@ -9,10 +9,14 @@ constants for representative widths (1, 33, 1000, 4096, 4097, 8192 and the chunk
 MAX_FUSED_N_BWD / MAX_FUSED_N). Register use and spills (cuobjdump resource usage: LOCAL/STACK > 0) are printed as
 non-fatal notes.
 
+CI compiles a cover of the cases (`_cover`: every kernel's every constexpr configuration with its
+warp count, and every combination of its argument dtypes, each at least once: 159 of the 238
+compiles); the test marked `slow` compiles them all (`pytest -m slow tests/triton/test_compile_sm90.py`).
+
 One child process per CPU core (at most 4) compiles its share of the cases (a fresh Triton cache, so
 nothing is a cache hit). Run it against another Triton by pointing REVKERNELS_TRITON_PYTHON at that
 environment's python. The file also runs standalone as the child: `python
-tests/triton/test_compile_sm90.py [SHARD COUNT]` compiles cases SHARD, SHARD + COUNT, ...
+tests/triton/test_compile_sm90.py SHARD COUNT [all|cover]` compiles cases SHARD, SHARD + COUNT, ...
 """
 import importlib.util
 import json
@@ -161,6 +165,25 @@ def _cases():
     return cases
 
 
+def _cover(cases):
+    """A subset of cases with every (kernel, constexprs, num_warps) and every (kernel, argument dtypes,
+    constexprs other than block sizes) of `cases` in it: greedily, the case that adds the most."""
+    def keys(case):
+        kernel, _, ptrs, constexprs, num_warps, i64 = case
+        dtypes = {k: v for k, v in constexprs.items() if not k.startswith("BLOCK")}
+        return {("config", kernel, json.dumps(constexprs, sort_keys=True), num_warps),
+                ("dtypes", kernel, json.dumps(ptrs, sort_keys=True), json.dumps(i64), json.dumps(dtypes, sort_keys=True))}
+
+    case_keys = [keys(case) for case in cases]
+    missing = set().union(*case_keys)
+    chosen = []
+    while missing:
+        best = max(range(len(cases)), key=lambda i: len(case_keys[i] & missing))  # the first of equals
+        chosen.append(cases[best])
+        missing -= case_keys[best]
+    return chosen
+
+
 def _jit_kernels():
     """Names of the top-level @triton.jit kernels (not the jitted helpers they call) per module."""
     import triton
@@ -193,7 +216,7 @@ def _resource_usage(cuobjdump, cubin, workdir):
     return usage
 
 
-def _child(shard=0, count=1):
+def _child(shard=0, count=1, which="all"):
     import tempfile
 
     assert not os.environ.get("TRITON_INTERPRET"), "the compile check must not run under the interpreter"
@@ -203,7 +226,7 @@ def _child(shard=0, count=1):
     from triton.compiler import ASTSource
 
     kernels = _jit_kernels()
-    cases = _cases()[shard::count]
+    cases = (_cases() if which == "all" else _cover(_cases()))[shard::count]
     target = GPUTarget("cuda", ARCH, 32)
     cuobjdump = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
     results = []
@@ -245,7 +268,7 @@ def _python():
     return os.environ.get("REVKERNELS_TRITON_PYTHON", sys.executable)
 
 
-def _run_children(tmp_dir):
+def _run_children(tmp_dir, which):
     """The children's reports merged: one child per core (at most 4), each with its own fresh cache."""
     count = max(1, min(4, len(os.sched_getaffinity(0))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -254,7 +277,7 @@ def _run_children(tmp_dir):
     procs = []
     for shard in range(count):
         cache = os.path.join(str(tmp_dir), f"shard{shard}")  # fresh: every case really compiles
-        procs.append(subprocess.Popen([_python(), os.path.abspath(__file__), str(shard), str(count)], cwd=REPO,
+        procs.append(subprocess.Popen([_python(), os.path.abspath(__file__), str(shard), str(count), which], cwd=REPO,
                                       env=dict(env, TRITON_CACHE_DIR=cache), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     reports = []
@@ -267,7 +290,7 @@ def _run_children(tmp_dir):
 
 
 if __name__ == "__main__":
-    _child(*(int(arg) for arg in sys.argv[1:3]))
+    _child(*(int(arg) for arg in sys.argv[1:3]), *sys.argv[3:4])
 else:
     import pytest
 
@@ -293,10 +316,10 @@ else:
         extra = f" i64={case['i64']}" if case["i64"] else ""
         return f"{case['kernel']}({ptrs}) {case['constexprs']} num_warps={case['num_warps']}{extra}"
 
-    @pytest.fixture(scope="module")
-    def report(tmp_path_factory):
+    def _compile(tmp_dir, which):
+        """The children's report, its register use and spills printed."""
         start = time.perf_counter()
-        result = _run_children(tmp_path_factory.mktemp("triton_cache"))
+        result = _run_children(tmp_dir, which)
         cases = result["cases"]
         print(f"\ntriton {result['triton']}: {len(cases)} sm_{ARCH} compiles in {time.perf_counter() - start:.1f} s")
         for name in sorted({c["kernel"] for c in cases}):
@@ -315,6 +338,29 @@ else:
                           f"(STACK/LOCAL > 0), e.g. {spills[0]}", stacklevel=1)
         return result
 
+    def _failures(cases):
+        failures = [f"{_describe(c)}:\n{c['error']}" for c in cases if not c["ok"]]
+        return f"{len(failures)}/{len(cases)} configurations fail to compile:\n" + "\n\n".join(failures[:5])
+
+    @pytest.fixture(scope="module")
+    def report(tmp_path_factory):
+        return _compile(tmp_path_factory.mktemp("triton_cache"), "cover")
+
+    def test_the_cover_has_every_configuration_and_dtype_combination():
+        cases = _cases()
+        cover = _cover(cases)
+        assert len(cover) < len(cases) and all(case in cases for case in cover)
+        for name, key in (("configuration", lambda c: (c[0], json.dumps(c[3], sort_keys=True), c[4])),
+                          ("dtypes", lambda c: (c[0], json.dumps(c[2], sort_keys=True), json.dumps(c[5]),
+                                                json.dumps({k: v for k, v in c[3].items() if "BLOCK" not in k},
+                                                           sort_keys=True)))):
+            assert {key(c) for c in cover} == {key(c) for c in cases}, name
+
+    @pytest.mark.slow
+    def test_every_case_compiles_for_sm90(tmp_path):
+        result = _compile(tmp_path, "all")
+        assert all(c["ok"] for c in result["cases"]), f"triton {result['triton']}: " + _failures(result["cases"])
+
     def test_every_kernel_is_covered(report):
         """Each @triton.jit kernel of the modules has compile cases (a new kernel needs cases added)."""
         assert report["kernels"] == EXPECTED_KERNELS
@@ -325,7 +371,4 @@ else:
     def test_compiles_for_sm90(report, kernel):
         cases = [c for c in report["cases"] if c["kernel"] == kernel]
         assert cases
-        failures = [f"{_describe(c)}:\n{c['error']}"
-                    for c in cases if not c["ok"]]
-        assert not failures, (f"{len(failures)}/{len(cases)} configurations of {kernel} fail to compile for "
-                              f"sm_{ARCH} on triton {report['triton']}:\n" + "\n\n".join(failures[:5]))
+        assert all(c["ok"] for c in cases), f"{kernel} for sm_{ARCH} on triton {report['triton']}: " + _failures(cases)
