@@ -304,6 +304,9 @@ mutation("petra_stages_share_the_process_generator", PART,  # as before the stag
 mutation("petra_meet_with_a_deadline", DIST,  # a barrier under the process group's timeout, as before meet
          "        store = self._watchdog.store\n        if store is None:", "        store = None\n        if store is None:",
          "tests/petra/test_distributed.py -k busy_rank")
+mutation("petra_ranks_get_the_forkservers_environment", DIST,  # the environment the forkserver started with
+         "    os.environ.clear()\n    os.environ.update(env)\n", "    pass\n",
+         "tests/petra/test_distributed.py -k launchers_environment")
 mutation("compiled_static_branch_steps_get_marked_tensors", "revkernels/engine/compiled.py",
          "                    args = [_unmarked(a) for a in args]\n", "                    pass\n",
          "tests/engine/test_compiled.py -k dropout_block_below")

@@ -3,7 +3,7 @@ point-to-point messages, exactly the simulator's tick semantics (`revkernels.pet
 
 Launch.
     torchrun --nproc-per-node R -m revkernels.petra.train --runtime distributed [--ranks R] ...
-    python -m revkernels.petra.train --runtime distributed --nproc R ...     # spawns the R processes itself
+    python -m revkernels.petra.train --runtime distributed --nproc R ...     # starts the R processes itself
 From Python: `launch(fn, R, args)` starts R processes on a free local port (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT in their environment) and runs ``fn(*args)`` in each; inside, `init()` joins the group and
 `PipelineRank(model, ...)` runs this rank's worker with the same `train_step` / `advance` / `flush` calls
@@ -754,10 +754,27 @@ def free_port():
         return s.getsockname()[1]
 
 
+# A forkserver (where the platform has one) starts the ranks: it imports these once, and each rank is a
+# fork of it, not a fresh interpreter that imports torch (~2.5 s) and, at its first optimizer, torch._dynamo
+# (~3.5 s) again: a launch or restart of R ranks paid R times that before its first tick. The server
+# imports, but runs nothing (no tensor op starts the OpenMP pool a fork would not have).
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "revkernels.petra.distributed"]
+
+
+def _start_context():
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def _child(rank, world, port, fn, args, log_dir, env, threads):
+    # The launcher's environment as of the launch (a forkserver's children inherit the server's).
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    os.environ.update(env or {})
     if log_dir:
         for fd, name in ((1, "out"), (2, "err")):
             f = os.open(os.path.join(log_dir, f"rank{rank}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -793,18 +810,20 @@ class LaunchError(RuntimeError):
 
 
 def launch(fn, nprocs, args=(), log_dir=None, env=None, threads=1, grace=60.0, timeout=None):
-    """Runs ``fn(*args)`` in `nprocs` fresh processes (spawn) forming a process group on a free local port.
+    """Runs ``fn(*args)`` in `nprocs` new processes forming a process group on a free local port: forks of a
+    forkserver that has imported torch and revkernels (spawned interpreters where there is no forkserver).
 
-    Each child gets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (and `env`) in its environment and
+    Each child gets the launcher's environment with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT and `env` set, and
     `threads` torch threads. With `log_dir`, rank r's stdout/stderr go to ``rank{r}.out/.err`` there and a
     non-None return value to ``rank{r}.pt``; returns the list of those values (None where absent). If a
     child fails, the others get `grace` s to exit on their own and are then killed; raises `LaunchError`
     (with ``exitcodes``) naming the ranks that failed. `timeout`: seconds for the whole run (None: none).
     """
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _start_context()
     port = free_port()
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
+    env = {**os.environ, **(env or {})}
     procs = [ctx.Process(target=_child, args=(r, nprocs, port, fn, args, log_dir, env, threads), daemon=False)
              for r in range(nprocs)]
     for p in procs:

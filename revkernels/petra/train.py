@@ -86,7 +86,7 @@ simulator with the same grouping and the same torch thread count (``--threads``;
 rank gets the CPU count / R threads, the simulator torch's default)::
 
     torchrun --nproc-per-node 3 -m revkernels.petra.train --runtime distributed ...   # 3 ranks
-    python -m revkernels.petra.train --runtime distributed --nproc 3 ...              # spawns the 3 itself
+    python -m revkernels.petra.train --runtime distributed --nproc 3 ...              # starts the 3 itself
 
 ``--ranks R`` splits the model's J stages into R contiguous groups, each run as one worker (by either
 runtime, so ``--runtime simulate --ranks R`` simulates exactly what R distributed ranks do); the
@@ -152,7 +152,7 @@ def make_parser():
                    help="split the stages into R contiguous groups, one worker each (default: one per stage, or "
                         "one group per rank under --runtime distributed)")
     p.add_argument("--nproc", type=int, default=None,
-                   help="--runtime distributed without torchrun: spawn this many local processes (ranks)")
+                   help="--runtime distributed without torchrun: start this many local processes (ranks)")
     p.add_argument("--balance", default="count",
                    help="stage groups (--ranks / --runtime distributed): count (by stage count) or time (the largest "
                         "group's timed per-tick cost minimised)")
@@ -338,7 +338,7 @@ class _Logger:
 
 
 def _rank_main(argv):
-    """A rank spawned by ``--nproc`` (RANK etc. in its environment); argument errors as `cli` prints them."""
+    """A rank started by ``--nproc`` (RANK etc. in its environment); argument errors as `cli` prints them."""
     cli(argv)
 
 

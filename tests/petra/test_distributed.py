@@ -156,6 +156,25 @@ def test_ranks_meet_a_busy_rank_past_the_timeout(tmp_path):
         assert res is not None, open(tmp_path / f"rank{r}.err").read()
     assert results[0] >= 4.5
 
+
+def _environment(name):
+    return os.environ.get(name), os.environ["RANK"]
+
+
+def test_ranks_get_the_launchers_environment_as_of_each_launch(tmp_path, monkeypatch):
+    """The ranks are forks of a forkserver that started at the first launch (its children inherit its
+    environment): each launch's ranks still get the launcher's environment as it is then, `env` on top."""
+    name = "REVKERNELS_TEST_LAUNCH"
+    for value in ("first", "second", None, "env"):
+        if value is None:
+            monkeypatch.delenv(name)
+        else:
+            monkeypatch.setenv(name, value if value != "env" else "launcher")
+        results = launch(_environment, 2, (name,), log_dir=str(tmp_path / str(value)), timeout=60,
+                         env={name: "env"} if value == "env" else None)
+        assert results == [(value, "0"), (value, "1")]
+
+
 def test_pipeline_rank_takes_a_list_of_stage_modules(tmp_path):
     """As `Trainer` and `partition` do: 5 stage modules in a list, on 2 ranks, train as the simulator's."""
     results = launch(_train_rank, 2, ("S r D r H", 2, 4, 20.0, None, "petra", True), log_dir=str(tmp_path), timeout=120)
