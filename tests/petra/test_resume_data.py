@@ -241,7 +241,7 @@ def test_cli_trains_on_cifar10_and_imagefolder_fixtures(tmp_path):
 def test_cli_resume_with_more_epochs_keeps_the_checkpoints_default_milestones(tmp_path):
     # (the default milestones, halfway and three quarters through --epochs, moved with a longer
     # --epochs, and the resume was refused for "other --milestones" the user never gave)
-    args = ["--dataset", "digits", "--image-size", "8", "--batch-size", "512", "--threads", "1", "--no-progress"]
+    args = ["--dataset", "digits", "--image-size", "4", "--batch-size", "512", "--threads", "1", "--no-progress"]
     out, more = str(tmp_path / "run"), str(tmp_path / "more")
     main(args + ["--epochs", "2", "--max-steps", "3", "--checkpoint-every", "3", "--out", out])
     main(args + ["--epochs", "4", "--max-steps", "4", "--resume", os.path.join(out, "checkpoint.pt"), "--out", more])
