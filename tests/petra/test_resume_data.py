@@ -110,7 +110,7 @@ def test_cli_resume_in_a_fresh_process_continues_exactly(tmp_path):
 
 def test_cli_resume_past_max_steps_or_epochs_is_refused(tmp_path):
     """A checkpoint after batch 3 (of 2 per epoch: in epoch 2) cannot continue a run of 2 batches or of 1 epoch."""
-    args = ["--dataset", "digits", "--image-size", "8", "--batch-size", "512", "--epochs", "2", "--milestones",
+    args = ["--dataset", "digits", "--image-size", "4", "--batch-size", "512", "--epochs", "2", "--milestones",
             "--threads", "1", "--no-progress"]
     out = str(tmp_path / "run")
     main(args + ["--max-steps", "3", "--checkpoint-every", "3", "--out", out])
