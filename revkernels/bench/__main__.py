@@ -61,9 +61,15 @@ def _parse(argv):
     parser.add_argument("--parts", nargs="+", choices=PARTS, metavar="PART",
                         help=f"parts to run, from {', '.join(PARTS)} (default: all; on CUDA all but overhead and petra)")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"folder for CSV and PNG (default: ./{DEFAULT_OUT})")
+    parser.add_argument("--memory-depths", type=int, nargs="+", metavar="DEPTH",
+                        help="stack depths of the memory part (its --depths; default: the part's own: 4 8 16 "
+                        "on CPU, 2 4 with --quick; 12 24 48 on CUDA, 12 24 with --quick). On CPU each depth "
+                        "costs two fresh processes (the peak-memory measurement), so a smoke run may name one")
     args = parser.parse_args(argv)
     check_out_folder(parser, args.out)
     check_device(parser, args.device)
+    if args.memory_depths and min(args.memory_depths) < 1:
+        parser.error("--memory-depths must be positive")
     return args
 
 
@@ -78,6 +84,8 @@ def part_argv(part, args, elapsed_s=0.0):
     argv = ["--out", args.out]
     if part != "petra":
         argv += ["--device", args.device]
+    if part == "memory" and getattr(args, "memory_depths", None):
+        argv += ["--depths", *map(str, args.memory_depths)]
     if args.quick or (not cuda and part in ("train", "petra")):
         return argv + ["--quick"]
     if cuda and part == "train":

@@ -15,8 +15,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_suite_quick_kernels_and_memory(tmp_path):
+    # --memory-depths 4: the deepest quick depth alone, its two peak-memory children instead of four
+    # (each a fresh interpreter importing torch: most of this test's time)
     result = subprocess.run([sys.executable, "-m", "revkernels.bench", "--quick", "--device", "cpu", "--parts", "kernels",
-                             "memory", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+                             "memory", "--memory-depths", "4", "--out", str(tmp_path)], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert out.index("=== memory") < out.index("=== kernels") < out.index("=== summary")  # the suite's order
@@ -29,7 +32,8 @@ def test_suite_quick_kernels_and_memory(tmp_path):
         rows = list(csv.DictReader(open(tmp_path / name)))
         assert rows and all(r["commit"] and r["device"] and r["torch"] for r in rows)
         assert (tmp_path / name.replace(".csv", ".png")).stat().st_size > 0
-    assert {r["engine"] for r in csv.DictReader(open(tmp_path / "train_step_cpu.csv"))} == {"autograd", "sequential"}
+    memory = list(csv.DictReader(open(tmp_path / "train_step_cpu.csv")))
+    assert {r["engine"] for r in memory} == {"autograd", "sequential"} and {r["depth"] for r in memory} == {"4"}
 
 
 def test_suite_rejects_an_unknown_part(capsys):
@@ -74,6 +78,7 @@ def test_every_part_refuses_a_bad_device_or_out_before_measuring(part, argv, mes
     ("petra", ["--batch", "0"], "--batch must be at least 1"),
     ("petra", ["--accum", "0"], "--accum must be at least 1"),
     ("petra", ["--groups", "3", "3", "3"], "--groups must be 2 positive sizes"),
+    ("suite", ["--memory-depths", "4", "0"], "--memory-depths must be positive"),
 ])
 def test_parts_name_the_argument_they_refuse(part, argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -86,6 +91,9 @@ def test_suite_passes_each_part_its_mode():
         return suite._parse(list(argv))
 
     assert suite.part_argv("memory", args("--device", "cpu", "--out", "o")) == ["--out", "o", "--device", "cpu"]
+    depths = suite.part_argv("memory", args("--device", "cpu", "--quick", "--memory-depths", "4", "8"))
+    assert depths[-4:] == ["--depths", "4", "8", "--quick"] and PARSERS["memory"](depths).depths == [4, 8]
+    assert "--depths" not in suite.part_argv("train", args("--device", "cpu", "--memory-depths", "4"))
     assert suite.part_argv("train", args("--device", "cpu"))[-1] == "--quick"  # CPU: train and petra quick
     assert "--device" not in suite.part_argv("petra", args("--device", "cpu"))  # petra is CPU-only
     assert suite.part_argv("kernels", args("--device", "cpu", "--quick"))[-1] == "--quick"
