@@ -120,9 +120,11 @@ def _build_ext_class(BuildExtension, variant_flags):
 
         def _precompiled_header(self, ext):
             """The header built with the flags BuildExtension compiles the sources with."""
-            import shutil
-
-            shutil.copyfile(os.path.join(ROOT, PRECOMPILED_HEADER), self._header_copy())
+            with open(os.path.join(ROOT, PRECOMPILED_HEADER)) as f:
+                text = f.read()
+            if not os.path.exists(self._header_copy()) or open(self._header_copy()).read() != text:
+                with open(self._header_copy(), "w") as f:  # only then: a new copy rebuilds every source
+                    f.write(text)
             flags = list(ext.extra_compile_args["cxx"])
             if not any(f.startswith("-std=") for f in flags):
                 flags.append("-std=c++20")  # as BuildExtension adds it
