@@ -66,15 +66,19 @@ def _build_ext_class(BuildExtension, variant_flags):
             variants = _isa_variants()
             if variants:
                 # Then every build of VEC_SOURCE is ours, the baseline one at -O2: only CPUs without
-                # AVX2 run it, and -O3 took its compile from ~50 s to ~90 s, the longest of all.
+                # AVX2 run it, and at -O3 its compile was the longest of all (the scalar at::vec).
                 ext.sources = [s for s in ext.sources if os.path.normpath(s) != os.path.normpath(VEC_SOURCE)]
                 variants = {"default": ["-O2"], **variants}
             objects = self._own_builds(ext, variants)
             if objects is None:
                 return
             if _gcc():
-                # Added after the header was built, with exactly the flags the sources get.
-                ext.extra_compile_args["cxx"] += ["-Winvalid-pch", "-include", self._header_copy()]
+                # Added after the header was built, with exactly the flags the sources get. ninja's
+                # dependencies of a source using it do not name the header (GCC lists none of a
+                # precompiled header's includes): -D with the header's build id makes every source's
+                # command line change, and so recompile, when the header was rebuilt.
+                ext.extra_compile_args["cxx"] += ["-Winvalid-pch", "-include", self._header_copy(),
+                                                  f"-DREVKERNELS_PCH_ID={self._header_id()}"]
             # After the extension's own objects, so for any symbol the objects share (none
             # expected) the linker keeps the baseline build's code.
             ext.extra_objects = list(ext.extra_objects or []) + objects
@@ -118,11 +122,19 @@ def _build_ext_class(BuildExtension, variant_flags):
             # include a copy beside the .gch (read only if the .gch is unusable).
             return os.path.join(self._own_dir(), os.path.basename(PRECOMPILED_HEADER))
 
+        def _header_id(self):
+            """The precompiled header's size and modification time (ns): a new one for each build of it."""
+            info = os.stat(self._header_copy() + ".gch")
+            return f"{info.st_size}_{info.st_mtime_ns}"
+
         def _precompiled_header(self, ext):
             """The header built with the flags BuildExtension compiles the sources with."""
-            with open(os.path.join(ROOT, PRECOMPILED_HEADER)) as f:
-                text = f.read()
-            if not os.path.exists(self._header_copy()) or open(self._header_copy()).read() != text:
+            def read(path):
+                with open(path) as f:
+                    return f.read()
+
+            text = read(os.path.join(ROOT, PRECOMPILED_HEADER))
+            if not os.path.exists(self._header_copy()) or read(self._header_copy()) != text:
                 with open(self._header_copy(), "w") as f:  # only then: a new copy rebuilds every source
                     f.write(text)
             flags = list(ext.extra_compile_args["cxx"])

@@ -754,11 +754,11 @@ def free_port():
         return s.getsockname()[1]
 
 
-# A forkserver (where the platform has one) starts the ranks: it imports these once, and each rank is a
-# fork of it, not a fresh interpreter that imports torch (~2.5 s) and, at its first optimizer, torch._dynamo
-# (~3.5 s) again: a launch or restart of R ranks paid R times that before its first tick. The server
+# A forkserver (where the platform has one) starts the ranks: it imports these once (torch with them), and
+# each rank is a fork of it, not a fresh interpreter that imports torch and, at its first optimizer,
+# torch._dynamo again: a launch or restart of R ranks paid that R times before its first tick. The server
 # imports, but runs nothing (no tensor op starts the OpenMP pool a fork would not have).
-_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "revkernels.petra.distributed"]
+_PRELOAD = ["torch._dynamo", "revkernels.petra.distributed"]
 
 
 def _start_context():
