@@ -251,6 +251,12 @@ mutation("compiled_inference_input_not_copied", "revkernels/engine/compiled.py",
 mutation("compiled_backward_linears_not_flattened", "revkernels/engine/compiled.py",
          "    with _FlatLinears() if torch.compiler.is_compiling() else contextlib.nullcontext():\n",
          "    with contextlib.nullcontext():\n", "tests/engine/test_compiled.py -k transformer_streams_take")
+mutation("direct_step_calls_skip_the_guards", "revkernels/engine/compiled.py",
+         "if e.guard_manager.check(frame_locals)), None)", "), None)",
+         "tests/engine/test_compiled.py -k attribute_changed_after")
+mutation("direct_step_calls_ignore_the_stance", "revkernels/engine/compiled.py",
+         'if stance.stance != "default" or', "if",
+         "tests/engine/test_compiled.py -k without_dynamos_frame_hook")
 mutation("random_branch_steps_always_static", "revkernels/engine/compiled.py",
          "if name in self.any_shape and _any_shape(block)", "if False",
          "tests/engine/test_compiled.py -k take_any_shape")

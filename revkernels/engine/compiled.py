@@ -215,9 +215,9 @@ class CompiledSteps:
                     args = [_unmarked(a) for a in args]
             classes = cached(block, "shared_classes", _shared_classes)
             if not classes:
-                return step(*args)
+                return run_step(step, args)
             with _under_shared_classes(classes):
-                return step(*args)
+                return run_step(step, args)
         except Exception as error:  # noqa: BLE001  (any compile error: the block runs the eager steps)
             if hooks_enabled and not torch._C._autograd._saved_tensors_hooks_is_enabled():
                 # A failed compile of torch.func.vjp over saved-tensor hooks (torch.utils.checkpoint
@@ -232,6 +232,42 @@ class CompiledSteps:
             else:
                 what = f"compiling the {name} step of blocks[{position}] ({type(block).__name__}) failed"
             raise StepFailed(self.failed, _layout(block).key, what, error) from error
+
+
+# A compiled step's call goes through Dynamo's frame hook (state set-up around the call, the
+# cache lookup) before the code of its cache entry runs, a large share of a small step's call in a
+# host-bound run (see the overhead benchmark, README "Compiled runs"). `run_step` does
+# what the hook does on a cache hit: the first entry of the step's code whose guards (Dynamo's guard
+# manager, given the same arguments) pass runs its code, which gathers the graph's inputs from the
+# arguments and calls the compiled graph. No entry passing (a new signature) calls the compiled
+# function, which compiles, or runs eagerly past the recompile limit, as before; so does any call
+# where Dynamo's hook would do more than a lookup: a callback already set (inside another compiled
+# frame), a stance other than the default (``torch.compiler.set_stance``), Dynamo disabled, or a
+# torch without these internals.
+_eval_frame = torch._C._dynamo.eval_frame
+_DIRECT = [all(hasattr(_eval_frame, name) for name in ("_debug_get_cache_entry_list", "get_eval_frame_callback"))
+           and hasattr(torch._dynamo.eval_frame, "_stance")]
+
+
+def run_step(step, args):
+    """``step(*args)``, `step` a torch.compile'd step function and `args` all its arguments."""
+    fn = getattr(step, "_torchdynamo_orig_callable", None) if _DIRECT[0] else None
+    code = getattr(fn, "__code__", None)
+    if code is None or len(args) != code.co_argcount or _eval_frame.get_eval_frame_callback() is not None:
+        return step(*args)
+    stance = torch._dynamo.eval_frame._stance
+    if stance.stance != "default" or stance.skip_guard_eval_unsafe or torch._dynamo.config.disable:
+        return step(*args)
+    frame_locals = dict(zip(code.co_varnames, args))
+    try:
+        entry = next((e for e in _eval_frame._debug_get_cache_entry_list(code)
+                      if e.guard_manager.check(frame_locals)), None)
+    except (AttributeError, TypeError):  # another torch's cache entries: Dynamo's hook from now on
+        _DIRECT[0] = False
+        entry = None
+    if entry is None:
+        return step(*args)
+    return types.FunctionType(entry.code, fn.__globals__)(*args)
 
 
 def _unmarked(t):

@@ -218,6 +218,66 @@ def test_twelve_vit_blocks_compile_one_forward_and_one_backward_step():
     _assert_all_close(got, run_grads(ref, ref, *data), 1e-5)
 
 
+class _CallCountingBackend(CountingBackend):
+    """`CountingBackend` that also counts the calls of the graphs it compiled."""
+
+    calls = 0
+
+    def __call__(self, gm, example_inputs):
+        super().__call__(gm, example_inputs)
+
+        def counted(*args):
+            self.calls += 1
+            return gm.forward(*args)
+        return counted
+
+
+def test_steps_run_their_cache_entries_without_dynamos_frame_hook():
+    """`run_step`: once compiled, a step call runs its cache entry's code directly: one compiled
+    graph per block and direction, no Dynamo frame hook (its "Torch-Compiled Region" profiler
+    events); under ``torch.compiler.set_stance("force_eager")`` Dynamo's hook decides and the steps
+    run eagerly; the grads are autograd's throughout."""
+    backend = _CallCountingBackend()
+    seq = _perturbed(ReversibleSequential(*[RevViTBlock(16, 2) for _ in range(3)], engine="compiled"))
+    seq.compile_options = {"backend": backend}
+    ref = copy.deepcopy(seq)
+    ref.engine = "autograd"
+    data = _data(2, 3, 16)
+    expected = run_grads(ref, ref, *data)
+    _assert_all_close(run_grads(seq, seq, *data), expected, 1e-5, "first step: ")
+    backend.calls = 0
+    with torch.profiler.profile() as profile:
+        got = run_grads(seq, seq, *data)
+    _assert_all_close(got, expected, 1e-5, "direct steps: ")
+    assert backend.calls == 6 and backend.graphs == 2
+    assert not [e.name for e in profile.events() if e.name.startswith("Torch-Compiled Region")]
+    backend.calls = 0
+    with torch.compiler.set_stance("force_eager"):
+        got = run_grads(seq, seq, *data)
+    _assert_all_close(got, expected, 1e-5, "force_eager: ")
+    assert backend.calls == 0
+
+
+def test_a_blocks_attribute_changed_after_the_first_step_compiles_new_steps():
+    """Steps run directly (`run_step`) only where Dynamo's guards on their arguments pass: a
+    LayerNorm eps changed between steps compiles new steps, which give plain autograd's grads with
+    the new eps."""
+    backend = CountingBackend()
+    seq = _perturbed(ReversibleSequential(*[rk.nn.ReversibleBlock(_mlp(), _mlp()) for _ in range(2)],
+                                          engine="compiled"))
+    seq.compile_options = {"backend": backend}
+    ref = copy.deepcopy(seq)
+    data = _data(4, 8)
+    for eps in (1e-5, 0.5):
+        for model in (seq, ref):
+            for m in model.modules():
+                if isinstance(m, nn.LayerNorm):
+                    m.eps = eps
+        got = run_grads(seq, seq, *data)
+        _assert_all_close(got, run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data), 1e-5, f"eps={eps}: ")
+    assert backend.graphs == 4
+
+
 def test_a_stochastic_depth_schedule_compiles_its_branch_steps_once():
     """12 RevViTBlocks with a drop-path rate per block (0 to 0.2, as revvit/revswin build them):
     DropPath's rate is a graph input, so the blocks share their steps (the rate-0 block's block
