@@ -255,7 +255,7 @@ mutation("direct_step_calls_skip_the_guards", "revkernels/engine/compiled.py",
          "if e.guard_manager.check(frame_locals)), None)", "), None)",
          "tests/engine/test_compiled.py -k attribute_changed_after")
 mutation("direct_step_calls_ignore_the_stance", "revkernels/engine/compiled.py",
-         'if stance.stance != "default" or', "if",
+         'stance is None or stance.stance != "default" or', "stance is None or",
          "tests/engine/test_compiled.py -k without_dynamos_frame_hook")
 mutation("random_branch_steps_always_static", "revkernels/engine/compiled.py",
          "if name in self.any_shape and _any_shape(block)", "if False",

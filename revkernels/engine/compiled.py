@@ -244,9 +244,8 @@ class CompiledSteps:
 # where Dynamo's hook would do more than a lookup: a callback already set (inside another compiled
 # frame), a stance other than the default (``torch.compiler.set_stance``), Dynamo disabled, or a
 # torch without these internals.
-_eval_frame = torch._C._dynamo.eval_frame
-_DIRECT = [all(hasattr(_eval_frame, name) for name in ("_debug_get_cache_entry_list", "get_eval_frame_callback"))
-           and hasattr(torch._dynamo.eval_frame, "_stance")]
+_eval_frame = torch._C._dynamo.eval_frame  # (C: importing revkernels imports no Dynamo)
+_DIRECT = [all(hasattr(_eval_frame, name) for name in ("_debug_get_cache_entry_list", "get_eval_frame_callback"))]
 
 
 def run_step(step, args):
@@ -255,8 +254,8 @@ def run_step(step, args):
     code = getattr(fn, "__code__", None)
     if code is None or len(args) != code.co_argcount or _eval_frame.get_eval_frame_callback() is not None:
         return step(*args)
-    stance = torch._dynamo.eval_frame._stance
-    if stance.stance != "default" or stance.skip_guard_eval_unsafe or torch._dynamo.config.disable:
+    stance = getattr(torch._dynamo.eval_frame, "_stance", None)
+    if stance is None or stance.stance != "default" or stance.skip_guard_eval_unsafe or torch._dynamo.config.disable:
         return step(*args)
     frame_locals = dict(zip(code.co_varnames, args))
     try:
