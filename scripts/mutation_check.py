@@ -257,6 +257,9 @@ mutation("direct_step_calls_skip_the_guards", "revkernels/engine/compiled.py",
 mutation("direct_step_calls_ignore_the_stance", "revkernels/engine/compiled.py",
          'stance is None or stance.stance != "default" or', "stance is None or",
          "tests/engine/test_compiled.py -k without_dynamos_frame_hook")
+mutation("direct_step_calls_start_no_generation", "revkernels/engine/compiled.py",
+         "    new_generation()  # as the hook", "    pass  # as the hook",
+         "tests/engine/test_compiled.py -k without_dynamos_frame_hook")
 mutation("random_branch_steps_always_static", "revkernels/engine/compiled.py",
          "if name in self.any_shape and _any_shape(block)", "if False",
          "tests/engine/test_compiled.py -k take_any_shape")

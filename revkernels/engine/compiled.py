@@ -259,13 +259,15 @@ def run_step(step, args):
         return step(*args)
     frame_locals = dict(zip(code.co_varnames, args))
     try:
+        new_generation = torch._dynamo.mutation_guard.install_generation_tagging_init
         entry = next((e for e in _eval_frame._debug_get_cache_entry_list(code)
                       if e.guard_manager.check(frame_locals)), None)
-    except (AttributeError, TypeError):  # another torch's cache entries: Dynamo's hook from now on
+    except (AttributeError, TypeError):  # another torch's internals: Dynamo's hook from now on
         _DIRECT[0] = False
         entry = None
     if entry is None:
         return step(*args)
+    new_generation()  # as the hook's entry does: CUDA graph trees count iterations by these generations
     return types.FunctionType(entry.code, fn.__globals__)(*args)
 
 

@@ -235,7 +235,7 @@ class _CallCountingBackend(CountingBackend):
 def test_steps_run_their_cache_entries_without_dynamos_frame_hook():
     """`run_step`: once compiled, a step call runs its cache entry's code directly: one compiled
     graph per block and direction, no Dynamo frame hook (its "Torch-Compiled Region" profiler
-    events); under ``torch.compiler.set_stance("force_eager")`` Dynamo's hook decides and the steps
+    events), a new generation per call as the hook's entry starts; under ``torch.compiler.set_stance("force_eager")`` Dynamo's hook decides and the steps
     run eagerly; the grads are autograd's throughout."""
     backend = _CallCountingBackend()
     seq = _perturbed(ReversibleSequential(*[RevViTBlock(16, 2) for _ in range(3)], engine="compiled"))
@@ -246,10 +246,13 @@ def test_steps_run_their_cache_entries_without_dynamos_frame_hook():
     expected = run_grads(ref, ref, *data)
     _assert_all_close(run_grads(seq, seq, *data), expected, 1e-5, "first step: ")
     backend.calls = 0
+    generation = torch._dynamo.mutation_guard.GenerationTracker.generation
     with torch.profiler.profile() as profile:
         got = run_grads(seq, seq, *data)
     _assert_all_close(got, expected, 1e-5, "direct steps: ")
     assert backend.calls == 6 and backend.graphs == 2
+    # a generation per step call, as the hook's entry starts one (CUDA graph trees count by them)
+    assert torch._dynamo.mutation_guard.GenerationTracker.generation == generation + 6
     assert not [e.name for e in profile.events() if e.name.startswith("Torch-Compiled Region")]
     backend.calls = 0
     with torch.compiler.set_stance("force_eager"):
