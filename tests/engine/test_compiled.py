@@ -10,7 +10,9 @@
 - on a GPU (marked gpu), inductor's CUDA steps of drop-path RevViTBlocks under bf16 autocast keep the
   low-precision rule, compile without falling back to eager steps, and leave the CUDA generator
   after the step where plain autograd's step leaves it;
-- 12 identical ViT blocks compile one forward and one backward step;
+- 12 identical ViT blocks compile one forward and one backward step; once compiled, a step runs
+  its cache entry without Dynamo's frame hook where the guards pass, and compiles anew where they
+  fail (a changed LayerNorm eps);
 - ``torch.compile(fullgraph=True)`` over a memory-saving run saves the same bytes at depth 4 and
   16, and parameter hooks fire once.
 """
@@ -221,7 +223,9 @@ def test_twelve_vit_blocks_compile_one_forward_and_one_backward_step():
 class _CallCountingBackend(CountingBackend):
     """`CountingBackend` that also counts the calls of the graphs it compiled."""
 
-    calls = 0
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
 
     def __call__(self, gm, example_inputs):
         super().__call__(gm, example_inputs)
@@ -235,8 +239,9 @@ class _CallCountingBackend(CountingBackend):
 def test_steps_run_their_cache_entries_without_dynamos_frame_hook():
     """`run_step`: once compiled, a step call runs its cache entry's code directly: one compiled
     graph per block and direction, no Dynamo frame hook (its "Torch-Compiled Region" profiler
-    events), a new generation per call as the hook's entry starts; under ``torch.compiler.set_stance("force_eager")`` Dynamo's hook decides and the steps
-    run eagerly; the grads are autograd's throughout."""
+    events), a new generation per call as the hook's entry starts; under
+    ``torch.compiler.set_stance("force_eager")`` Dynamo's hook decides and the steps run eagerly;
+    the grads are autograd's throughout."""
     backend = _CallCountingBackend()
     seq = _perturbed(ReversibleSequential(*[RevViTBlock(16, 2) for _ in range(3)], engine="compiled"))
     seq.compile_options = {"backend": backend}
