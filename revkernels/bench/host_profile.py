@@ -16,8 +16,9 @@ up to the step):
                       times, standard training three)
     compiled_graphs   inside inductor's compiled graphs (their kernels, GEMMs and attention
                       included: inductor's C++ wrapper calls them without the profiler seeing them)
-    dynamo_entry      entering a compiled function: Dynamo's cache lookup and guards, the compiled
-                      region's bytecode, AOTAutograd's runtime wrapper
+    dynamo_entry      entering a compiled function: Dynamo's cache lookup and guards (the compiled
+                      engine checks its steps' guards itself), the compiled region's bytecode,
+                      AOTAutograd's runtime wrapper
     autograd_engine   autograd's node evaluation, gradient accumulation and built-in backward nodes
     python_functions  inside `torch.autograd.Function`s written in Python (the engines' walkers,
                       the naive stack's backward), outside the ops they call
@@ -45,12 +46,13 @@ from tqdm import tqdm
 from revkernels.bench import overhead as ov
 from revkernels.bench.helptext import description
 from revkernels.bench.report import DEFAULT_OUT, check_device, check_out_folder, provenance, synchronize, write_csv
+from revkernels.engine.compiled import GUARDS_EVENT
 
 CATEGORIES = ("gemm_attention", "compiled_graphs", "dynamo_entry", "autograd_engine", "python_functions",
               "revkernels_ops", "other_aten", "other", "python_untraced")
 GEMM_ATTENTION = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm"}
 DYNAMO_ENTRY = ("TorchDynamo Cache Lookup", "Torch-Compiled Region", "Pregraph bytecode", "AOTDispatcher Runtime",
-                "CompiledFunction")
+                "CompiledFunction", GUARDS_EVENT)
 DEFAULT_VARIANTS = {
     "host_bound": ("standard", "reversible_plain", "checkpoint", "revkernels_sequential",
                    "revkernels_generic_sequential", "revkernels_compiled", "standard_compile"),

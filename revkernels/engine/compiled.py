@@ -244,31 +244,51 @@ class CompiledSteps:
 # where Dynamo's hook would do more than a lookup: a callback already set (inside another compiled
 # frame), a stance other than the default (``torch.compiler.set_stance``), Dynamo disabled, or a
 # torch without these internals.
-_eval_frame = torch._C._dynamo.eval_frame  # (C: importing revkernels imports no Dynamo)
-_DIRECT = [all(hasattr(_eval_frame, name) for name in ("_debug_get_cache_entry_list", "get_eval_frame_callback"))]
+_eval_frame = torch._C._dynamo.eval_frame
+_DIRECT = [None]  # whether this torch has what `run_step` uses (looked up at its first call: importing
+#                   revkernels imports no Dynamo); cleared if its cache entries turn out to differ
+GUARDS_EVENT = "revkernels step guards"  # profiler event of `run_step`'s guard check
 
 
 def run_step(step, args):
     """``step(*args)``, `step` a torch.compile'd step function and `args` all its arguments."""
-    fn = getattr(step, "_torchdynamo_orig_callable", None) if _DIRECT[0] else None
+    fn = getattr(step, "_torchdynamo_orig_callable", None) if _direct_calls() else None
     code = getattr(fn, "__code__", None)
     if code is None or len(args) != code.co_argcount or _eval_frame.get_eval_frame_callback() is not None:
         return step(*args)
-    stance = getattr(torch._dynamo.eval_frame, "_stance", None)
-    if stance is None or stance.stance != "default" or stance.skip_guard_eval_unsafe or torch._dynamo.config.disable:
+    stance = torch._dynamo.eval_frame._stance
+    if stance.stance != "default" or stance.skip_guard_eval_unsafe or torch._dynamo.config.disable:
         return step(*args)
     frame_locals = dict(zip(code.co_varnames, args))
-    try:
-        new_generation = torch._dynamo.mutation_guard.install_generation_tagging_init
-        entry = next((e for e in _eval_frame._debug_get_cache_entry_list(code)
-                      if e.guard_manager.check(frame_locals)), None)
-    except (AttributeError, TypeError):  # another torch's internals: Dynamo's hook from now on
-        _DIRECT[0] = False
-        entry = None
+    if torch.autograd.profiler._is_profiler_enabled:  # (host profiles count it as Dynamo's entry)
+        with torch.profiler.record_function(GUARDS_EVENT):
+            entry = _passing_entry(code, frame_locals)
+    else:
+        entry = _passing_entry(code, frame_locals)
     if entry is None:
         return step(*args)
-    new_generation()  # as the hook's entry does: CUDA graph trees count iterations by these generations
+    # as the hook's entry does: CUDA graph trees count iterations by these generations
+    torch._dynamo.mutation_guard.install_generation_tagging_init()
     return types.FunctionType(entry.code, fn.__globals__)(*args)
+
+
+def _direct_calls():
+    if _DIRECT[0] is None:
+        _DIRECT[0] = (all(hasattr(_eval_frame, name) for name in ("_debug_get_cache_entry_list",
+                                                                  "get_eval_frame_callback"))
+                      and hasattr(torch._dynamo.eval_frame, "_stance")
+                      and hasattr(torch._dynamo.mutation_guard, "install_generation_tagging_init"))
+    return _DIRECT[0]
+
+
+def _passing_entry(code, frame_locals):
+    """The first cache entry of `code` whose guards pass on `frame_locals`, or None."""
+    try:
+        return next((e for e in _eval_frame._debug_get_cache_entry_list(code)
+                     if e.guard_manager.check(frame_locals)), None)
+    except (AttributeError, TypeError):  # another torch's cache entries: Dynamo's hook from now on
+        _DIRECT[0] = False
+        return None
 
 
 def _unmarked(t):

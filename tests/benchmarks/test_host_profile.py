@@ -28,6 +28,7 @@ class _Probe(torch.autograd.Function):
     ("TorchDynamo Cache Lookup", "dynamo_entry"),
     ("Torch-Compiled Region: 1/0", "dynamo_entry"),
     ("AOTDispatcher Runtime Wrapper Prologue", "dynamo_entry"),
+    ("revkernels step guards", "dynamo_entry"),
     ("autograd::engine::evaluate_function: AddmmBackward0", "autograd_engine"),
     ("torch::autograd::AccumulateGrad", "autograd_engine"),
     ("AddmmBackward0", "autograd_engine"),
