@@ -71,14 +71,20 @@ def run_grads(fn, module, x1, x2, w1, w2, seed=None):
 
 
 class CountingBackend:
-    """A Dynamo backend that counts the graphs it is given and runs them as traced."""
+    """A Dynamo backend that counts the graphs it is given (`graphs`) and the calls of them (`calls`),
+    and runs them as traced."""
 
     def __init__(self):
         self.graphs = 0
+        self.calls = 0
 
     def __call__(self, gm, example_inputs):
         self.graphs += 1
-        return gm.forward
+
+        def counted(*args):
+            self.calls += 1
+            return gm.forward(*args)
+        return counted
 
 
 def compiled_saved_bytes(seq, x, **context):

@@ -234,10 +234,9 @@ class CompiledSteps:
             raise StepFailed(self.failed, _layout(block).key, what, error) from error
 
 
-# A compiled step's call goes through Dynamo's frame hook (state set-up around the call, the
-# cache lookup) before the code of its cache entry runs, a large share of a small step's call in a
-# host-bound run (see the overhead benchmark, README "Compiled runs"). `run_step` does
-# what the hook does on a cache hit: the first entry of the step's code whose guards (Dynamo's guard
+# A compiled step's call goes through Dynamo's frame hook (state set-up and tear-down around the
+# call, the cache lookup) before the code of its cache entry runs, and a host-bound run makes two
+# such calls per block and step. `run_step` does what the hook does on a cache hit: the first entry of the step's code whose guards (Dynamo's guard
 # manager, given the same arguments) pass runs its code, which gathers the graph's inputs from the
 # arguments and calls the compiled graph. No entry passing (a new signature) calls the compiled
 # function, which compiles, or runs eagerly past the recompile limit, as before; so does any call

@@ -220,29 +220,13 @@ def test_twelve_vit_blocks_compile_one_forward_and_one_backward_step():
     _assert_all_close(got, run_grads(ref, ref, *data), 1e-5)
 
 
-class _CallCountingBackend(CountingBackend):
-    """`CountingBackend` that also counts the calls of the graphs it compiled."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __call__(self, gm, example_inputs):
-        super().__call__(gm, example_inputs)
-
-        def counted(*args):
-            self.calls += 1
-            return gm.forward(*args)
-        return counted
-
-
 def test_steps_run_their_cache_entries_without_dynamos_frame_hook():
     """`run_step`: once compiled, a step call runs its cache entry's code directly: one compiled
     graph per block and direction, no Dynamo frame hook (its "Torch-Compiled Region" profiler
     events), a new generation per call as the hook's entry starts; under
     ``torch.compiler.set_stance("force_eager")`` Dynamo's hook decides and the steps run eagerly;
     the grads are autograd's throughout."""
-    backend = _CallCountingBackend()
+    backend = CountingBackend()
     seq = _perturbed(ReversibleSequential(*[RevViTBlock(16, 2) for _ in range(3)], engine="compiled"))
     seq.compile_options = {"backend": backend}
     ref = copy.deepcopy(seq)
