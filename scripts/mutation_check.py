@@ -216,8 +216,12 @@ mutation("create_graph_marks_only_grads_requiring_grad", STATE,
          "            return outputs\n",
          "tests/nn/test_reversible.py -k gradient_penalty")
 mutation("guard_filter_drops_user_globals", "revkernels/engine/compiled.py",
-         "    if root in _own_globals():\n        return False\n", "    return False\n",
+         "        if root in _own_globals() or root.startswith(\"G['__builtins_dict\"):\n            return False\n",
+         "        return False\n",
          "tests/engine/test_compiled.py -k module_level_constant")
+mutation("guard_filter_takes_every_module_for_a_library", "revkernels/engine/compiled.py",
+         "    if top in (\"torch\", \"revkernels\"):\n        return True\n", "    return True\n",
+         "tests/engine/test_compiled.py -k guard_filter_drops")
 mutation("drop_path_rate_as_float", "revkernels/nn/drop_path.py",
          ">= self._rate", ">= self._p", "tests/engine/test_compiled.py -k stochastic_depth")
 mutation("compiled_attention_in_low_precision", "revkernels/nn/attention.py",

@@ -58,6 +58,8 @@ torch's own code); a ``guard_filter_fn`` in the compile options replaces that fi
 """
 import contextlib
 import functools
+import sys
+import sysconfig
 import types
 import warnings
 
@@ -236,13 +238,15 @@ class CompiledSteps:
 
 # A compiled step's call goes through Dynamo's frame hook (state set-up and tear-down around the
 # call, the cache lookup) before the code of its cache entry runs, and a host-bound run makes two
-# such calls per block and step. `run_step` does what the hook does on a cache hit: the first entry of the step's code whose guards (Dynamo's guard
-# manager, given the same arguments) pass runs its code, which gathers the graph's inputs from the
-# arguments and calls the compiled graph. No entry passing (a new signature) calls the compiled
-# function, which compiles, or runs eagerly past the recompile limit, as before; so does any call
+# such calls per block and step. `run_step` does what the hook does on a cache hit: the first
+# entry of the step's code whose guards (Dynamo's guard manager, given the same arguments) pass runs
+# its code, which gathers the graph's inputs from the arguments and calls the compiled graph. No
+# entry passing (a new signature) calls the compiled function, which compiles, or runs eagerly past
+# the recompile limit (or with ``torch._dynamo.config.disable`` set), as before; so does any call
 # where Dynamo's hook would do more than a lookup: a callback already set (inside another compiled
-# frame), a stance other than the default (``torch.compiler.set_stance``), Dynamo disabled, or a
-# torch without these internals.
+# frame), a stance other than the default (``torch.compiler.set_stance``), or a torch without these
+# internals. (Like the hook, it runs a cached entry whatever ``config.disable`` says: Dynamo reads
+# that flag only when it would compile.)
 _eval_frame = torch._C._dynamo.eval_frame
 _DIRECT = [None]  # whether this torch has what `run_step` uses (looked up at its first call: importing
 #                   revkernels imports no Dynamo); cleared if its cache entries turn out to differ
@@ -256,7 +260,7 @@ def run_step(step, args):
     if code is None or len(args) != code.co_argcount or _eval_frame.get_eval_frame_callback() is not None:
         return step(*args)
     stance = torch._dynamo.eval_frame._stance
-    if stance.stance != "default" or stance.skip_guard_eval_unsafe or torch._dynamo.config.disable:
+    if stance.stance != "default" or stance.skip_guard_eval_unsafe:
         return step(*args)
     frame_locals = dict(zip(code.co_varnames, args))
     if torch.autograd.profiler._is_profiler_enabled:  # (host profiles count it as Dynamo's entry)
@@ -320,12 +324,13 @@ def _with_guard_filter(options):
 # (443 guards for a ViT block's backward step). Two kinds check nothing the engine needs:
 # - the module hook dicts of every submodule: the walkers route a block with module hooks (its
 #   submodules' or global ones) to the eager steps before each step call (`_eager_block`);
-# - torch's own code reached from a step (torch.func, nn.Module.__call__, pytree, F.*: the
-#   identity of its modules, functions, closures and defaults) and this module's own globals: a
-#   monkeypatch of torch after the first compile is not seen by the steps compiled before it.
+# - library code reached from a step: the identity of the modules, functions, closures and
+#   defaults of torch (torch.func, nn.Module.__call__, pytree's registry, F.*), of revkernels and of
+#   Python's standard library, the builtins, and this module's own globals: a monkeypatch of these
+#   after the first compile is not seen by the steps compiled before it.
 # Everything else stays guarded: the block's structure, hyperparameters and training flags, tensors,
 # global state (grad mode, autocast), and the globals of any other module (a user's F reading a
-# module-level constant recompiles when it changes), torch values that are not code included.
+# module-level constant recompiles when it changes), library values that are not code included.
 _CODE_ATTRIBUTES = ("__defaults__", "__kwdefaults__", "__closure__", "cell_contents", "_LEAF_SPEC")
 
 
@@ -333,15 +338,30 @@ def keeps_guard(entry):
     """Whether the compiled steps keep a Dynamo guard (a ``torch._dynamo.types.GuardFilterEntry``)."""
     if entry.guard_type == "EMPTY_NN_MODULE_HOOKS_DICT":
         return False
-    if not getattr(entry, "is_global", False):
-        return True
-    root = entry.name.split("]", 1)[0] + "]"  # G['name'] (the step's globals) or G['__import_<module>']
-    if root in _own_globals():
-        return False
-    if not (root.startswith("G['__import_torch_dot_") or root in ("G['__import_torch']", "G['torch']")):
+    if getattr(entry, "is_global", False):
+        root = entry.name.split("]", 1)[0] + "]"  # G['name'] (the step's globals) or G['__import_<module>']
+        if root in _own_globals() or root.startswith("G['__builtins_dict"):
+            return False
+        if not _library_root(root):
+            return True
+    elif "__import__('torch')" not in entry.name:  # (torch reached from a local: pytree's registry)
         return True
     return entry.guard_type in ("CONSTANT_MATCH", "EQUALS_MATCH") and not any(
         attribute in entry.name for attribute in _CODE_ATTRIBUTES)
+
+
+@functools.cache
+def _library_root(root):
+    """Whether a global guard's root (G['__import_torch_dot_nn'], G['torch']) is a module of torch,
+    of revkernels or of the standard library (by where it was loaded from: a user's ``test.py`` is not)."""
+    name = root[3:-2]
+    name = name[len("__import_"):] if name.startswith("__import_") else name
+    top = name.split("_dot_", 1)[0]
+    if top in ("torch", "revkernels"):
+        return True
+    origin = getattr(getattr(sys.modules.get(top), "__spec__", None), "origin", None) or ""
+    return top in sys.stdlib_module_names and (origin in ("built-in", "frozen")
+                                               or origin.startswith(sysconfig.get_paths()["stdlib"]))
 
 
 def keeps_guard_list(entries):
@@ -523,7 +543,7 @@ def forward_blocks(blocks, x1, x2, steps, preserve_rng_state=True, context=NO_CO
     with torch.no_grad():
         for i, block in enumerate(blocks):
             layout = _layout(block)
-            if _eager_block(block, layout) or layout.key in failed:
+            if _eager_block(block, layout) or (failed and layout.key in failed):
                 x1, x2, state = forward_step(block, x1, x2, preserve_rng_state, context)
             else:
                 try:
@@ -625,7 +645,7 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
         # place of a tensor it did not get as an input)
         # A grad the loss did not give (None; see sequential.block_grads): the eager steps, for
         # the run's last block only (a None would be a signature of its own)
-        if (_eager_block(block, layout) or getattr(state, "buffers", ()) or layout.key in failed
+        if (_eager_block(block, layout) or getattr(state, "buffers", ()) or (failed and layout.key in failed)
                 or dy1 is None or dy2 is None):
             y1, y2, dy1, dy2, grads = _eager_backward(block, state, y1, y2, dy1, dy2, autocast, context)
         else:

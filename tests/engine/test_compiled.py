@@ -17,6 +17,7 @@
   16, and parameter hooks fire once.
 """
 import copy
+import sys
 import types
 import warnings
 
@@ -645,7 +646,9 @@ def _guard(name, guard_type, is_global=True):
     return types.SimpleNamespace(name=name, guard_type=guard_type, is_global=is_global)
 
 
-def test_guard_filter_drops_hook_dicts_and_torchs_code_only():
+def test_guard_filter_drops_hook_dicts_and_library_code_only(monkeypatch):
+    # a user's module named like a standard-library one, loaded from the user's folder
+    monkeypatch.setitem(sys.modules, "this", types.SimpleNamespace(__spec__=types.SimpleNamespace(origin="/home/u/this.py")))
     dropped = [
         _guard("block._modules['f']._forward_hooks", "EMPTY_NN_MODULE_HOOKS_DICT", is_global=False),
         _guard("G['__import_torch_dot__functorch_dot_eager_transforms']._vjp_with_argnums", "CLOSURE_MATCH"),
@@ -653,15 +656,24 @@ def test_guard_filter_drops_hook_dicts_and_torchs_code_only():
         _guard("G['__import_torch_dot_utils_dot__pytree']._LEAF_SPEC.num_leaves", "CONSTANT_MATCH"),
         _guard("G['vjp'].__kwdefaults__['has_aux']", "CONSTANT_MATCH"),  # this module's own import
         _guard("G['_reversible']._check_residual", "CLOSURE_MATCH"),
+        _guard("G['__builtins_dict___2']['len']", "BUILTIN_MATCH"),
+        _guard("__import__('torch').utils._pytree.SUPPORTED_NODES", "DICT_CONTAINS", is_global=False),
+        _guard("list(dict.keys(__import__('torch').utils._pytree.SUPPORTED_NODES))[0]", "BUILTIN_MATCH",
+               is_global=False),
+        _guard("G['__import_revkernels_dot_nn_dot_revvit'].F.gelu", "BUILTIN_MATCH"),
+        _guard("G['__import_revkernels_dot_nn_dot_revvit']._check_tokens.__defaults__[0]", "CONSTANT_MATCH"),
+        _guard("G['__import_contextlib'].nullcontext", "CLASS_MATCH"),
     ]
     kept = [
         _guard("block._modules['f']._modules['norm'].eps", "CONSTANT_MATCH", is_global=False),
         _guard("block._modules['f']._parameters['weight']", "TENSOR_MATCH", is_global=False),
         _guard("G['__import_mymodel'].SCALE", "CONSTANT_MATCH"),
         _guard("G['__import_mymodel'].helper", "CLOSURE_MATCH"),
+        _guard("G['__import_this'].helper", "CLOSURE_MATCH"),
         _guard("G['__import_torchvision_dot_ops'].nms", "CLOSURE_MATCH"),
         _guard("G['__import_torch_dot_backends_dot_cudnn'].enabled", "CONSTANT_MATCH"),
         _guard("G['__import_revkernels_dot_nn_dot_attention'].MATH_MAX_KEYS", "EQUALS_MATCH"),
+        _guard("G['__import_math'].pi", "CONSTANT_MATCH"),
     ]
     assert not any(keeps_guard(g) for g in dropped), [g.name for g in dropped if keeps_guard(g)]
     assert all(keeps_guard(g) for g in kept), [g.name for g in kept if not keeps_guard(g)]
