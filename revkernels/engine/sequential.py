@@ -25,9 +25,9 @@ from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from revkernels.engine.fsdp import block_units, run_sharded
-from revkernels.engine.state import (CONTEXT_CONTAINERS, NO_CONTEXT, AutocastState, BlockState, check_param_versions,
-                                     differentiated_once, grad_tensors, in_mode, module_modes, param_versions,
-                                     records_graph)
+from revkernels.engine.state import (CONTEXT_CONTAINERS, NO_CONTEXT, AutocastState, BlockState, block_modes,
+                                     check_param_versions, differentiated_once, grad_tensors, in_mode, param_versions,
+                                     records_graph, run_modes)
 from revkernels.engine.structure import (buffers_as_before, buffers_kept, invalidate, param_slots,
                                          parametrize_cache_off, record_buffers, y2_only_params)
 
@@ -146,12 +146,12 @@ def as_in_the_forward(ctx):
 
     check_param_versions(ctx.all_params, ctx.param_versions, ctx.run_blocks, "blocks.")
     swapped = swapped_params(ctx.run_blocks, ctx.all_params)
-    changed = [block for block, modes in zip(ctx.blocks, ctx.modes) if module_modes(block) != modes]
+    changed = run_modes(ctx.run_blocks)[0] != ctx.modes[0]
     if not swapped and not changed:
         yield
         return
     with contextlib.ExitStack() as stack:
-        for block, mode in zip(ctx.blocks, ctx.modes):
+        for block, mode in zip(ctx.blocks, block_modes(ctx.modes)):
             stack.enter_context(in_mode(block, mode))
         if swapped:
             stack.callback(invalidate)  # runs last: after the parameters are back
@@ -166,7 +166,7 @@ def as_in_the_forward(ctx):
 
 def save_forward_state(ctx, seq, all_params):
     """What `as_in_the_forward` needs, kept on `ctx` by a run's forward."""
-    ctx.run_blocks, ctx.all_params, ctx.modes = seq.blocks, all_params, [module_modes(block) for block in seq.blocks]
+    ctx.run_blocks, ctx.all_params, ctx.modes = seq.blocks, all_params, run_modes(seq.blocks)
     ctx.param_versions = param_versions(all_params)
 
 

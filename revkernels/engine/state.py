@@ -35,6 +35,29 @@ def _modules(module):
     return [module, *cached(module, "submodules", lambda m: list(m.modules())[1:])]
 
 
+def run_modes(blocks):
+    """``(flags, counts)``: the train/eval flags of every module of `blocks` (a ModuleList of
+    blocks), each block's `module_modes` one after the other, read in one pass (one tuple compare
+    tells a backward whether any changed), and how many of them each block has."""
+    modules, counts = cached(blocks, "run_modules", _run_modules)
+    return tuple(m.training for m in modules), counts
+
+
+def _run_modules(blocks):
+    per_block = [_modules(block) for block in blocks]
+    return [m for modules in per_block for m in modules], [len(modules) for modules in per_block]
+
+
+def block_modes(modes):
+    """`run_modes`' ``(flags, counts)`` split into each block's `module_modes`."""
+    flags, counts = modes
+    split, start = [], 0
+    for count in counts:
+        split.append(flags[start:start + count])
+        start += count
+    return split
+
+
 @contextlib.contextmanager
 def in_mode(module, modes):
     """The body runs with `module` and its submodules in the train/eval modes `modes` (their

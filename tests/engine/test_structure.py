@@ -272,6 +272,19 @@ def test_eval_between_forward_and_backward_recomputes_in_the_forwards_mode(switc
     assert all(m.training for m in seq.modules())
 
 
+@pytest.mark.parametrize("engine", ["sequential", "compiled"])
+def test_a_module_added_to_a_block_between_forward_and_backward_raises(engine):
+    """The train/eval modes the forward saved no longer fit the blocks' modules (one flag per
+    module): a clear error, not modes put back on the wrong modules."""
+    seq = make_seq(2, WIDTH, dropout=0.3, engine=engine)
+    seq.compile_options = {"backend": "aot_eager"}
+    x1, x2, w1, w2 = _inputs()
+    y1, y2 = seq(x1.clone().requires_grad_(), x2.clone().requires_grad_())
+    seq.blocks[0].g.append(torch.nn.Identity())
+    with pytest.raises(RuntimeError, match="added to or removed from a run's blocks"):
+        loss_of(y1, y2, w1, w2).backward()
+
+
 def test_a_parameter_that_requires_grad_only_after_the_forward_gets_no_grad():
     """As with autograd, whose graph recorded the forward: no grad, and the others unchanged."""
     seq = perturb_parameters(make_seq(2, WIDTH))
