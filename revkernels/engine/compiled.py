@@ -27,7 +27,7 @@ detached: whether the run's input requires grad does not matter): a stack of ide
 compiles one forward and one backward graph (``torch._dynamo.config.recompile_limit``, default 8,
 bounds the signatures per step; past it Dynamo runs the step eagerly). Guards the engine does not
 need are left out (`keeps_guard`: module hook dicts, which the walkers check before each step, and
-torch's own code); a ``guard_filter_fn`` in the compile options replaces that filter.
+library code); a ``guard_filter_fn`` in the compile options replaces that filter.
 
 - BatchNorm: the forward step updates the running statistics (an input mutation of the compiled
   graph); the backward step runs with `recompute_context` (batch statistics, no update).
@@ -321,7 +321,7 @@ def _with_guard_filter(options):
 
 
 # Dynamo guards on everything a compiled step read, and a small step's call checks them all
-# (443 guards for a ViT block's backward step). Two kinds check nothing the engine needs:
+# (452 guard entries for a ViT block's backward step, torch 2.13). Two kinds check nothing the engine needs:
 # - the module hook dicts of every submodule: the walkers route a block with module hooks (its
 #   submodules' or global ones) to the eager steps before each step call (`_eager_block`);
 # - library code reached from a step: the identity of the modules, functions, closures and

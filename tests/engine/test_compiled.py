@@ -648,7 +648,8 @@ def _guard(name, guard_type, is_global=True):
 
 def test_guard_filter_drops_hook_dicts_and_library_code_only(monkeypatch):
     # a user's module named like a standard-library one, loaded from the user's folder
-    monkeypatch.setitem(sys.modules, "this", types.SimpleNamespace(__spec__=types.SimpleNamespace(origin="/home/u/this.py")))
+    monkeypatch.setitem(sys.modules, "this",
+                        types.SimpleNamespace(__spec__=types.SimpleNamespace(origin="/home/u/this.py")))
     dropped = [
         _guard("block._modules['f']._forward_hooks", "EMPTY_NN_MODULE_HOOKS_DICT", is_global=False),
         _guard("G['__import_torch_dot__functorch_dot_eager_transforms']._vjp_with_argnums", "CLOSURE_MATCH"),
