@@ -624,9 +624,9 @@ class _ScaledMlp(nn.Module):
 
 
 def test_compiled_steps_follow_a_module_level_constant_of_user_code():
-    """Only torch's own code is left unguarded among the globals a step reads: a constant of the
-    user's module that F reads, changed after the first step, compiles new steps (plain
-    autograd's grads with the new value)."""
+    """Only library code (torch, revkernels, the standard library) is left unguarded among the
+    globals a step reads: a constant of the user's module that F reads, changed after the first
+    step, compiles new steps (plain autograd's grads with the new value)."""
     global _SCALES_G
     seq = _perturbed(ReversibleSequential(rk.nn.ReversibleBlock(_ScaledMlp(), _mlp()), engine="compiled"))
     seq.compile_options = AOT
