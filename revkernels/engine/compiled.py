@@ -350,7 +350,6 @@ def keeps_guard(entry):
         attribute in entry.name for attribute in _CODE_ATTRIBUTES)
 
 
-@functools.cache
 def _library_root(root):
     """Whether a global guard's root (G['__import_torch_dot_nn'], G['torch']) is a module of torch,
     of revkernels or of the standard library (by where it was loaded from: a user's ``test.py`` is not)."""

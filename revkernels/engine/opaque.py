@@ -39,8 +39,8 @@ from torch.utils._pytree import tree_leaves
 
 from revkernels.engine import compiled
 from revkernels.engine.sequential import forward_step, with_buffers
-from revkernels.engine.state import (NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of, in_mode,
-                                     module_modes)
+from revkernels.engine.state import (NO_CONTEXT, AutocastState, RngState, autograd_recording, block_modes,
+                                     cuda_devices_of, in_mode, run_modes)
 
 
 def _assume_constant_result(fn):
@@ -251,7 +251,7 @@ def reversible_run(handle: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, par
     y1, y2 = _outputs((x1, x2), inputs, inputs)
     changed = [getattr(state, "buffers", ()) for state in states]
     # (`params`: the module's parameters themselves, which a scan of the modules would rebuild per call)
-    _keep_forward(handle, y1, _Forward([module_modes(block) for block in seq.blocks], list(params),
+    _keep_forward(handle, y1, _Forward(run_modes(seq.blocks), list(params),
                                        changed if any(changed) else ()))
     return y1, y2, _pack(states, devices)
 
@@ -277,7 +277,7 @@ def reversible_run_backward(handle: torch.Tensor, y1: torch.Tensor, y2: torch.Te
     autocast_state = AutocastState(y1.device.type, autocast_dtype is not None, autocast_dtype or torch.float32, True)
     context, leaves = _context(context, context_tensors, context_numbers, leaves=True)
     with contextlib.ExitStack() as stack:
-        for block, mode in zip(blocks, forward.modes):
+        for block, mode in zip(blocks, block_modes(forward.modes)):
             stack.enter_context(in_mode(block, mode))
         states = _unpack(rng, blocks, _random_flags(seq), cuda_devices_of(y1, y2))
         for i, changed in enumerate(forward.buffers):
