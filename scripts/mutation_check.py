@@ -293,8 +293,14 @@ mutation("layer_norm_infinite_pivot", "csrc/cpu/vec_kernels.cpp",
 mutation("revvit_hooked_block_fused_recompute", REVVIT,
          "        if not m.fused or submodule_hooked(self, backward=True):", "        if not m.fused:",
          "tests/test_interop.py -k hooked_revvit")
-mutation("submodule_modes_not_put_back", STATE, "    if now == modes:", "    if now[:1] == modes[:1]:",
-         "tests/engine/test_structure.py -k eval_between")
+mutation("submodule_modes_not_put_back", STATE, "    if now == modes:", "    if now[0][:1] == modes[0][:1]:",
+         "tests/engine/test_structure.py -k switch_between")
+mutation("dropout_rates_not_put_back", STATE, "    for (m, name), rate in zip(slots, rates):\n",
+         "    for (m, name), rate in zip(slots, ()):\n",
+         "tests/engine/test_structure.py -k rates tests/engine/test_compile.py -k rates")
+mutation("fsdp_block_rebuilt_in_the_backwards_modes", "revkernels/engine/fsdp.py",
+         "        with in_mode(block, ctx.modes):", "        with in_mode(block, module_modes(block)):",
+         "tests/engine/test_fsdp.py -k switch")
 mutation("compiled_fall_back_redraws", "revkernels/engine/compiled.py", "        rng_f.restore()\n", "",
          "tests/engine/test_compiled.py -k fall_back_after_f")
 mutation("sub_layer_norm_fallback_double_backward_by_the_fused_op", "revkernels/ops/layer_norm.py",

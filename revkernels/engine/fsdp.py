@@ -31,7 +31,8 @@ import sys
 
 import torch
 
-from revkernels.engine.state import NO_CONTEXT, AutocastState, differentiated_once, grad_tensors, records_graph
+from revkernels.engine.state import (NO_CONTEXT, AutocastState, differentiated_once, grad_tensors, in_mode, module_modes,
+                                     records_graph)
 from revkernels.engine.structure import cached, invalidate, param_slots
 
 _MANAGED = "_is_fsdp_managed_module"  # fully_shard's mark on every module whose parameters it manages
@@ -144,6 +145,7 @@ class BlockStep(torch.autograd.Function):
             run.samples[index] = run.monitor.sample(x1, x2)
         y1, y2, ctx.state = run.forward_step(block, x1, x2, run.preserve_rng_state, context)
         ctx.run, ctx.index, ctx.params = run, index, list(tensors[:n_params])
+        ctx.modes = module_modes(block)  # (the backward rebuilds the block in them: `in_mode`)
         ctx.last = index == len(run.blocks) - 1
         save_with_context(ctx, context, *((y1, y2) if ctx.last else ()))
         ctx.set_materialize_grads(False)  # see revkernels.engine.sequential.output_grads
@@ -160,8 +162,9 @@ class BlockStep(torch.autograd.Function):
         block = run.blocks[index]
         dy1, dy2, unused = output_grads([block], y1, y2, dy1, dy2)
         param_slots(block)  # the current (unsharded) parameters, for steps that read them from their cache
-        x1, x2, dx1, dx2, grads = run.walker([block], [ctx.state], y1, y2, dy1, dy2, ctx.params + leaves,
-                                             run.autocast_state, context=context)
+        with in_mode(block, ctx.modes):
+            x1, x2, dx1, dx2, grads = run.walker([block], [ctx.state], y1, y2, dy1, dy2, ctx.params + leaves,
+                                                 run.autocast_state, context=context)
         grads = without_unused(ctx.params, grads, unused)
         if run.monitor is not None:
             run.errors[index] = run.monitor.error(run.samples[index], x1, x2)

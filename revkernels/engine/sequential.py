@@ -136,9 +136,10 @@ def _recompute(block, y1, y2, state, context):
 @contextlib.contextmanager
 def as_in_the_forward(ctx):
     """The body (a backward walk) runs with the blocks as the run's forward left them: in the
-    train/eval mode each block and each of its submodules had (``model.eval()``, or a submodule's
-    ``eval()``, between a forward and its backward would recompute dropout and BatchNorm in another
-    mode) and holding the parameters the forward used
+    train/eval mode each block and each of its submodules had and with the rates its random layers
+    had (``model.eval()``, a submodule's ``eval()`` or a dropout probability changed between a
+    forward and its backward would recompute dropout and BatchNorm otherwise: `in_mode`), and
+    holding the parameters the forward used
     (`revkernels.nn.reversible.swapped_params`). Reads ``ctx.run_blocks`` (the run's ModuleList),
     ``ctx.blocks``, ``ctx.all_params`` and ``ctx.modes``, set by `save_forward_state`. A parameter
     changed in place since the forward raises autograd's error (`check_param_versions`)."""

@@ -4,7 +4,8 @@
   a recompute so dropout draws the same masks; the caller's RNG stream is restored afterwards.
 - `AutocastState` records the autocast mode of the forward so the recompute runs in the same
   dtypes.
-- `in_mode` puts a module and its submodules back in the train/eval modes its forward ran in.
+- `in_mode` puts a module and its submodules back in the train/eval modes, and its random layers
+  back to the rates, its forward ran with.
 - `param_versions` / `check_param_versions`: a parameter changed in place between a forward and
   its backward raises autograd's error (the rebuild would use the new values).
 - `differentiated_once`: the engines' backwards are not differentiable.
@@ -13,11 +14,13 @@
 """
 import contextlib
 import functools
+import numbers
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from revkernels.engine.structure import cached
+from revkernels.engine.structure import cached, stochastic_modules
 
 
 # The context of a run called without keywords. A plain dict (``f(x, **NO_CONTEXT)`` costs least
@@ -26,8 +29,9 @@ NO_CONTEXT = {}
 
 
 def module_modes(module):
-    """The train/eval flags of `module` and of each of its submodules (what `in_mode` puts back)."""
-    return tuple(m.training for m in _modules(module))
+    """``(flags, rates)``: the train/eval flags of `module` and of each of its submodules, and the
+    rate of each layer that may draw random numbers (`_rate_slots`): what `in_mode` puts back."""
+    return tuple(m.training for m in _modules(module)), tuple(getattr(m, name) for m, name in _rate_slots(module))
 
 
 def _modules(module):
@@ -35,50 +39,77 @@ def _modules(module):
     return [module, *cached(module, "submodules", lambda m: list(m.modules())[1:])]
 
 
+def _rate_slots(module):
+    """``[(layer, attribute)]`` for the rate of each submodule of `module` that may draw random
+    numbers (`stochastic_modules`): ``dropout`` of an ``nn.MultiheadAttention``, ``p`` of the
+    others that have a numeric one (dropout layers, revkernels' `DropPath`); cached. A recompute
+    with another rate would draw other masks from the replayed generator state."""
+    return cached(module, "rate_slots", _find_rate_slots)
+
+
+def _find_rate_slots(module):
+    slots = []
+    for m in stochastic_modules(module):
+        name = "dropout" if isinstance(m, nn.MultiheadAttention) else "p"
+        if isinstance(getattr(m, name, None), numbers.Real):
+            slots.append((m, name))
+    return slots
+
+
 def run_modes(blocks):
-    """``(flags, counts)``: the train/eval flags of every module of `blocks` (a ModuleList of
-    blocks), each block's `module_modes` one after the other, read in one pass (one tuple compare
-    tells a backward whether any changed), and how many of them each block has."""
-    modules, counts = cached(blocks, "run_modules", _run_modules)
-    return tuple(m.training for m in modules), counts
+    """``((flags, rates), counts)``: the `module_modes` of every block of `blocks` (a ModuleList of
+    blocks), one block's after the other, read in one pass (one tuple compare tells a backward
+    whether any changed), and how many flags and rates each block has."""
+    modules, slots, counts = cached(blocks, "run_modules", _run_modules)
+    return (tuple(m.training for m in modules), tuple(getattr(m, name) for m, name in slots)), counts
 
 
 def _run_modules(blocks):
-    per_block = [_modules(block) for block in blocks]
-    return [m for modules in per_block for m in modules], [len(modules) for modules in per_block]
+    per_block = [(_modules(block), _rate_slots(block)) for block in blocks]
+    return ([m for modules, _ in per_block for m in modules], [s for _, slots in per_block for s in slots],
+            [(len(modules), len(slots)) for modules, slots in per_block])
 
 
 def block_modes(modes):
-    """`run_modes`' ``(flags, counts)`` split into each block's `module_modes`."""
-    flags, counts = modes
-    split, start = [], 0
-    for count in counts:
-        split.append(flags[start:start + count])
+    """`run_modes`' ``((flags, rates), counts)`` split into each block's `module_modes`."""
+    (flags, rates), counts = modes
+    split, start, rate_start = [], 0, 0
+    for count, rate_count in counts:
+        split.append((flags[start:start + count], rates[rate_start:rate_start + rate_count]))
         start += count
+        rate_start += rate_count
     return split
 
 
 @contextlib.contextmanager
 def in_mode(module, modes):
-    """The body runs with `module` and its submodules in the train/eval modes `modes` (their
-    `module_modes` when the forward ran: ``model.eval()``, or a submodule's own ``eval()``, between
-    a forward and its backward must not change what the recompute computes); their modes now are
-    restored after."""
-    modules = _modules(module)
-    now = tuple(m.training for m in modules)
+    """The body runs with `module` and its submodules in the train/eval modes, and its random
+    layers with the rates, of `modes` (their `module_modes` when the forward ran: ``model.eval()``,
+    a submodule's own ``eval()``, or a dropout probability changed between a forward and its
+    backward must not change what the recompute computes); their modes and rates now are restored
+    after."""
+    modules, slots = _modules(module), _rate_slots(module)
+    now = module_modes(module)
     if now == modes:
         yield
         return
-    if len(modes) != len(modules):
+    flags, rates = modes
+    if len(flags) != len(modules) or len(rates) != len(slots):
         raise RuntimeError("revkernels: modules were added to or removed from a run's blocks between its forward and "
                            "its backward; the backward rebuilds activations from the modules")
-    for m, mode in zip(modules, modes):
-        m.training = mode
+    _set_modes(modules, slots, flags, rates)
     try:
         yield
     finally:
-        for m, mode in zip(modules, now):
-            m.training = mode
+        _set_modes(modules, slots, *now)
+
+
+def _set_modes(modules, slots, flags, rates):
+    for m, mode in zip(modules, flags):
+        m.training = mode
+    for (m, name), rate in zip(slots, rates):
+        if getattr(m, name) != rate:  # (DropPath's setter builds its rate tensors anew)
+            setattr(m, name, rate)
 
 
 class RngState:

@@ -442,13 +442,20 @@ def _unfreeze(seq):  # (frozen before the forward)
     return lambda: weight.requires_grad_(False)
 
 
-@pytest.mark.parametrize("change", [_eval, _freeze, _unfreeze], ids=["eval", "freeze", "unfreeze"])
+def _rates(seq):
+    layers = [m for m in seq.modules() if isinstance(m, torch.nn.Dropout)]
+    for m in layers:
+        m.p = 0.6
+    return lambda: [setattr(m, "p", 0.3) for m in layers]
+
+
+@pytest.mark.parametrize("change", [_eval, _freeze, _unfreeze, _rates], ids=["eval", "freeze", "unfreeze", "rates"])
 @pytest.mark.parametrize("engine", ["sequential", "compiled"])
 def test_compile_differentiates_the_run_as_its_forward_ran(engine, change):
-    # model.eval(), freezing or unfreezing a parameter between a forward and its backward: the
-    # opaque op's backward read the modes and requires_grad of the backward's time (dropout and
-    # BatchNorm recomputed in eval mode: grads 0.6-0.8 off; a zip-length ValueError), where the
-    # eager engines and autograd use the forward's
+    # model.eval(), freezing or unfreezing a parameter, or dropout rates changed between a forward
+    # and its backward: the opaque op's backward read the modes and requires_grad of the backward's
+    # time (dropout and BatchNorm recomputed in eval mode: grads 0.6-0.8 off; a zip-length
+    # ValueError), where the eager engines and autograd use the forward's
     def build():
         torch.manual_seed(0)
         seq = perturb_parameters(make_seq(3, 8, engine=engine, dropout=0.3, norm="batch"))

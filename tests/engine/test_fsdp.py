@@ -58,6 +58,7 @@ CASES = {
     "mlp-block-bf16-autograd": ("mlp", "block", True, "autograd", True),
     "generic-block-y1": ("generic", "block", True, "sequential", False),  # a loss of y1 only: G's of the last block get no grad
     "dropout-block-retain": ("dropout", "block", True, "sequential", False),  # backward(retain_graph=True) twice
+    "dropout-block-switch": ("dropout", "block", True, "sequential", False),  # eval() or new rates before backward
 }
 SLOW_CASES = {"revnet18-stage-raf": ("revnet18", "block", True, "sequential", False),
               "vit-block-inductor": ("vit", "block", True, "compiled", False)}
@@ -211,14 +212,33 @@ def _once_and_twice(model, kind, batch):
     return {"once": grads[0], "twice": grads[1]}
 
 
+def _switched(model, kind, batch):
+    """The parameter grads of a loss through dropout, from the same generator state: as is, with
+    ``model.eval()`` between its forward and backward, and with every dropout rate changed then."""
+    layers = [m for m in model.modules() if isinstance(m, nn.Dropout)]
+    switches = {"none": (lambda: None, lambda: None), "eval": (model.eval, model.train),
+                "rates": (lambda: [setattr(m, "p", 0.2) for m in layers], lambda: [setattr(m, "p", 0.5) for m in layers])}
+    grads = {}
+    for name, (switch, undo) in switches.items():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        loss, _ = _loss(model, kind, batch)
+        switch()
+        loss.backward()
+        undo()
+        grads[name] = [p.grad.full_tensor() for p in model.parameters()]
+    return grads
+
+
 def _run_case(name, case, data, shard):
     """One case's training steps on this rank; what the parent checks."""
     kind, units, raf, engine, mixed = case
     model = _model(kind, engine)
     model.load_state_dict(data["state"])
-    if name.endswith("-retain"):
+    if name.endswith(("-retain", "-switch")):
         _shard(model, kind, units, raf, mixed)
-        return _once_and_twice(model, kind, tuple(t[shard] for t in data["batches"][0]))
+        run = _once_and_twice if name.endswith("-retain") else _switched
+        return run(model, kind, tuple(t[shard] for t in data["batches"][0]))
     if name.endswith("-late"):  # the structure cache is built before sharding
         _loss(model, kind, tuple(t[shard] for t in data["batches"][0]))[0].backward()
         model.zero_grad(set_to_none=True)
@@ -331,7 +351,7 @@ def _check_case(name, case, data, result):
         assert result["after_forward"] == [raf] * len(result["after_forward"]), f"{name}: sharded after forward"
 
 
-@pytest.mark.parametrize("name", [n for n, case in CASES.items() if not case[4] and not n.endswith("-retain")])
+@pytest.mark.parametrize("name", [n for n, case in CASES.items() if not case[4] and not n.endswith(("-retain", "-switch"))])
 def test_two_gloo_processes_match_one_process(two_ranks, name):
     data, results = two_ranks
     _check_case(name, CASES[name], data[name], results[name])
@@ -351,6 +371,16 @@ def test_second_backward_with_retain_graph_replays_the_same_dropout(two_ranks):
     result = two_ranks[1]["dropout-block-retain"]
     for i, (once, twice) in enumerate(zip(result["once"], result["twice"], strict=True)):
         assert_close_rel(twice, 2 * once, 1e-5, f"param {i}")
+
+
+def test_a_switch_between_forward_and_backward_rebuilds_the_blocks_as_the_forward_ran(two_ranks):
+    """model.eval() or new dropout rates between a forward and its backward: each block node
+    rebuilds its block in the forward's modes and rates, so the grads are those without the switch
+    (a rebuild without dropout, or with other rates, draws other masks)."""
+    result = two_ranks[1]["dropout-block-switch"]
+    for switch in ("eval", "rates"):
+        for i, (got, want) in enumerate(zip(result[switch], result["none"], strict=True)):
+            assert_close_rel(got, want, 1e-5, f"{switch}: param {i}")
 
 
 def test_backward_unshards_one_block_at_a_time(two_ranks):

@@ -53,10 +53,12 @@ def test_grads_bn_stats_rng_and_hooks_match_plain_autograd():
     assert len(hook_calls) == 1
 
 
-def test_recomputes_with_the_forwards_parameters_and_mode():
+@pytest.mark.parametrize("switch", ["eval", "rate"])
+def test_recomputes_with_the_forwards_parameters_and_mode(switch):
     """torch.func.functional_call's tensors are back out of the module when the backward runs, and
-    a model.eval() between forward and backward must not change the recompute: both are taken from
-    the forward (dropout replayed, BatchNorm on batch statistics)."""
+    a model.eval() or a dropout rate changed between forward and backward must not change the
+    recompute: both are taken from the forward (dropout replayed with its rate, BatchNorm on batch
+    statistics)."""
     piece, reference = TwoStreamPiece(), TwoStreamPiece()
     reference.load_state_dict(piece.state_dict())
     x1, x2, w = torch.randn(8, 12), torch.randn(8, 12), torch.randn(8, 12)
@@ -69,9 +71,13 @@ def test_recomputes_with_the_forwards_parameters_and_mode():
         a, b = x1.clone().requires_grad_(), x2.clone().requires_grad_()
         torch.manual_seed(3)
         h, y = fn(a, b)
-        module.eval()
+        if switch == "eval":
+            module.eval()
+        else:
+            module.a[3].p = 0.7
         ((h * w).sum() + y.square().sum()).backward()
         module.train()
+        module.a[3].p = 0.3
         grads = {n: p.grad for n, p in module.named_parameters()}
         if module is piece:
             grads["b.weight"] = swapped["b.weight"].grad

@@ -240,36 +240,80 @@ def _layers_eval(module):
             m.eval()
 
 
+def _rates(module):
+    return [(m, m.p) for m in module.modules() if isinstance(m, (torch.nn.Dropout, rk.nn.DropPath))]
+
+
+def _change_rates(module):
+    """Every dropout and drop-path rate changed (one of them to 0: the layer draws nothing now)."""
+    before = _rates(module)
+    for i, (m, p) in enumerate(before):
+        m.p = 0.0 if i == 1 else min(2 * p, 0.9)
+    return before
+
+
+# A change made between a forward and its backward: (change(module) -> undo state, undo(module, state))
+SWITCHES = {
+    "model.eval()": (lambda m: m.eval(), lambda m, _: m.train()),
+    "layers' eval()": (_layers_eval, lambda m, _: m.train()),
+    "dropout rates": (_change_rates, lambda m, before: [setattr(layer, "p", p) for layer, p in before]),
+}
+
+
+def _grads_after_a_switch(fn, module, switch, data, seed=4):
+    """``[dx1, dx2, *param grads]`` of one step of `fn` with `switch` (a SWITCHES key) made between
+    its forward and its backward; the module's modes and rates are checked to be the switched ones
+    after the backward, then the switch is undone."""
+    change, undo = SWITCHES[switch]
+    x1, x2, w1, w2 = data
+    for p in module.parameters():
+        p.grad = None
+    a1, a2 = x1.clone().requires_grad_(), x2.clone().requires_grad_()
+    torch.manual_seed(seed)
+    y1, y2 = fn(a1, a2)
+    state = change(module)
+    switched = [m.training for m in module.modules()], [p for _, p in _rates(module)]
+    loss_of(y1, y2, w1, w2).backward()
+    assert ([m.training for m in module.modules()], [p for _, p in _rates(module)]) == switched
+    undo(module, state)
+    return [a1.grad, a2.grad] + [p.grad for p in module.parameters()]
+
+
 @pytest.mark.parametrize("engine", ["sequential", "compiled"])
-@pytest.mark.parametrize("switch", ["model.eval()", "layers' eval()"])
-def test_eval_between_forward_and_backward_recomputes_in_the_forwards_mode(switch, engine):
+@pytest.mark.parametrize("switch", list(SWITCHES))
+def test_a_switch_between_forward_and_backward_recomputes_as_the_forward_ran(switch, engine):
     """The backward rebuilds each block, and each module in it, in the train/eval mode its forward
-    ran in (dropout replayed, BatchNorm on batch statistics), as autograd's recorded graph does:
-    also where only the dropout and BatchNorm layers were switched (only the blocks' own modes were
-    put back: grads 1.6 off)."""
-    seq = perturb_parameters(make_seq(3, WIDTH, dropout=0.3, norm="batch", engine=engine))
+    ran in and with the dropout and drop-path rates it ran with (dropout replayed, BatchNorm on
+    batch statistics), as autograd's recorded graph does: also where only the dropout and BatchNorm
+    layers were switched (only the blocks' own modes were put back: grads 1.6 off), and where only
+    the rates changed (the recompute drew other masks from the replayed generator state)."""
+    seq = perturb_parameters(make_seq(3, WIDTH, dropout=0.3, drop_path=0.2, norm="batch", engine=engine))
     seq.compile_options = {"backend": "aot_eager"}
     ref = copy.deepcopy(seq)
-    x1, x2, w1, w2 = _inputs(batch=8)
-    to_eval = (lambda m: m.eval()) if switch == "model.eval()" else _layers_eval
-
-    def step(fn, module):
-        for p in module.parameters():
-            p.grad = None
-        a1, a2 = x1.clone().requires_grad_(), x2.clone().requires_grad_()
-        torch.manual_seed(4)
-        y1, y2 = fn(a1, a2)
-        to_eval(module)
-        loss_of(y1, y2, w1, w2).backward()
-        module.train()
-        return [a1.grad, a2.grad] + [p.grad for p in module.parameters()]
-
-    expected = step(lambda a, b: plain_forward(ref, a, b), ref)
-    for i, (a, e) in enumerate(zip(step(seq, seq), expected, strict=True)):
+    data = _inputs(batch=8)
+    expected = _grads_after_a_switch(lambda a, b: plain_forward(ref, a, b), ref, switch, data)
+    for i, (a, e) in enumerate(zip(_grads_after_a_switch(seq, seq, switch, data), expected, strict=True)):
         assert_close_rel(a, e, 1e-5, f"grad {i}")
     for (name, a), (_, e) in zip(seq.named_buffers(), ref.named_buffers()):
         assert torch.equal(a, e), name
     assert all(m.training for m in seq.modules())
+
+
+@pytest.mark.parametrize("engine", ["sequential", "compiled"])
+def test_fused_block_rates_changed_between_forward_and_backward_recompute_as_the_forward_ran(engine):
+    """The fused rebuild of `RevTransformerBlock` (RevViTBlock's, with residual dropout) reads the
+    rates of its ResidualDropout and DropPath layers: changed after the forward, the backward still
+    replays the forward's masks."""
+    torch.manual_seed(0)
+    seq = perturb_parameters(rk.nn.ReversibleSequential(
+        *[rk.nn.RevTransformerBlock(WIDTH, 2, drop_path=0.2, dropout=0.3) for _ in range(2)], engine=engine))
+    seq.compile_options = {"backend": "aot_eager"}
+    ref = copy.deepcopy(seq)
+    data = _inputs(shape=(4, 3, WIDTH))
+    expected = _grads_after_a_switch(lambda a, b: plain_forward(ref, a, b), ref, "dropout rates", data)
+    got = _grads_after_a_switch(seq, seq, "dropout rates", data)
+    for i, (a, e) in enumerate(zip(got, expected, strict=True)):
+        assert_close_rel(a, e, 1e-5, f"grad {i}")
 
 
 @pytest.mark.parametrize("engine", ["sequential", "compiled"])
