@@ -42,8 +42,8 @@ def _modules(module):
 def _rate_slots(module):
     """``[(layer, attribute)]`` for the rate of each submodule of `module` that may draw random
     numbers (`stochastic_modules`): ``dropout`` of an ``nn.MultiheadAttention``, ``p`` of the
-    others that have a numeric one (dropout layers, revkernels' `DropPath`); cached. A recompute
-    with another rate would draw other masks from the replayed generator state."""
+    others that have a numeric one that can be set (dropout layers, revkernels' `DropPath`); cached.
+    A recompute with another rate would draw other masks from the replayed generator state."""
     return cached(module, "rate_slots", _find_rate_slots)
 
 
@@ -51,7 +51,9 @@ def _find_rate_slots(module):
     slots = []
     for m in stochastic_modules(module):
         name = "dropout" if isinstance(m, nn.MultiheadAttention) else "p"
-        if isinstance(getattr(m, name, None), numbers.Real):
+        declared = getattr(type(m), name, None)
+        read_only = isinstance(declared, property) and declared.fset is None  # (cannot be put back)
+        if isinstance(getattr(m, name, None), numbers.Real) and not read_only:
             slots.append((m, name))
     return slots
 

@@ -316,6 +316,35 @@ def test_fused_block_rates_changed_between_forward_and_backward_recompute_as_the
         assert_close_rel(a, e, 1e-5, f"grad {i}")
 
 
+class _ReadOnlyRate(nn.Module):
+    """Dropout whose rate is a read-only property (set through `rate`)."""
+
+    draws_random = True
+
+    def __init__(self, rate):
+        super().__init__()
+        self.rate = rate
+
+    @property
+    def p(self):
+        return self.rate
+
+    def forward(self, x):
+        return F.dropout(x, self.rate, self.training)
+
+
+def test_a_read_only_rate_is_left_alone():
+    """A layer's `p` without a setter cannot be put back: the backward runs (with the rate as it is
+    then: README, "Not covered") and the layer keeps it."""
+    seq = make_seq(2, WIDTH)
+    seq.blocks[0].f.append(_ReadOnlyRate(0.3))
+    x1, x2, w1, w2 = _inputs()
+    y1, y2 = seq(x1.clone().requires_grad_(), x2.clone().requires_grad_())
+    seq.blocks[0].f[-1].rate = 0.5
+    loss_of(y1, y2, w1, w2).backward()
+    assert seq.blocks[0].f[-1].p == 0.5
+
+
 @pytest.mark.parametrize("engine", ["sequential", "compiled"])
 def test_a_module_added_to_a_block_between_forward_and_backward_raises(engine):
     """The train/eval modes the forward saved no longer fit the blocks' modules (one flag per
