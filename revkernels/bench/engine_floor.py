@@ -20,7 +20,7 @@ variant:
     revkernels_generic_sequential   the sequential engine
 
 Before timing, every variant's grads are checked against plain autograd through the same blocks
-(relative error <= 1e-4; the part fails otherwise). Then `--rounds` rounds of one timed step per
+(relative error <= `revkernels.bench.overhead.GRAD_CHECK_TOL`; the part fails otherwise). Then `--rounds` rounds of one timed step per
 variant (each right after an untimed step of its own), as in the overhead benchmark: step_ms is
 the median, vs_reversible_plain the median of the per-round ratios plain / variant (> 1: faster)
 with their quartiles.
@@ -44,7 +44,6 @@ from revkernels.bench.report import DEFAULT_OUT, check_out_folder, provenance, w
 from revkernels.engine.sequential import block_grads
 
 VARIANTS = ("reversible_plain", "floor", "floor_block_steps", "revkernels_generic_sequential")
-GRAD_TOL = 1e-4
 
 
 class FloorRun(torch.autograd.Function):
@@ -119,7 +118,7 @@ def _blocks_of(model):
 
 
 def check_grads(models, x, device):
-    """Raises AssertionError unless every model's parameter grads match plain autograd's through
+    """Raises RuntimeError unless every model's parameter grads match plain autograd's through
     its own blocks (``x1 + F(x2)``, ``x2 + G(y1)`` written out)."""
     for variant, model in models.items():
         ours = _grads(model, lambda: ov.train_step(model, x, device))
@@ -133,10 +132,10 @@ def check_grads(models, x, device):
 
         for i, (got, want) in enumerate(zip(ours, _grads(model, plain), strict=True)):
             if got is None:
-                raise AssertionError(f"{variant}: grad of parameter {i} missing")
+                raise RuntimeError(f"engine_floor: {variant}: grad of parameter {i} missing")
             err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
-            if err > GRAD_TOL:  # (raised, not asserted: the check stays under python -O)
-                raise AssertionError(f"{variant}: grad of parameter {i} off by {err:.2e} (relative)")
+            if not err <= ov.GRAD_CHECK_TOL:
+                raise RuntimeError(f"engine_floor: {variant}: grad of parameter {i} off by {err:.2e} (relative)")
 
 
 def _grads(model, step):
@@ -179,7 +178,7 @@ def measure(config, rounds, warmup=3, progress=None):
     rows = []
     for variant in VARIANTS:
         ratios = [p / v for p, v in zip(times["reversible_plain"], times[variant])]
-        q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (ratios * 3)
+        q1, q3 = ov.round_ratio_quartiles(times["reversible_plain"], times[variant])
         rows.append({"config": config, **{k: cfg[k] for k in ("depth", "dim", "heads", "tokens", "batch", "threads")},
                      "variant": variant, "step_ms": round(statistics.median(times[variant]), 4),
                      "vs_reversible_plain": round(statistics.median(ratios), 4),

@@ -335,7 +335,7 @@ def measure_config(name, cfg, names, device, warmup, rounds, progress=None):
         for base in BASELINES:
             row[f"vs_{base}"] = _ratio_value(step_ms.get(base, nan), ms)
         for base in BASELINES:
-            row[f"vs_{base}_q1"], row[f"vs_{base}_q3"] = _round_ratio_quartiles(
+            row[f"vs_{base}_q1"], row[f"vs_{base}_q3"] = round_ratio_quartiles(
                 times.get(base, []) if base not in failed else [], times[variant] if variant not in failed else [])
         rows.append({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
     return rows
@@ -368,7 +368,7 @@ def _compile_child(variant, device):
     print(json.dumps({k: row[k] for k in ("dtype", "compile_s", "first_step_ms", "step_ms")}))
 
 
-def _round_ratio_quartiles(base_ms, variant_ms):
+def round_ratio_quartiles(base_ms, variant_ms):
     """First and third quartile of the per-round speed ratios base / variant (each round times every
     variant once, so a round's ratio pairs steps taken moments apart): the spread of the ratio
     through the run. nan without two complete rounds of both."""

@@ -31,7 +31,12 @@ NO_CONTEXT = {}
 def module_modes(module):
     """``(flags, rates)``: the train/eval flags of `module` and of each of its submodules, and the
     rate of each layer that may draw random numbers (`_rate_slots`): what `in_mode` puts back."""
-    return tuple(m.training for m in _modules(module)), tuple(getattr(m, name) for m, name in _rate_slots(module))
+    return _read_modes(_modules(module), _rate_slots(module))
+
+
+def _read_modes(modules, slots):
+    """``(flags, rates)`` of `modules` and of the (layer, attribute) `slots`, as they are now."""
+    return tuple(m.training for m in modules), tuple(getattr(m, name) for m, name in slots)
 
 
 def _modules(module):
@@ -63,7 +68,7 @@ def run_modes(blocks):
     blocks), one block's after the other, read in one pass (one tuple compare tells a backward
     whether any changed), and how many flags and rates each block has."""
     modules, slots, counts = cached(blocks, "run_modules", _run_modules)
-    return (tuple(m.training for m in modules), tuple(getattr(m, name) for m, name in slots)), counts
+    return _read_modes(modules, slots), counts
 
 
 def _run_modules(blocks):
@@ -91,7 +96,7 @@ def in_mode(module, modes):
     backward must not change what the recompute computes); their modes and rates now are restored
     after."""
     modules, slots = _modules(module), _rate_slots(module)
-    now = module_modes(module)
+    now = _read_modes(modules, slots)
     if now == modes:
         yield
         return
