@@ -44,6 +44,16 @@ def make_seq(depth, width, engine="sequential", **fn_kwargs):
     return rk.nn.ReversibleSequential(*blocks, engine=engine)
 
 
+@torch.no_grad()
+def scale_branch_outputs(seq, factor):
+    """Multiplies the weight of the last `nn.Linear` of every block's F and G in `seq` (a `make_seq`
+    run) by `factor`. Returns `seq`."""
+    for block in seq.blocks:
+        for fn in (block.f, block.g):
+            [m for m in fn.modules() if isinstance(m, nn.Linear)][-1].weight.mul_(factor)
+    return seq
+
+
 def plain_forward(seq, x1, x2):
     """The run's function written out with ordinary autograd, independent of revkernels' engines."""
     for block in seq.blocks:
