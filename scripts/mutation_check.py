@@ -256,11 +256,21 @@ mutation("compiled_backward_linears_not_flattened", "revkernels/engine/compiled.
          "    with _FlatLinears() if torch.compiler.is_compiling() else contextlib.nullcontext():\n",
          "    with contextlib.nullcontext():\n", "tests/engine/test_compiled.py -k transformer_streams_take")
 mutation("direct_step_calls_skip_the_guards", "revkernels/engine/compiled.py",
-         "if e.guard_manager.check(frame_locals)), None)", "), None)",
+         "if _guards(e.guard_manager, differentiating_only).check(frame_locals)), None)", "), None)",
          "tests/engine/test_compiled.py -k attribute_changed_after")
 mutation("direct_step_calls_ignore_the_stance", "revkernels/engine/compiled.py",
-         'if stance.stance != "default" or', "if",
+         'if stance.stance != "default":', "if False:",
          "tests/engine/test_compiled.py -k without_dynamos_frame_hook")
+mutation("unsafe_stance_checks_no_guards", "revkernels/engine/compiled.py",
+         "    return manager if diff is None else diff\n",
+         "    return types.SimpleNamespace(check=lambda f: True) if differentiating_only else manager\n",
+         "tests/engine/test_compiled.py -k unsafe_stance")
+mutation("unsafe_stance_compiles_or_falls_back", "revkernels/engine/compiled.py",
+         "        if stance.skip_guard_eval_unsafe and _eval_frame._debug_get_cache_entry_list(code):\n",
+         "        if False:\n", "tests/engine/test_compiled.py -k unsafe_stance")
+mutation("unsafe_stance_takes_dynamos_hook", "revkernels/engine/compiled.py",
+         'if stance.stance != "default":', 'if stance.stance != "default" or stance.skip_guard_eval_unsafe:',
+         "tests/engine/test_compiled.py -k unsafe_stance")
 mutation("direct_step_calls_start_no_generation", "revkernels/engine/compiled.py",
          "    torch._dynamo.mutation_guard.install_generation_tagging_init()\n    return types",
          "    return types",

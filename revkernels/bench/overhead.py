@@ -28,6 +28,11 @@ created in the same order in every variant, so they hold the same weights):
     revkernels_<engine>          RevViTBlock (fused rebuild and grads), for each engine in
                                  revkernels.engine.ENGINES (an engine added there is picked up)
     revkernels_generic_<engine>  ReversibleBlock(AttentionBranch, MlpBranch), for each engine
+    revkernels_compiled_unsafe_stance
+                                 revkernels_compiled with every step after its first under
+                                 torch.compiler.set_stance(skip_guard_eval_unsafe=True): the compiled
+                                 steps check only their entries' differentiating guards (README,
+                                 "Compiled runs")
 
 The reversible variants take the input as both streams. Each variant first runs its warm-up steps
 (the first one timed alone: first_step_ms; for an engine that compiles, such as "compiled",
@@ -73,6 +78,7 @@ overhead_compile_<device>.csv (compile time), all with commit, device and versio
 overhead_<device>.png (step time per variant).
 """
 import argparse
+import contextlib
 import ctypes
 import json
 import math
@@ -188,7 +194,29 @@ def variants(engines=None):
     """Every variant name, the engines from revkernels.engine.ENGINES (or `engines`)."""
     engines = list(rk.engine.ENGINES) if engines is None else list(engines)
     return (["standard", "standard_compile", "checkpoint", "reversible_plain"] + [f"revkernels_{e}" for e in engines]
-            + [f"revkernels_generic_{e}" for e in engines])
+            + [f"revkernels_generic_{e}" for e in engines] + [UNSAFE_STANCE] * ("compiled" in engines))
+
+
+UNSAFE_STANCE = "revkernels_compiled_unsafe_stance"
+
+
+class UnsafeStanceStack(ReversibleStack):
+    """A `ReversibleStack` whose train steps after the first run under
+    ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (see `stance_of`)."""
+
+    def __init__(self, blocks, engine):
+        super().__init__(blocks, engine)
+        self.warmed_up = False
+
+
+def stance_of(model):
+    """The compiler stance of a train step of `model`: for an `UnsafeStanceStack` past its first step
+    skip_guard_eval_unsafe (the first compiles its steps under the default stance), else unchanged."""
+    if isinstance(model, UnsafeStanceStack):
+        if model.warmed_up:
+            return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
+        model.warmed_up = True
+    return contextlib.nullcontext()
 
 
 def build(variant, depth, dim, heads):
@@ -200,6 +228,8 @@ def build(variant, depth, dim, heads):
     if variant == "reversible_plain":
         return PlainReversibleStack([PlainBlock(AttentionBranch(dim, heads), MlpBranch(dim, 4 * dim))
                                      for _ in range(depth)])
+    if variant == UNSAFE_STANCE:
+        return UnsafeStanceStack([RevViTBlock(dim, heads) for _ in range(depth)], "compiled")
     if variant.startswith("revkernels_generic_"):
         return ReversibleStack([rk.nn.ReversibleBlock(AttentionBranch(dim, heads), MlpBranch(dim, 4 * dim))
                                 for _ in range(depth)], variant.removeprefix("revkernels_generic_"))
@@ -210,6 +240,8 @@ def build(variant, depth, dim, heads):
 
 def engine_of(variant):
     """The revkernels engine a variant runs, or None."""
+    if variant == UNSAFE_STANCE:
+        return "compiled"
     for prefix in ("revkernels_generic_", "revkernels_"):
         if variant.startswith(prefix):
             return variant.removeprefix(prefix)
@@ -239,9 +271,10 @@ def loss_of(y):
 def train_step(model, x, device, autocast=True):
     """forward + backward of the benchmark's loss (grads accumulate into .grad); bf16 autocast on
     CUDA unless autocast=False."""
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast and device.type == "cuda"):
-        y = model(x)
-    loss_of(y).backward()
+    with stance_of(model):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast and device.type == "cuda"):
+            y = model(x)
+        loss_of(y).backward()
 
 
 def check_plain_grads(cfg, device):

@@ -158,7 +158,7 @@ def main(argv=None, default_out=DEFAULT_OUT):
     parser = argparse.ArgumentParser(prog="python -m revkernels.bench.step_layers", description=description(__doc__))
     parser.add_argument("--config", default="host_bound", choices=list(ov.CONFIGS))
     parser.add_argument("--variant", default="revkernels_compiled",
-                        choices=[v for v in ov.variants() if ov.engine_of(v) == "compiled"])
+                        choices=[v for v in ov.variants() if ov.engine_of(v) == "compiled" and v != ov.UNSAFE_STANCE])
     parser.add_argument("--rounds", type=int, default=60, help="rounds of timed batches per layer (default: 60)")
     parser.add_argument("--batch", type=int, default=20, help="calls per timed batch (default: 20)")
     parser.add_argument("--out", default=default_out, help=f"results folder (default: {default_out})")

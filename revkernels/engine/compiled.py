@@ -220,6 +220,12 @@ class CompiledSteps:
                 return run_step(step, args)
             with _under_shared_classes(classes):
                 return run_step(step, args)
+        except NoEntryUnderUnsafeStance:
+            raise RuntimeError(
+                f"revkernels: the {name} step of blocks[{position}] ({type(block).__name__}) has no compiled graph "
+                "whose differentiating guards (tensor shapes, dtypes, ...) pass, and under "
+                "torch.compiler.set_stance(skip_guard_eval_unsafe=True) it compiles no new one (as Dynamo compiles "
+                "nothing more under that stance): run a step with these inputs outside that stance first") from None
         except Exception as error:  # noqa: BLE001  (any compile error: the block runs the eager steps)
             if hooks_enabled and not torch._C._autograd._saved_tensors_hooks_is_enabled():
                 # A failed compile of torch.func.vjp over saved-tensor hooks (torch.utils.checkpoint
@@ -246,7 +252,12 @@ class CompiledSteps:
 # where Dynamo's hook would do more than a lookup: a callback already set (inside another compiled
 # frame), a stance other than the default (``torch.compiler.set_stance``), or a torch without these
 # internals. (Like the hook, it runs a cached entry whatever ``config.disable`` says: Dynamo reads
-# that flag only when it would compile.)
+# that flag only when it would compile.) Under ``set_stance(skip_guard_eval_unsafe=True)`` it checks
+# what the hook then checks: each entry's differentiating guards (tensors, and what told the entries
+# apart at a recompile), not the block's structure and hyperparameters: the user's promise that no new
+# signature comes after the warm-up (a LayerNorm eps changed, a `model.eval()` first seen then, runs
+# a graph compiled for the old one, as any torch.compile'd code does under that stance), and where no
+# entry passes them it raises, as the hook does, instead of compiling.
 _eval_frame = torch._C._dynamo.eval_frame
 _DIRECT = [None]  # whether this torch has what `run_step` uses (looked up at its first call: importing
 #                   revkernels imports no Dynamo); cleared if its cache entries turn out to differ
@@ -260,19 +271,26 @@ def run_step(step, args):
     if code is None or len(args) != code.co_argcount or _eval_frame.get_eval_frame_callback() is not None:
         return step(*args)
     stance = torch._dynamo.eval_frame._stance
-    if stance.stance != "default" or stance.skip_guard_eval_unsafe:
+    if stance.stance != "default":
         return step(*args)
     frame_locals = dict(zip(code.co_varnames, args))
     if torch.autograd.profiler._is_profiler_enabled:  # (host profiles count it as Dynamo's entry)
         with torch.profiler.record_function(GUARDS_EVENT):
-            entry = _passing_entry(code, frame_locals)
+            entry = _passing_entry(code, frame_locals, stance.skip_guard_eval_unsafe)
     else:
-        entry = _passing_entry(code, frame_locals)
+        entry = _passing_entry(code, frame_locals, stance.skip_guard_eval_unsafe)
     if entry is None:
+        if stance.skip_guard_eval_unsafe and _eval_frame._debug_get_cache_entry_list(code):
+            raise NoEntryUnderUnsafeStance()  # (Dynamo's hook would raise a RuntimeError saying so)
         return step(*args)
     # as the hook's entry does: CUDA graph trees count iterations by these generations
     torch._dynamo.mutation_guard.install_generation_tagging_init()
     return types.FunctionType(entry.code, fn.__globals__)(*args)
+
+
+class NoEntryUnderUnsafeStance(Exception):
+    """`run_step` under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: the step has
+    compiled graphs, none of them for these arguments, and the stance forbids compiling another."""
 
 
 def _direct_calls():
@@ -284,14 +302,21 @@ def _direct_calls():
     return _DIRECT[0]
 
 
-def _passing_entry(code, frame_locals):
-    """The first cache entry of `code` whose guards pass on `frame_locals`, or None."""
+def _passing_entry(code, frame_locals, differentiating_only=False):
+    """The first cache entry of `code` whose guards (with `differentiating_only`, its differentiating
+    guards where Dynamo made them) pass on `frame_locals`, or None."""
     try:
         return next((e for e in _eval_frame._debug_get_cache_entry_list(code)
-                     if e.guard_manager.check(frame_locals)), None)
+                     if _guards(e.guard_manager, differentiating_only).check(frame_locals)), None)
     except (AttributeError, TypeError):  # another torch's cache entries: Dynamo's hook from now on
         _DIRECT[0] = False
         return None
+
+
+def _guards(manager, differentiating_only):
+    """A cache entry's guard manager, or its differentiating guards' (``diff_guard_root``)."""
+    diff = getattr(manager, "diff_guard_root", None) if differentiating_only else None
+    return manager if diff is None else diff
 
 
 def _unmarked(t):

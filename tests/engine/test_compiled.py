@@ -273,6 +273,59 @@ def test_a_blocks_attribute_changed_after_the_first_step_compiles_new_steps():
     assert backend.graphs == 4
 
 
+def test_under_the_skip_guard_eval_unsafe_stance_steps_check_what_dynamo_checks():
+    """Under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` a step call checks what
+    Dynamo's hook then checks, each entry's differentiating guards, and runs the entry directly: no
+    frame hook, autograd's grads. A LayerNorm eps changed then runs the graphs compiled for the old
+    eps (the stance's promise broken, as with any compiled code: the old eps' grads, no compile);
+    out of the stance it compiles steps for the new eps, whose guard then tells the entries apart:
+    under the stance again, the first eps' entry runs (the new one comes first in the cache). A
+    call no entry's differentiating guards pass (float64) raises, as Dynamo's hook does, instead of
+    compiling or leaving the blocks eager for good: out of the stance it compiles new steps."""
+    backend = CountingBackend()
+    seq = _perturbed(ReversibleSequential(*[rk.nn.ReversibleBlock(_mlp(), _mlp()) for _ in range(2)],
+                                          engine="compiled"))
+    seq.compile_options = {"backend": backend}
+    ref = copy.deepcopy(seq)
+    data = _data(4, 8)
+
+    def set_eps(eps):
+        for m in [*seq.modules(), *ref.modules()]:
+            if isinstance(m, nn.LayerNorm):
+                m.eps = eps
+
+    def plain():
+        return run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data)
+
+    def unsafe():
+        return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
+
+    first = plain()
+    _assert_all_close(run_grads(seq, seq, *data), first, 1e-5, "warm-up: ")
+    with unsafe(), torch.profiler.profile() as profile:
+        _assert_all_close(run_grads(seq, seq, *data), first, 1e-5, "under the stance: ")
+    names = [e.name for e in profile.events()]
+    assert not [name for name in names if name.startswith("Torch-Compiled Region")]
+    assert names.count("revkernels step guards") == 4 and backend.graphs == 2
+    set_eps(0.5)
+    with unsafe():
+        _assert_all_close(run_grads(seq, seq, *data), first, 1e-5, "eps=0.5 under the stance: ")
+    assert backend.graphs == 2
+    _assert_all_close(run_grads(seq, seq, *data), plain(), 1e-5, "eps=0.5: ")
+    assert backend.graphs == 4
+    set_eps(1e-5)
+    with unsafe():
+        _assert_all_close(run_grads(seq, seq, *data), first, 1e-5, "eps=1e-5 under the stance again: ")
+    assert backend.graphs == 4
+    seq.double()
+    ref.double()
+    data = [t.double() for t in data]
+    with unsafe(), pytest.raises(RuntimeError, match=r"block_forward step of blocks\[0\].*skip_guard_eval_unsafe"):
+        run_grads(seq, seq, *data)
+    _assert_all_close(run_grads(seq, seq, *data), plain(), 1e-5, "float64: ")
+    assert backend.graphs == 6
+
+
 def test_a_stochastic_depth_schedule_compiles_its_branch_steps_once():
     """12 RevViTBlocks with a drop-path rate per block (0 to 0.2, as revvit/revswin build them):
     DropPath's rate is a graph input, so the blocks share their steps (the rate-0 block's block
