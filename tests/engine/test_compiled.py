@@ -253,16 +253,21 @@ def test_steps_run_their_cache_entries_without_dynamos_frame_hook():
     assert backend.calls == 0
 
 
-def test_a_blocks_attribute_changed_after_the_first_step_compiles_new_steps():
-    """Steps run directly (`run_step`) only where Dynamo's guards on their arguments pass: a
-    LayerNorm eps changed between steps compiles new steps, which give plain autograd's grads with
-    the new eps."""
+def _counted_mlp_run():
+    """Two generic MLP blocks on the compiled engine with a counting backend, a deep copy of them
+    (the reference) and a batch."""
     backend = CountingBackend()
     seq = _perturbed(ReversibleSequential(*[rk.nn.ReversibleBlock(_mlp(), _mlp()) for _ in range(2)],
                                           engine="compiled"))
     seq.compile_options = {"backend": backend}
-    ref = copy.deepcopy(seq)
-    data = _data(4, 8)
+    return backend, seq, copy.deepcopy(seq), _data(4, 8)
+
+
+def test_a_blocks_attribute_changed_after_the_first_step_compiles_new_steps():
+    """Steps run directly (`run_step`) only where Dynamo's guards on their arguments pass: a
+    LayerNorm eps changed between steps compiles new steps, which give plain autograd's grads with
+    the new eps."""
+    backend, seq, ref, data = _counted_mlp_run()
     for eps in (1e-5, 0.5):
         for model in (seq, ref):
             for m in model.modules():
@@ -282,12 +287,7 @@ def test_under_the_skip_guard_eval_unsafe_stance_steps_check_what_dynamo_checks(
     under the stance again, the first eps' entry runs (the new one comes first in the cache). A
     call no entry's differentiating guards pass (float64) raises, as Dynamo's hook does, instead of
     compiling or leaving the blocks eager for good: out of the stance it compiles new steps."""
-    backend = CountingBackend()
-    seq = _perturbed(ReversibleSequential(*[rk.nn.ReversibleBlock(_mlp(), _mlp()) for _ in range(2)],
-                                          engine="compiled"))
-    seq.compile_options = {"backend": backend}
-    ref = copy.deepcopy(seq)
-    data = _data(4, 8)
+    backend, seq, ref, data = _counted_mlp_run()
 
     def set_eps(eps):
         for m in [*seq.modules(), *ref.modules()]:
