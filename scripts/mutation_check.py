@@ -256,7 +256,7 @@ mutation("compiled_backward_linears_not_flattened", "revkernels/engine/compiled.
          "    with _FlatLinears() if torch.compiler.is_compiling() else contextlib.nullcontext():\n",
          "    with contextlib.nullcontext():\n", "tests/engine/test_compiled.py -k transformer_streams_take")
 mutation("direct_step_calls_skip_the_guards", "revkernels/engine/compiled.py",
-         "if _guards(e.guard_manager, differentiating_only).check(frame_locals)), None)", "), None)",
+         "if entry_guards(e.guard_manager, differentiating_only).check(frame_locals)), None)", "), None)",
          "tests/engine/test_compiled.py -k attribute_changed_after")
 mutation("direct_step_calls_ignore_the_stance", "revkernels/engine/compiled.py",
          'if stance.stance != "default":', "if False:",

@@ -20,6 +20,13 @@ hits them alike):
     run_step        the engine's call as its walkers make it (`run_step`): the entry lookup, the
                     guard check and the entry's code
 
+and two beside them, under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (README,
+"Compiled runs"), where a call checks only the entry's differentiating guards:
+
+    diff_guards     entry_code + the entry's differentiating guards (``diff_guard_root``)
+    run_step_unsafe_stance
+                    `run_step` under that stance
+
 Each layer's own cost is its difference from the layer before. The layers are torch internals
 (Dynamo's cache entries, inductor's CompiledFxGraph) that another torch may lay out differently:
 where they are missing, the part says so and stops. CPU only (on CUDA a call's host time is its
@@ -29,6 +36,7 @@ Results: step_layers_<config>_<device>.csv under --out (a row per step call time
 with commit, device and versions on every row.
 """
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -43,6 +51,7 @@ from revkernels.bench.report import DEFAULT_OUT, check_out_folder, provenance, w
 from revkernels.engine import compiled
 
 LAYERS = ("inductor", "compiled_graph", "entry_code", "guards", "run_step")
+UNSAFE_STANCE_LAYERS = ("diff_guards", "run_step_unsafe_stance")  # (timed under that stance)
 WARMUP_STEPS = 3  # train steps before the recorded one (compiles, caches)
 
 
@@ -96,6 +105,7 @@ def layer_calls(step, args, graph, inputs):
         raise RuntimeError(f"revkernels: no cached entry of the {function.__name__} step passes its guards")
     entry_code = types.FunctionType(entry.code, function.__globals__)
     guards = entry.guard_manager
+    diff_guards = compiled.entry_guards(guards, differentiating_only=True)
     inner = graph.current_callable
     return {
         "inductor": lambda: inner(list(inputs)),  # (a boxed call: the callable empties the list it gets)
@@ -103,7 +113,16 @@ def layer_calls(step, args, graph, inputs):
         "entry_code": lambda: entry_code(*args),
         "guards": lambda: guards.check(dict(zip(code.co_varnames, args))) and entry_code(*args),
         "run_step": lambda: compiled.run_step(step, args),
+        "diff_guards": lambda: diff_guards.check(dict(zip(code.co_varnames, args))) and entry_code(*args),
+        "run_step_unsafe_stance": lambda: compiled.run_step(step, args),
     }
+
+
+def stance_of(layer):
+    """The compiler stance a layer's calls run under."""
+    if layer in UNSAFE_STANCE_LAYERS:
+        return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
+    return contextlib.nullcontext()
 
 
 def time_layers(calls, rounds, batch):
@@ -112,10 +131,11 @@ def time_layers(calls, rounds, batch):
     with torch.no_grad():
         for _ in range(rounds):
             for layer, call in calls.items():
-                start = time.perf_counter()
-                for _ in range(batch):
-                    call()
-                samples[layer].append((time.perf_counter() - start) / batch * 1e6)
+                with stance_of(layer):
+                    start = time.perf_counter()
+                    for _ in range(batch):
+                        call()
+                    samples[layer].append((time.perf_counter() - start) / batch * 1e6)
     return {layer: statistics.median(values) for layer, values in samples.items()}
 
 
@@ -138,7 +158,8 @@ def measure(config, variant, rounds, batch, progress=None):
                 _, _, step, args, graph, inputs = calls[position]
                 times = time_layers(layer_calls(step, args, graph, inputs), rounds, batch)
                 rows.append({"config": config, "variant": variant, "step": name, "block": position,
-                             "graph_inputs": len(inputs), **{f"{k}_us": round(times[k], 2) for k in LAYERS},
+                             "graph_inputs": len(inputs),
+                             **{f"{k}_us": round(times[k], 2) for k in LAYERS + UNSAFE_STANCE_LAYERS},
                              "rounds": rounds, "batch": batch})
                 if progress is not None:
                     progress(rows[-1])
@@ -151,7 +172,9 @@ def format_row(row):
     """One console line: the step call's total and each layer's own cost in us."""
     own = [row["inductor_us"]] + [row[f"{b}_us"] - row[f"{a}_us"] for a, b in zip(LAYERS, LAYERS[1:])]
     parts = ", ".join(f"{layer} {us:+.1f}" if i else f"{layer} {us:.1f}" for i, (layer, us) in enumerate(zip(LAYERS, own)))
-    return f"{row['step']:>16} blocks[{row['block']}]: run_step {row['run_step_us']:.1f} us = {parts}"
+    return (f"{row['step']:>16} blocks[{row['block']}]: run_step {row['run_step_us']:.1f} us = {parts}; "
+            f"unsafe stance: diff_guards {row['diff_guards_us'] - row['entry_code_us']:+.1f}, "
+            f"run_step {row['run_step_unsafe_stance_us']:.1f} us")
 
 
 def main(argv=None, default_out=DEFAULT_OUT):

@@ -307,14 +307,15 @@ def _passing_entry(code, frame_locals, differentiating_only=False):
     guards where Dynamo made them) pass on `frame_locals`, or None."""
     try:
         return next((e for e in _eval_frame._debug_get_cache_entry_list(code)
-                     if _guards(e.guard_manager, differentiating_only).check(frame_locals)), None)
+                     if entry_guards(e.guard_manager, differentiating_only).check(frame_locals)), None)
     except (AttributeError, TypeError):  # another torch's cache entries: Dynamo's hook from now on
         _DIRECT[0] = False
         return None
 
 
-def _guards(manager, differentiating_only):
-    """A cache entry's guard manager, or its differentiating guards' (``diff_guard_root``)."""
+def entry_guards(manager, differentiating_only):
+    """A cache entry's guard manager (``entry.guard_manager``), or with `differentiating_only` the
+    manager of its differentiating guards (``diff_guard_root``) where Dynamo made one."""
     diff = getattr(manager, "diff_guard_root", None) if differentiating_only else None
     return manager if diff is None else diff
 

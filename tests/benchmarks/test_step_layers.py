@@ -33,7 +33,8 @@ def test_the_recorded_calls_are_the_steps_of_every_block(recorded):
 def test_every_layer_computes_what_the_step_computes(recorded, monkeypatch):
     """The layers nest: inductor's callable and the CompiledFxGraph around it return the same graph
     outputs; the entry's code, with or without the guard check, returns what the engine's call
-    does, and each of these runs the recorded graph once (no recompile, no eager run)."""
+    does, and each of these runs the recorded graph once (no recompile, no eager run); so do the
+    two layers under the skip_guard_eval_unsafe stance."""
     from torch._inductor.output_code import CompiledFxGraph
 
     ran = []
@@ -44,10 +45,12 @@ def test_every_layer_computes_what_the_step_computes(recorded, monkeypatch):
         outputs = {}
         for layer, call in calls.items():
             ran.clear()
-            with torch.no_grad():
+            with torch.no_grad(), sl.stance_of(layer):
                 outputs[layer] = _flat(call())
             assert ran == ([] if layer == "inductor" else [graph]), (name, position, layer)
-        for a, b in (("inductor", "compiled_graph"), ("run_step", "entry_code"), ("run_step", "guards")):
+        assert set(calls) == set(sl.LAYERS + sl.UNSAFE_STANCE_LAYERS)
+        for a, b in (("inductor", "compiled_graph"), ("run_step", "entry_code"), ("run_step", "guards"),
+                     ("run_step", "diff_guards"), ("run_step", "run_step_unsafe_stance")):
             assert len(outputs[a]) == len(outputs[b]) > 0, (name, position, a, b)
             for i, (u, v) in enumerate(zip(outputs[a], outputs[b])):
                 assert torch.equal(u, v), (name, position, a, b, i)
@@ -61,7 +64,7 @@ def test_cli_writes_the_layer_times(tmp_path, monkeypatch, capsys):
     assert [(r["step"], r["block"]) for r in rows] == [("block_forward", "0"), ("block_forward", "2"),
                                                        ("block_backward", "0"), ("block_backward", "2")]
     for row in rows:
-        assert all(float(row[f"{layer}_us"]) > 0 for layer in sl.LAYERS), row
+        assert all(float(row[f"{layer}_us"]) > 0 for layer in sl.LAYERS + sl.UNSAFE_STANCE_LAYERS), row
         assert row["commit"] and row["torch"] == torch.__version__ and row["variant"] == "revkernels_compiled"
     assert "block_backward blocks[2]: run_step" in capsys.readouterr().out
 
