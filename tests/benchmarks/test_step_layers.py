@@ -46,6 +46,8 @@ def test_every_layer_computes_what_the_step_computes(recorded, monkeypatch):
         for layer, call in calls.items():
             ran.clear()
             with torch.no_grad(), sl.stance_of(layer):
+                unsafe = torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe
+                assert unsafe == (layer in sl.UNSAFE_STANCE_LAYERS), (layer, unsafe)
                 outputs[layer] = _flat(call())
             assert ran == ([] if layer == "inductor" else [graph]), (name, position, layer)
         assert set(calls) == set(sl.LAYERS + sl.UNSAFE_STANCE_LAYERS)
