@@ -118,7 +118,7 @@ def layer_calls(step, args, graph, inputs):
     }
 
 
-def stance_of(layer):
+def layer_stance(layer):
     """The compiler stance a layer's calls run under."""
     if layer in UNSAFE_STANCE_LAYERS:
         return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
@@ -131,7 +131,7 @@ def time_layers(calls, rounds, batch):
     with torch.no_grad():
         for _ in range(rounds):
             for layer, call in calls.items():
-                with stance_of(layer):
+                with layer_stance(layer):
                     start = time.perf_counter()
                     for _ in range(batch):
                         call()

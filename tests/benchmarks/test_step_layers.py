@@ -45,7 +45,7 @@ def test_every_layer_computes_what_the_step_computes(recorded, monkeypatch):
         outputs = {}
         for layer, call in calls.items():
             ran.clear()
-            with torch.no_grad(), sl.stance_of(layer):
+            with torch.no_grad(), sl.layer_stance(layer):
                 unsafe = torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe
                 assert unsafe == (layer in sl.UNSAFE_STANCE_LAYERS), (layer, unsafe)
                 outputs[layer] = _flat(call())
