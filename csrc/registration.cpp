@@ -29,15 +29,28 @@ PyObject* cpu_kernel_builds(PyObject*, PyObject*) {
   return names;
 }
 
-// _C.last_level_cache_bytes(): the cache size above which the streaming ops write their outputs
-// with non-temporal stores (cpu/vec_kernels.h: stream_outputs); 0 where unknown (never).
+// _C.last_level_cache_bytes(): the CPU's last-level cache (0 where unknown), by default the size
+// above which the streaming ops write their outputs with non-temporal stores (cpu/vec_kernels.h).
 PyObject* last_level_cache_bytes(PyObject*, PyObject*) { return PyLong_FromLongLong(revkernels::last_level_cache_bytes()); }
+
+// _C.stream_above_bytes(): the size above which those ops stream (REVKERNELS_STREAM_ABOVE_BYTES or
+// the last-level cache; 0: never). A bad value of the variable raises ValueError.
+PyObject* stream_above_bytes(PyObject*, PyObject*) {
+  try {
+    return PyLong_FromLongLong(revkernels::stream_above_bytes());
+  } catch (const c10::ValueError& e) {
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    return nullptr;
+  }
+}
 
 PyMethodDef methods[] = {
     {"cpu_kernel_build", cpu_kernel_build, METH_NOARGS, "The CPU kernel build the ops run."},
     {"cpu_kernel_builds", cpu_kernel_builds, METH_NOARGS, "The CPU kernel builds compiled into the library."},
     {"last_level_cache_bytes", last_level_cache_bytes, METH_NOARGS,
-     "The CPU's last-level cache in bytes (0: unknown); larger calls stream their outputs."},
+     "The CPU's last-level cache in bytes (0: unknown)."},
+    {"stream_above_bytes", stream_above_bytes, METH_NOARGS,
+     "The call size in bytes above which the CPU ops stream their outputs (0: never)."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

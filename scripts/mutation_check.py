@@ -297,6 +297,9 @@ mutation("batch_norm_spatial_mean_unshifted", "csrc/cpu/vec_kernels.cpp",
 mutation("batch_norm_channels_mean_unshifted", "csrc/cpu/vec_kernels.cpp",
          "pivots[l] = stats_pivot(pivots[l]);", "pivots[l] = acc_t(0);",
          "tests/ops/test_batch_norm.py -k constant_and_offset_channels")
+mutation("stream_threshold_ignores_the_variable", "csrc/cpu/dispatch.cpp",
+         "if (text == nullptr || *text == '\\0') return last_level_cache_bytes();", "return last_level_cache_bytes();",
+         "tests/ops/test_cpu_isa.py")
 mutation("layer_norm_infinite_pivot", "csrc/cpu/vec_kernels.cpp",
          "stats_pivot(load<acc_t>(&first_x))", "load<acc_t>(&first_x)",
          "tests/ops/test_layer_norm.py -k starting_with_inf")

@@ -2,6 +2,10 @@
 // REVKERNELS_CPU_ISA_VARIANTS: the build linked the AVX2 and AVX512 objects (x86-64, GCC).
 #include <ATen/Version.h>
 
+#include <c10/util/Exception.h>
+
+#include <cerrno>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 
@@ -92,9 +96,24 @@ int64_t last_level_cache_bytes() {
   return bytes;
 }
 
+int64_t stream_above_bytes() {
+  static const int64_t bytes = [] {
+    const char* text = std::getenv("REVKERNELS_STREAM_ABOVE_BYTES");
+    if (text == nullptr || *text == '\0') return last_level_cache_bytes();
+    char* end = nullptr;
+    errno = 0;
+    const long long value = std::strtoll(text, &end, 10);
+    TORCH_CHECK_VALUE(errno == 0 && *end == '\0' && value >= 0,
+                      "REVKERNELS_STREAM_ABOVE_BYTES must be a non-negative integer (bytes; 0: never stream), got '",
+                      text, "'");
+    return static_cast<int64_t>(value);
+  }();
+  return bytes;
+}
+
 bool stream_outputs(int64_t bytes) {
-  const int64_t cache = last_level_cache_bytes();
-  return cache > 0 && bytes > cache;
+  const int64_t threshold = stream_above_bytes();
+  return threshold > 0 && bytes > threshold;
 }
 
 }  // namespace revkernels

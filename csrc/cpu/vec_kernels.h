@@ -76,9 +76,14 @@ std::vector<const CpuKernels*> compiled_cpu_kernels();
 // of CPU 0; sysconf's figure can be a whole package's), or 0 where unknown.
 int64_t last_level_cache_bytes();
 
+// The size above which a call streams its outputs: REVKERNELS_STREAM_ABOVE_BYTES where set (read
+// once per process; 0: never), else the last-level cache. A bad value raises ValueError at the
+// first call that asks.
+int64_t stream_above_bytes();
+
 // Whether a call that reads and writes `bytes` in all should write its outputs with streaming
-// stores: when they exceed the last-level cache, so its outputs would not stay cached for the
-// next op anyway. Never where the cache size is unknown.
+// stores: when they exceed stream_above_bytes() (by default the last-level cache, so its outputs
+// would not stay cached for the next op anyway). Never where that size is 0 (cache unknown).
 bool stream_outputs(int64_t bytes);
 
 }  // namespace revkernels

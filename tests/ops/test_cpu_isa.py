@@ -9,7 +9,9 @@ pure-PyTorch reference: widths that leave vector tails, row-sliced, broadcast an
 each dtype, and 1 against 3 threads (results must be bitwise equal: the reductions' order does not
 depend on the thread count). Tolerances follow DESIGN.md: fp32/fp64 relative error 1e-5 / 1e-12;
 for fp16/bf16 at most 2x the error of the same computation rounded once from fp32 (the module's
-reference), plus one unit in the last place of the output's scale.
+reference), plus one unit in the last place of the output's scale. The subprocesses stream outputs
+above 4 MiB (REVKERNELS_STREAM_ABOVE_BYTES) rather than above the last-level cache, which can be
+hundreds of MiB: the streamed checks then run on ~12 MiB rather than GiBs of fp64 references.
 """
 import os
 import platform
@@ -33,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 WIDTHS = (1, 17, 100, 769)
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
+STREAM_ABOVE_BYTES = 4 << 20
 
 
 def _err(got, exact):
@@ -154,11 +157,12 @@ def check_all():
 
 
 def _check_streamed(dtype, gen):
-    """coupling_sub and sub_layer_norm on data larger than the last-level cache, which they write
+    """coupling_sub and sub_layer_norm on data larger than the streaming threshold, which they write
     with streaming stores (rows of an odd width: the rows start at every alignment)."""
     ops = torch.ops.revkernels
     n = 769
-    rows = max(_C.last_level_cache_bytes(), 1 << 20) // (6 * n) + 1  # > the cache even for 16-bit coupling
+    assert _C.stream_above_bytes() == STREAM_ABOVE_BYTES, "the subprocess streams above its own threshold"
+    rows = STREAM_ABOVE_BYTES // (6 * n) + 1  # streamed even for 16-bit coupling (3 x 2 bytes an element)
     y = (torch.randn(rows, n, generator=gen) * 3 + 0.5).to(dtype)
     g, w, b = torch.randn(rows, n, generator=gen).to(dtype), torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     what = f"{dtype} {rows}x{n} (streamed)"
@@ -213,11 +217,40 @@ def test_last_level_cache_bytes():
     assert _C.last_level_cache_bytes() == (max(caches)[1] if caches else 0)
 
 
+def _stream_above_bytes_with(value):
+    """(stream_above_bytes() or the error's text, whether a coupling op raised) in a subprocess
+    with REVKERNELS_STREAM_ABOVE_BYTES=value."""
+    code = ("import torch, revkernels\nfrom revkernels._extension import _C\n"
+            "try:\n    print(_C.stream_above_bytes())\nexcept ValueError as e:\n    print(e)\n"
+            "try:\n    torch.ops.revkernels.coupling_sub(torch.randn(4), torch.randn(4))\n    print('ran')\n"
+            "except ValueError as e:\n    print('raised', e)\n")
+    env = dict(os.environ, REVKERNELS_STREAM_ABOVE_BYTES=value,
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+def test_stream_above_bytes_is_the_cache_or_the_variable():
+    if not rk.HAS_C_EXTENSION:
+        pytest.skip("revkernels._C is not built")
+    if "REVKERNELS_STREAM_ABOVE_BYTES" not in os.environ:
+        assert _C.stream_above_bytes() == _C.last_level_cache_bytes()
+    assert _stream_above_bytes_with("123456") == ["123456", "ran"]
+    assert _stream_above_bytes_with("0") == ["0", "ran"]
+    for bad in ("-1", "4MiB"):
+        lines = _stream_above_bytes_with(bad)
+        assert len(lines) == 2 and lines[1].startswith("raised"), lines
+        for line in lines:
+            assert "REVKERNELS_STREAM_ABOVE_BYTES must be a non-negative integer" in line and f"'{bad}'" in line
+
+
 @pytest.mark.parametrize("isa", ["default", "avx2", "avx512"])
 def test_cpu_kernels_under_each_isa(isa):
     if not rk.HAS_C_EXTENSION:
         pytest.skip("revkernels._C is not built")
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=isa, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=isa, REVKERNELS_STREAM_ABOVE_BYTES=str(STREAM_ABOVE_BYTES), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
                            env=env, capture_output=True, text=True, check=True)
     if probe.stdout.strip().lower() != isa:
