@@ -202,7 +202,8 @@ UNSAFE_STANCE = "revkernels_compiled_unsafe_stance"
 
 class UnsafeStanceStack(ReversibleStack):
     """A `ReversibleStack` whose train steps after the first run under
-    ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (see `stance_of`)."""
+    ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (see `stance_of`; `train_step` sets
+    `warmed_up` after a step)."""
 
     def __init__(self, blocks, engine):
         super().__init__(blocks, engine)
@@ -212,10 +213,8 @@ class UnsafeStanceStack(ReversibleStack):
 def stance_of(model):
     """The compiler stance of a train step of `model`: for an `UnsafeStanceStack` past its first step
     skip_guard_eval_unsafe (the first compiles its steps under the default stance), else unchanged."""
-    if isinstance(model, UnsafeStanceStack):
-        if model.warmed_up:
-            return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
-        model.warmed_up = True
+    if isinstance(model, UnsafeStanceStack) and model.warmed_up:
+        return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
     return contextlib.nullcontext()
 
 
@@ -275,6 +274,8 @@ def train_step(model, x, device, autocast=True):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast and device.type == "cuda"):
             y = model(x)
         loss_of(y).backward()
+    if isinstance(model, UnsafeStanceStack):
+        model.warmed_up = True
 
 
 def check_plain_grads(cfg, device):
