@@ -199,3 +199,26 @@ class TrackingLinear(nn.Module):
                     self.late.mul_(0.5)
                 self.steps += 1
         return y
+
+
+def record_relu_input_signs(model):
+    """Records, per call, the signs of every BatchNorm output that feeds a ReLU inside the
+    reversible stages of a RevNet (in F, every BN but the last). A rebuilding engine records each
+    twice: forward, then recompute at the rebuilt input (see `relu_kink_crossings`)."""
+    records = []
+    for stage in model.stages:
+        if stage.reversible:
+            for bn in [m for m in stage.f.children() if isinstance(m, nn.BatchNorm2d)][:-1]:
+                record = []
+                bn.register_forward_hook(lambda mod, args, out, record=record: record.append(out.detach() > 0))
+                records.append(record)
+    return records
+
+
+def relu_kink_crossings(records):
+    """How many ReLU inputs changed sign between the forward and the recompute. A rebuilt input is
+    exact to ~1e-6 relative; where that moves a ReLU input across zero, the recompute differentiates
+    the other side of the kink (a real fp32 effect of any rebuild), so that draw cannot be compared
+    with plain autograd at 1e-5 and the caller draws again."""
+    assert records and all(len(r) == 2 for r in records), "each F should run once forward, once in the recompute"
+    return sum(int((r[0] != r[1]).sum()) for r in records)

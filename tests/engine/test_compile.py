@@ -23,7 +23,7 @@ from revkernels.engine.state import NO_CONTEXT
 from revkernels.nn.reversible import HalfCouplingBlock, ReversibleBlock, ReversibleSequential
 from revkernels.nn.revvit import RevViTBlock
 from tests.helpers import (TrackingLinear, assert_close_rel, grads_of, loss_of, make_seq, perturb_parameters,
-                           plain_forward, residual_fn, run_grads)
+                           plain_forward, record_relu_input_signs, relu_kink_crossings, residual_fn, run_grads)
 
 # Under torch.compile every memory-saving engine is the same opaque op running the sequential
 # schedule on CPU, so "sequential" stands for pareprop and graphs too (compiled steps: test_compiled.py).
@@ -229,16 +229,24 @@ def test_fullgraph_compile_revnet_with_recomputed_stages():
     # run_recomputed, checkpointed under compile.
     import revkernels as rk
 
-    model = rk.models.revnet18(num_classes=10, stem="cifar", engine="sequential")
-    reference = rk.models.revnet18(num_classes=10, stem="cifar", engine="autograd")
-    reference.load_state_dict(model.state_dict())
+    base = rk.models.revnet18(num_classes=10, stem="cifar", engine="sequential")
     # 16x16: at 8x8 the last stage's BatchNorms see two values per channel, and the grads flowing
     # through them are rounding noise (the opaque op's torch.func backward and eager autograd
-    # differ there by 3e-2 relative).
-    x = torch.randn(2, 3, 16, 16)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        torch.compile(model, fullgraph=True, backend="aot_eager")(x).square().sum().backward()
+    # differ there by 3e-2 relative). A draw whose rebuild moved a ReLU input across zero (about 1
+    # in 400 here) is drawn again (relu_kink_crossings).
+    for _ in range(3):
+        model = copy.deepcopy(base)
+        records = record_relu_input_signs(model)
+        x = torch.randn(2, 3, 16, 16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torch.compile(model, fullgraph=True, backend="aot_eager")(x).square().sum().backward()
+        if relu_kink_crossings(records) == 0:
+            break
+    else:
+        pytest.fail("three draws in a row put a ReLU input within rounding error of zero")
+    reference = rk.models.revnet18(num_classes=10, stem="cifar", engine="autograd")
+    reference.load_state_dict(base.state_dict())
     reference(x).square().sum().backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert_close_rel(p.grad, q.grad, 1e-5, name)

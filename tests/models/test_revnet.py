@@ -9,7 +9,7 @@ from torch import nn
 import revkernels as rk
 from revkernels.models import BasicResidual, BottleneckResidual, ReversibleStage, revnet18, revnet34, revnet50
 from revkernels.models.revnet import KINDS
-from tests.helpers import assert_close_rel, perturb_parameters
+from tests.helpers import assert_close_rel, perturb_parameters, record_relu_input_signs, relu_kink_crossings
 
 # name: (builder, layout, lengths of the reversible runs, paper's count, our count, count with conv biases)
 MODELS = {
@@ -61,25 +61,6 @@ def _train_step(model, x, w, forward=None):
     (logits * w).sum().backward()
     grads = [(n, p.grad) for n, p in model.named_parameters()]
     return logits.detach(), x.grad, grads, [(n, b.clone()) for n, b in model.named_buffers()]
-
-
-def _record_relu_input_signs(model):
-    """Records, per call, the signs of every BatchNorm output that feeds a ReLU inside the
-    reversible stages (in F, every BN but the last). In the sequential engine each is recorded
-    twice: forward, then recompute at the rebuilt input."""
-    records = []
-    for stage in model.stages:
-        if stage.reversible:
-            for bn in [m for m in stage.f.children() if isinstance(m, nn.BatchNorm2d)][:-1]:
-                record = []
-                bn.register_forward_hook(lambda mod, args, out, record=record: record.append(out.detach() > 0))
-                records.append(record)
-    return records
-
-
-def _relu_kink_crossings(records):
-    assert records and all(len(r) == 2 for r in records), "each F should run once forward, once in the recompute"
-    return sum(int((r[0] != r[1]).sum()) for r in records)
 
 
 def _assert_grads_close(actual, expected, tol=1e-5):
@@ -188,9 +169,9 @@ def _check_one_training_step(name, device="cpu", batch=2, size=16):
         ours, crossings = {}, 0
         for engine in REBUILDING_ENGINES[torch.device(device).type]:
             model = copy.deepcopy(base).set_engine(engine)
-            records = _record_relu_input_signs(model)
+            records = record_relu_input_signs(model)
             ours[engine] = _train_step(model, x, w)
-            crossings += _relu_kink_crossings(records)
+            crossings += relu_kink_crossings(records)
         # A rebuilt input is exact to ~1e-6; if that moved a ReLU input across zero, the recompute
         # differentiates the other side of the kink (a real, rare (~3% of draws for RevNet34 here)
         # fp32 effect of any rebuild): such a draw cannot be compared at 1e-5, so draw again.
