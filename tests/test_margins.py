@@ -35,6 +35,11 @@ TOY_TESTS = textwrap.dedent('''
 
     def test_its_own_check():
         assert 1 + 1 == 2
+
+
+    def test_holds_once_per_process():
+        calls.append("once")
+        assert calls.count("once") == 1, "counted again"
 ''')
 
 
@@ -49,7 +54,7 @@ def test_margins_counts_the_draws_and_sorts_the_riskiest_first(tmp_path):
     by_name = {r["test"].split("::")[-1]: r for r in rows}
     assert [r["test"].split("::")[-1] for r in rows] == [
         "test_fails_in_the_third_draw", "test_half_the_tolerance", "test_a_quarter_of_the_low_precision_bound",
-        "test_its_own_check"]
+        "test_its_own_check", "test_holds_once_per_process"]
     third = by_name["test_fails_in_the_third_draw"]
     assert (third["draws"], third["failed_draws"], third["max"], third["median"]) == ("4", "1", "2", "0.25")
     assert third["first_failure"].startswith("the third: relative error 2.000e-05 > 1.0e-05")
@@ -58,6 +63,8 @@ def test_margins_counts_the_draws_and_sorts_the_riskiest_first(tmp_path):
     assert by_name["test_a_quarter_of_the_low_precision_bound"]["max"] == "0.25"
     own = by_name["test_its_own_check"]
     assert (own["draws"], own["max"], own["median"]) == ("4", "", "")
+    once = by_name["test_holds_once_per_process"]
+    assert (once["draws"], once["failed_draws"], once["error"]) == ("1", "0", "a re-run failed another check: counted again")
     assert "1/4" in result.stdout and f"wrote {out}" in result.stdout
 
 
