@@ -95,7 +95,9 @@ def _channel_pivot(x_ptr, xc, chans, cmask, ACC_FP64: tl.constexpr):
 @triton.jit
 def _bn_fwd_stats_kernel(partial_ptr, x_ptr, xn, xc, xs, C, S, M, chunk_len, num_chunks,
                          ACC_FP64: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr):
-    # partial: (2, num_chunks, C): this chunk's mean and M2 per channel, of x - pivot.
+    # partial: (2, num_chunks, C): this chunk's mean and M2 per channel, of x - pivot. M2 merges the
+    # blocks' (mean, M2); the mean stored is the plain sum's (the merged mean subtracts means: NaN
+    # after an infinite value, where the sum's is +-inf, as the reference's).
     acc_type = tl.float64 if ACC_FP64 else tl.float32
     k = tl.program_id(1)
     chans, cmask = _channel_block(BLOCK_C, C)
@@ -104,18 +106,21 @@ def _bn_fwd_stats_kernel(partial_ptr, x_ptr, xn, xc, xs, C, S, M, chunk_len, num
     count = tl.zeros((), dtype=acc_type)
     mean = tl.zeros((BLOCK_C,), dtype=acc_type)
     m2 = tl.zeros((BLOCK_C,), dtype=acc_type)
+    total_sum = tl.zeros((BLOCK_C,), dtype=acc_type)
     for start in range(m_begin, m_end, BLOCK_M):
         offs, mask = _tile_offsets(start, m_end, S, chans, cmask, xn, xc, xs, BLOCK_M)
         x = tl.where(mask, tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_type) - pivot[:, None], 0.0)
         blk_count = tl.minimum(m_end - start, BLOCK_M).to(acc_type)
-        blk_mean = tl.sum(x, axis=1) / blk_count
+        blk_sum = tl.sum(x, axis=1)
+        total_sum += blk_sum
+        blk_mean = blk_sum / blk_count
         diff = tl.where(mask, x - blk_mean[:, None], 0.0)
         total = count + blk_count
         delta = blk_mean - mean
         mean += delta * (blk_count / total)
         m2 += tl.sum(diff * diff, axis=1) + delta * delta * (count * blk_count / total)
         count = total
-    tl.store(partial_ptr + k * C + chans, mean, mask=cmask)
+    tl.store(partial_ptr + k * C + chans, total_sum / tl.maximum(count, 1.0), mask=cmask)
     tl.store(partial_ptr + (num_chunks + k) * C + chans, m2, mask=cmask)
 
 

@@ -75,12 +75,14 @@ def _sub_layer_norm_fwd_chunked_kernel(x_ptr, ln_ptr, mean_ptr, rstd_ptr, y_ptr,
     g_row = g_ptr + row * g_row_stride
     # Pass 1: count, mean and M2 (sum of squared deviations) of x - x[0], merged chunk by chunk
     # (shifted by the row's first value if finite: a constant row's mean is exact, and each chunk's
-    # mean is formed from small values)
+    # mean is formed from small values). The mean written is the plain sum's: the merged mean
+    # subtracts means, which is NaN after an infinite value (the sum's is +-inf, as the reference's).
     first = (tl.load(y_row).to(acc_type) - tl.load(g_row).to(acc_type)).to(x_ptr.dtype.element_ty).to(acc_type)
     pivot = stats_pivot(first)
     count = tl.zeros((), dtype=acc_type)
     mean = tl.zeros((), dtype=acc_type)
     m2 = tl.zeros((), dtype=acc_type)
+    total_sum = tl.zeros((), dtype=acc_type)
     for start in range(0, n, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         mask = cols < n
@@ -88,14 +90,16 @@ def _sub_layer_norm_fwd_chunked_kernel(x_ptr, ln_ptr, mean_ptr, rstd_ptr, y_ptr,
         g = tl.load(g_row + cols, mask=mask, other=0.0).to(acc_type)
         x = (y - g).to(x_ptr.dtype.element_ty).to(acc_type) - pivot
         chunk_count = tl.sum(mask.to(acc_type), axis=0)
-        chunk_mean = tl.sum(tl.where(mask, x, 0.0), axis=0) / chunk_count
+        chunk_sum = tl.sum(tl.where(mask, x, 0.0), axis=0)
+        total_sum += chunk_sum
+        chunk_mean = chunk_sum / chunk_count
         diff = tl.where(mask, x - chunk_mean, 0.0)
         total = count + chunk_count
         delta = chunk_mean - mean
         mean += delta * (chunk_count / total)
         m2 += tl.sum(diff * diff, axis=0) + delta * delta * (count * chunk_count / total)
         count = total
-    mean += pivot
+    mean = pivot + total_sum / n
     rstd = 1.0 / tl.sqrt(m2 / n + eps)
     # Pass 2: x and ln.
     for start in range(0, n, BLOCK_N):

@@ -2,6 +2,7 @@
 BatchNorm: the C++ CPU kernels, the Triton kernels (under TRITON_INTERPRET=1 on CPU, fp32) and,
 with -m gpu, the CUDA path."""
 
+import functools
 import pathlib
 
 import numpy as np
@@ -514,12 +515,14 @@ def test_statistics_of_constant_and_offset_channels(layout, dtype):
     assert torch.equal(mean[:2], x[0, :2, 0, 0]) and torch.equal(out[:, :2], bias[:2].view(1, 2, 1, 1).expand(8, 2, 16, 16))
 
 
-def test_triton_mean_of_a_channel_starting_with_inf():
-    """The default path (a channel in one program). The split path merges its chunks' means, and a
-    merge subtracts means: its mean is NaN for a channel holding an infinite value anywhere."""
-    from revkernels.triton.batch_norm import batch_norm_act as fwd_kernel
+@pytest.mark.parametrize("path", list(TRITON_PATHS))
+def test_triton_mean_of_a_channel_starting_with_inf(path):
+    """Both paths; a chunk stores the mean of its blocks' sums (merging the blocks' means subtracts
+    them: NaN after an infinite value), and the split path's merge weighs those means."""
+    from revkernels.triton.batch_norm import batch_norm_act
 
-    _check_mean_of_channels_starting_with_inf(fwd_kernel, _channels_starting_with_inf().to(triton_device()))
+    _check_mean_of_channels_starting_with_inf(functools.partial(batch_norm_act, **TRITON_PATHS[path]),
+                                              _channels_starting_with_inf().to(triton_device()))
 
 
 @pytest.mark.parametrize("path", list(TRITON_PATHS))

@@ -2,6 +2,7 @@
 LayerNorm: the C++ CPU kernels, the Triton kernels (under TRITON_INTERPRET=1 on CPU, fp32 only)
 and, with -m gpu, the CUDA path."""
 
+import functools
 import pathlib
 
 import numpy as np
@@ -519,12 +520,13 @@ def test_triton_sub_layer_norm_constant_rows(n, path):
         assert_close_rel(got.cpu(), exact.cpu(), 1e-5, what)
 
 
-def test_triton_sub_layer_norm_mean_of_a_row_starting_with_inf():
-    """The fused kernel (a row in one block). The chunked kernel merges its chunks' means, and a
-    merge subtracts means: its mean is NaN for a row holding an infinite value anywhere."""
-    from revkernels.triton.layer_norm import sub_layer_norm as kernel
+@pytest.mark.parametrize("path", list(TRITON_PATHS))
+def test_triton_sub_layer_norm_mean_of_a_row_starting_with_inf(path):
+    """Both kernels; the chunked one writes the mean of its chunks' sums (merging the chunks'
+    means subtracts them: NaN after an infinite value)."""
+    from revkernels.triton.layer_norm import sub_layer_norm
 
-    _check_mean_of_rows_starting_with_inf(kernel, triton_device())
+    _check_mean_of_rows_starting_with_inf(functools.partial(sub_layer_norm, **TRITON_PATHS[path]), triton_device())
 
 
 @pytest.mark.parametrize("path", list(TRITON_PATHS))
