@@ -154,7 +154,7 @@ def main(argv=None):
     for row in rows[:args.top]:
         print(f"{row['max'] or '-':>7} {row['p90'] or '-':>7} {row['median'] or '-':>7} "
               f"{row['failed_draws']:>6}/{row['draws']:<5} {row['test']}")
-    print(f"wrote {args.out} ({len(rows)} tests, {args.draws} draws each)")
+    print(f"wrote {args.out} ({len(rows)} tests, up to {args.draws} draws each)")
     return 1 if any(row["failed_draws"] for row in rows) else 0
 
 
