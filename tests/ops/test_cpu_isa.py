@@ -11,7 +11,7 @@ depend on the thread count). Tolerances follow DESIGN.md: fp32/fp64 relative err
 for fp16/bf16 at most 2x the error of the same computation rounded once from fp32 (the module's
 reference), plus one unit in the last place of the output's scale. The subprocesses stream outputs
 above 4 MiB (REVKERNELS_STREAM_ABOVE_BYTES) rather than above the last-level cache, which can be
-hundreds of MiB: the streamed checks then run on ~12 MiB rather than GiBs of fp64 references.
+hundreds of MiB: the streamed checks then take a few MiB rather than GiBs of fp64 references.
 """
 import os
 import platform
@@ -250,7 +250,8 @@ def test_stream_above_bytes_is_the_cache_or_the_variable():
 def test_cpu_kernels_under_each_isa(isa):
     if not rk.HAS_C_EXTENSION:
         pytest.skip("revkernels._C is not built")
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=isa, REVKERNELS_STREAM_ABOVE_BYTES=str(STREAM_ABOVE_BYTES), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=isa, REVKERNELS_STREAM_ABOVE_BYTES=str(STREAM_ABOVE_BYTES),
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
                            env=env, capture_output=True, text=True, check=True)
     if probe.stdout.strip().lower() != isa:
