@@ -235,6 +235,12 @@ mutation("triton_batch_norm_stats_unshifted", "revkernels/triton/batch_norm.py",
          "    return stats_pivot(tl.load(x_ptr + chans * xc, mask=cmask, other=0.0).to(acc_type))\n",
          "    return stats_pivot(tl.load(x_ptr + chans * xc, mask=cmask, other=0.0).to(acc_type)) * 0.0\n",
          "tests/ops/test_batch_norm.py -k constant_and_offset")
+mutation("triton_layer_norm_chunked_mean_merged", "revkernels/triton/layer_norm.py",
+         "    mean = pivot + total_sum / n\n", "    mean += pivot\n",
+         "tests/ops/test_layer_norm.py -k triton_sub_layer_norm_mean_of_a_row_starting_with_inf")
+mutation("triton_batch_norm_split_mean_merged", "revkernels/triton/batch_norm.py",
+         "total_sum / tl.maximum(count, 1.0), mask=cmask)", "mean, mask=cmask)",
+         "tests/ops/test_batch_norm.py -k triton_mean_of_a_channel_starting_with_inf")
 
 # --- fifteenth session: fallback tangents, NaN reports, tree changes, unused y2, hooks, shapes, context ----
 mutation("fallback_kernels_keep_tangents", "revkernels/ops/_library.py",
