@@ -61,7 +61,8 @@ def pytest_configure(config):
 
     def assert_close_rel(actual, expected, tol=1e-5, what="tensor"):
         err = rel_err(actual, expected)
-        _note(err / tol)
+        if tol > 0 or err > 0:  # (an exact check, tol 0, that holds has no ratio)
+            _note(err / tol if tol > 0 else float("inf"))
         assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
 
     def assert_low_precision_rule(actual, same_dtype_torch, exact, what="tensor"):

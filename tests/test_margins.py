@@ -35,6 +35,7 @@ TOY_TESTS = textwrap.dedent('''
 
     def test_its_own_check():
         assert 1 + 1 == 2
+        assert_close_rel(one_plus(1e-3), one_plus(1e-3), 0)  # an exact check: no ratio
 
 
     def test_holds_once_per_process():
