@@ -18,7 +18,9 @@ Time on CUDA, two figures per implementation (eager, torch.compile, triton, cuda
            events around each call, L2 cleared between calls), which is what a single eager
            call costs.
 GB/s, TFLOP/s and the speed-up ratios use ms. The copy bandwidth (one big copy kernel) is timed
-with do_bench. On CPU both figures are one perf_counter median (timing "perf_counter").
+with do_bench. On CPU both figures are one perf_counter median (timing "perf_counter") of the calls
+made in the same time budget as do_bench's (30 ms with --quick, 100 ms otherwise, after a 25 ms
+warm-up; at least 5 calls, at most 10000).
 GB/s counts the bytes each op must move at least once (inputs read, outputs written); GEMM rows
 report TFLOP/s instead. The summary ends with the best fused GB/s at the largest size as a share
 of the copy bandwidth, against the targets (forward ops >= 85%, backward ops >= 70%). Results:
@@ -48,16 +50,24 @@ TARGETS = {"coupling_sub": 0.85, "sub_layer_norm": 0.85, "bias_gelu": 0.85,
            "layer_norm_bwd_add": 0.70, "bias_gelu_bwd": 0.70}
 
 
+CPU_MIN_CALLS, CPU_MAX_CALLS = 5, 10_000
+
+
 def _call_ms(fn, device, reps):
     """Median time of one call, host overhead included (do_bench on CUDA, perf_counter on CPU)."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
         return do_bench(fn, warmup=25, rep=reps, return_mode="median")
-    for _ in range(2):
+    # CPU: as do_bench on CUDA, `reps` is a time budget in ms after a 25 ms warm-up; at least
+    # CPU_MIN_CALLS calls (a few calls of a ~10 us op were dominated by its first calls' fresh pages).
+    warm_until = time.perf_counter() + 0.025
+    fn()
+    while time.perf_counter() < warm_until:
         fn()
     times = []
-    for _ in range(max(3, reps // 20)):
+    until = time.perf_counter() + reps / 1e3
+    while len(times) < CPU_MIN_CALLS or (time.perf_counter() < until and len(times) < CPU_MAX_CALLS):
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)

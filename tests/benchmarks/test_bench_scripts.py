@@ -129,6 +129,27 @@ def test_kernels_cuda_timing_and_fallback(monkeypatch):
     assert bench._time(lambda: None, cuda, 10) == (0.2, 0.2, "events")
 
 
+def test_kernels_cpu_timing_spends_the_budget_after_a_warm_up(monkeypatch):
+    """On CPU `reps` is a time budget in ms, as do_bench's on CUDA, after a 25 ms warm-up, with at
+    least 5 timed calls. A fake clock that each call advances by `step` seconds."""
+    bench = _bench_kernels_module()
+    clock, calls = [0.0], []
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def call(step):
+        def fn():
+            calls.append(clock[0])
+            clock[0] += step
+        return fn
+
+    cpu = torch.device("cpu")
+    assert bench._call_ms(call(0.002), cpu, 100) == pytest.approx(2.0)
+    assert 13 + 49 <= len(calls) <= 13 + 51  # 13 warm-up calls to pass 25 ms, then ~100 ms of 2 ms calls
+    calls.clear()
+    assert bench._call_ms(call(0.06), cpu, 100) == pytest.approx(60.0)
+    assert len(calls) == 1 + bench.CPU_MIN_CALLS  # one warm-up call, then the minimum past the budget
+
+
 def test_kernels_cuda_summary(capsys):
     """The CUDA summary (both tables and the copy-bandwidth shares) from synthetic rows."""
     bench = _bench_kernels_module()
