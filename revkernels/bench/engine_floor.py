@@ -22,9 +22,8 @@ variant:
 Before timing, every variant's grads are checked against plain autograd through the same blocks
 (relative error <= `revkernels.bench.overhead.GRAD_CHECK_TOL`; the part fails otherwise). Then
 `--rounds` rounds of one timed step per variant (each right after an untimed step of its own), as
-in the overhead benchmark: step_ms is
-the median, vs_reversible_plain the median of the per-round ratios plain / variant (> 1: faster)
-with their quartiles.
+in the overhead benchmark: step_ms is the median, vs_reversible_plain the median of the per-round
+ratios plain / variant (> 1: faster) with their quartiles.
 
 Results: engine_floor_<config>_cpu.csv under --out, with commit, device and versions on every row.
 CPU only.
