@@ -1,7 +1,13 @@
 """Builds revkernels._C: C++ CPU kernels always; CUDA kernels when torch has CUDA and nvcc exists.
 
 REVKERNELS_BUILD_CUDA=1 forces the CUDA kernels (failing if they cannot be built), =0 skips them.
+Unset, a CUDA build that fails (a toolkit without the headers torch's CUDA code includes, a CUDA
+version other than torch's, a compile error) warns and builds the CPU kernels alone.
 REVKERNELS_SKIP_EXTENSION=1 installs the pure-PyTorch package without compiling anything.
+
+CUDA architectures: TORCH_CUDA_ARCH_LIST, else those of the visible GPUs (torch's rule), else, with
+no GPU visible (a container build, a login node), those this torch was built for (the newest also
+as PTX), so the kernels run wherever this torch runs.
 
 CPU kernels: csrc/cpu/vec_kernels.cpp is compiled once per instruction set, as ATen compiles its
 own (see that file): for DEFAULT, and on x86-64 with GCC once more per entry of ISA_VARIANTS below
@@ -26,6 +32,25 @@ def _env_flag(name):
     if value not in ("0", "1"):
         raise SystemExit(f"{name} must be 0 or 1, got {value!r}")
     return value == "1"
+
+
+def _default_cuda_arch_list(torch, required):
+    """TORCH_CUDA_ARCH_LIST for a CUDA build on a machine with no GPU visible and no list set: the
+    sm_XY architectures torch was built for, as "X.Y;...", the newest with +PTX (None where a list is
+    set or a GPU is visible: torch's own rule applies; with neither, torch fails with an IndexError).
+    Where torch names none: SystemExit for a `required` CUDA build, else None (the build then fails
+    and falls back to the CPU kernels)."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.is_available():
+        return None
+    numbers = sorted({int(arch[3:]) for arch in torch.cuda.get_arch_list()
+                      if arch.startswith("sm_") and arch[3:].isdigit()})
+    if not numbers:
+        if not required:
+            return None
+        raise SystemExit("revkernels: REVKERNELS_BUILD_CUDA=1, no GPU is visible and this torch names no CUDA "
+                         "architecture: set TORCH_CUDA_ARCH_LIST (e.g. 9.0 for an H100/H200)")
+    versions = [f"{n // 10}.{n % 10}" for n in numbers]
+    return ";".join(versions[:-1] + [versions[-1] + "+PTX"])
 
 
 # -DCPU_CAPABILITY... selects at::vec's implementation; the -m flags are those of ATen's kernels.
@@ -61,6 +86,21 @@ def _build_ext_class(BuildExtension, variant_flags):
     class BuildExt(BuildExtension):
         """Compiles the precompiled header and the ISA variants of VEC_SOURCE (GCC), then
         revkernels._C against the one and linked with the others."""
+
+        def build_extensions(self):
+            try:
+                super().build_extensions()
+            except Exception as error:  # noqa: BLE001  (torch raises RuntimeError, IndexError, ... here)
+                fallbacks = [getattr(ext, "cpu_fallback", None) for ext in self.extensions]
+                if not all(fallbacks):
+                    raise
+                first_line = (str(error).splitlines() or [""])[0]
+                self.warn(f"revkernels: the CUDA kernels could not be built ({type(error).__name__}: {first_line}); "
+                          "building the CPU kernels only (REVKERNELS_BUILD_CUDA=1 makes this an error)")
+                for ext, fallback in zip(self.extensions, fallbacks):
+                    # in place: setuptools keeps per-extension state (set in finalize_options) on ext
+                    ext.__dict__.update({k: v for k, v in vars(fallback).items() if not k.startswith("_")})
+                super().build_extensions()
 
         def build_extension(self, ext):
             variants = _isa_variants()
@@ -193,16 +233,25 @@ def _extensions():
     # could round the same pre-activation differently (BatchNorm+ReLU's recomputed mask).
     cxx_flags = ["-O3", "-fopenmp", "-g0", "-ffp-contract=off"]
     isa_flags = ["-DREVKERNELS_CPU_ISA_VARIANTS"] if _isa_variants() else []
-    # Unless a backend was forced, a failed compile still installs the pure-PyTorch package
-    # (`import revkernels` then warns that revkernels._C is missing).
-    common = dict(name="revkernels._C", include_dirs=[os.path.join(ROOT, "csrc")], optional=want_cuda is None,
-                  extra_link_args=["-fopenmp"])
+    # optional: unless a backend was forced, a failed compile still installs the pure-PyTorch package
+    # (`import revkernels` then warns that revkernels._C is missing). Each extension gets lists of
+    # its own: torch's constructors extend them in place.
+    def common():
+        return dict(name="revkernels._C", include_dirs=[os.path.join(ROOT, "csrc")], optional=want_cuda is None,
+                    extra_link_args=["-fopenmp"])
+
+    cpu_ext = CppExtension(sources=cpu_sources, extra_compile_args={"cxx": cxx_flags + isa_flags}, **common())
     if use_cuda:
+        arch_list = _default_cuda_arch_list(torch, required=bool(want_cuda))
+        if arch_list is not None:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
         ext = CUDAExtension(sources=cpu_sources + cuda_sources,
                             extra_compile_args={"cxx": cxx_flags + isa_flags, "nvcc": ["-O3"]},
-                            **common)
+                            **common())
+        if want_cuda is None:
+            ext.cpu_fallback = cpu_ext  # built instead where the CUDA build fails (BuildExt.build_extensions)
     else:
-        ext = CppExtension(sources=cpu_sources, extra_compile_args={"cxx": cxx_flags + isa_flags}, **common)
+        ext = cpu_ext
     # -Wno-*uninitialized: GCC 12's AVX-512 intrinsics headers trip them (_mm512_undefined_*).
     variant_flags = cxx_flags + ["-std=c++20", "-fPIC", "-Wno-maybe-uninitialized", "-Wno-uninitialized",
                                  f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]

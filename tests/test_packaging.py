@@ -1,5 +1,6 @@
 """Packaging: the source distribution holds what a build needs; setup.py's optional extension
-falls back to the pure-PyTorch package where the CPU ISA variants fail to compile; the message of
+falls back to the pure-PyTorch package where the CPU ISA variants fail to compile, and to the CPU
+kernels alone where a CUDA build fails; its CUDA architectures with no GPU visible; the message of
 a missing compiled library; benchmark provenance outside revkernels' own checkout."""
 import os
 import runpy
@@ -69,6 +70,72 @@ def test_a_failed_own_build_skips_an_optional_extension(tmp_path, monkeypatch, o
         return
     assert command._own_builds(ext, {"bad": bad_flag}) is None
     assert len(warnings) == 1 and "ISA variants" in warnings[0]
+
+
+def _setup_namespace(monkeypatch):
+    """setup.py's functions, without building anything."""
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: None)
+    monkeypatch.setenv("REVKERNELS_SKIP_EXTENSION", "1")
+    return runpy.run_path(os.path.join(ROOT, "setup.py"))
+
+
+def _torch_with_cuda(arch_list, gpu_visible=False):
+    cuda = types.SimpleNamespace(is_available=lambda: gpu_visible, get_arch_list=lambda: list(arch_list))
+    return types.SimpleNamespace(cuda=cuda)
+
+
+def test_cuda_architectures_with_no_gpu_visible_are_those_torch_was_built_for(monkeypatch):
+    """With no GPU to read them from and no TORCH_CUDA_ARCH_LIST, torch's extension builder
+    failed with an IndexError (torch 2.14 with CUDA on a machine with nvcc and no GPU, as in a
+    container build): setup.py then sets the sm_XY architectures torch lists, the newest as PTX too."""
+    arch_list = _setup_namespace(monkeypatch)["_default_cuda_arch_list"]
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    torch_archs = ["sm_90", "sm_75", "sm_80", "sm_86", "sm_90a", "sm_100", "sm_120", "compute_120"]
+    for required in (False, True):
+        assert arch_list(_torch_with_cuda(torch_archs), required) == "7.5;8.0;8.6;9.0;10.0;12.0+PTX"
+        assert arch_list(_torch_with_cuda(torch_archs, gpu_visible=True), required) is None  # torch reads the GPUs
+    # a torch naming none: the automatic build goes on (and falls back to the CPU kernels), a forced one stops
+    assert arch_list(_torch_with_cuda([]), False) is None
+    with pytest.raises(SystemExit, match="TORCH_CUDA_ARCH_LIST"):
+        arch_list(_torch_with_cuda([]), True)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert arch_list(_torch_with_cuda(torch_archs), True) is None  # the user's list stands
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_a_failed_cuda_build_builds_the_cpu_kernels(monkeypatch, forced):
+    """A CUDA build that fails (here torch's IndexError; also a compile error, a toolkit without
+    the headers torch's CUDA code includes) builds the extension's CPU fallback instead, with a
+    warning; it aborted the install. A forced CUDA build (REVKERNELS_BUILD_CUDA=1: no fallback)
+    still fails."""
+    build_ext_class = _setup_namespace(monkeypatch)["_build_ext_class"]
+    built, warnings = [], []
+
+    class Builder:  # BuildExtension's build_extensions, for extensions named "cuda" or "cpu"
+        def build_extensions(self):
+            built.append([ext.name for ext in self.extensions])
+            if any(ext.name == "cuda" for ext in self.extensions):
+                raise IndexError("list index out of range")
+
+        def warn(self, message):
+            warnings.append(message)
+
+    command = build_ext_class(Builder, [])()
+    cpu = types.SimpleNamespace(name="cpu", sources=["ops.cpp"], _private="the fallback's own")
+    ext = types.SimpleNamespace(name="cuda", sources=["ops.cpp", "kernels.cu"], _private="setuptools' state",
+                                **({} if forced else {"cpu_fallback": cpu}))
+    command.extensions = [ext]
+    if forced:
+        with pytest.raises(IndexError):
+            command.build_extensions()
+        assert built == [["cuda"]] and not warnings
+        return
+    command.build_extensions()
+    # the same extension object, now the CPU one (setuptools keeps private state on it)
+    assert built == [["cuda"], ["cpu"]] and command.extensions == [ext]
+    assert ext.sources == ["ops.cpp"] and ext._private == "setuptools' state"
+    assert len(warnings) == 1 and "IndexError: list index out of range" in warnings[0]
+    assert "CPU kernels only" in warnings[0]
 
 
 def test_a_missing_compiled_library_is_named_in_the_warning(tmp_path):
