@@ -349,6 +349,12 @@ mutation("petra_ranks_get_the_forkservers_environment", DIST,  # the environment
 mutation("compiled_static_branch_steps_get_marked_tensors", "revkernels/engine/compiled.py",
          "                    args = [_unmarked(a) for a in args]\n", "                    pass\n",
          "tests/engine/test_compiled.py -k dropout_block_below")
+mutation("cuda_build_failure_not_falling_back", "setup.py",  # the failed CUDA build's extension left as it was
+         "                    ext.__dict__.update({k: v for k, v in vars(fallback).items() if not k.startswith(\"_\")})",
+         "                    pass", "tests/test_packaging.py")
+mutation("cuda_arch_list_not_from_torch", "setup.py",  # torch's own rule again: an IndexError with no GPU
+         "    if os.environ.get(\"TORCH_CUDA_ARCH_LIST\") or torch.cuda.is_available():",
+         "    if True:", "tests/test_packaging.py")
 mutation("petra_failed_tick_not_kept", SIM,  # a tick that raised, then the trainer went on mid-tick
          '            self._failed_tick = f"tick {self.tick} ({type(error).__name__}: {first_line})"\n', "",
          f"{T_SIM} -k tick_that_raises")
