@@ -42,8 +42,10 @@ def _default_cuda_arch_list(torch, required):
     and falls back to the CPU kernels)."""
     if os.environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.is_available():
         return None
-    numbers = sorted({int(arch[3:]) for arch in torch.cuda.get_arch_list()
-                      if arch.startswith("sm_") and arch[3:].isdigit()})
+    # (torch.cuda.get_arch_list() returns none with no GPU visible in torch 2.11; the flags it reads do)
+    read_flags = getattr(torch._C, "_cuda_getArchFlags", None)
+    archs = (read_flags() or "").split() if read_flags is not None else torch.cuda.get_arch_list()
+    numbers = sorted({int(arch[3:]) for arch in archs if arch.startswith("sm_") and arch[3:].isdigit()})
     if not numbers:
         if not required:
             return None

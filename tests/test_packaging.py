@@ -79,9 +79,14 @@ def _setup_namespace(monkeypatch):
     return runpy.run_path(os.path.join(ROOT, "setup.py"))
 
 
-def _torch_with_cuda(arch_list, gpu_visible=False):
-    cuda = types.SimpleNamespace(is_available=lambda: gpu_visible, get_arch_list=lambda: list(arch_list))
-    return types.SimpleNamespace(cuda=cuda)
+def _torch_with_cuda(arch_list, gpu_visible=False, arch_flags=True):
+    """A stand-in for a CUDA build of torch compiled for `arch_list`: torch 2.14's get_arch_list lists
+    them with no GPU visible; torch 2.11's lists none then, and only its compiled arch flags
+    (`arch_flags`; absent where False) name them."""
+    listed = list(arch_list) if gpu_visible or not arch_flags else []
+    cuda = types.SimpleNamespace(is_available=lambda: gpu_visible, get_arch_list=lambda: listed)
+    flags = {"_cuda_getArchFlags": lambda: " ".join(arch_list) or None} if arch_flags else {}
+    return types.SimpleNamespace(cuda=cuda, _C=types.SimpleNamespace(**flags))
 
 
 def test_cuda_architectures_with_no_gpu_visible_are_those_torch_was_built_for(monkeypatch):
@@ -92,12 +97,15 @@ def test_cuda_architectures_with_no_gpu_visible_are_those_torch_was_built_for(mo
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
     torch_archs = ["sm_90", "sm_75", "sm_80", "sm_86", "sm_90a", "sm_100", "sm_120", "compute_120"]
     for required in (False, True):
-        assert arch_list(_torch_with_cuda(torch_archs), required) == "7.5;8.0;8.6;9.0;10.0;12.0+PTX"
+        for arch_flags in (True, False):
+            torch = _torch_with_cuda(torch_archs, arch_flags=arch_flags)
+            assert arch_list(torch, required) == "7.5;8.0;8.6;9.0;10.0;12.0+PTX"
         assert arch_list(_torch_with_cuda(torch_archs, gpu_visible=True), required) is None  # torch reads the GPUs
     # a torch naming none: the automatic build goes on (and falls back to the CPU kernels), a forced one stops
-    assert arch_list(_torch_with_cuda([]), False) is None
-    with pytest.raises(SystemExit, match="TORCH_CUDA_ARCH_LIST"):
-        arch_list(_torch_with_cuda([]), True)
+    for arch_flags in (True, False):
+        assert arch_list(_torch_with_cuda([], arch_flags=arch_flags), False) is None
+        with pytest.raises(SystemExit, match="TORCH_CUDA_ARCH_LIST"):
+            arch_list(_torch_with_cuda([], arch_flags=arch_flags), True)
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
     assert arch_list(_torch_with_cuda(torch_archs), True) is None  # the user's list stands
 
