@@ -322,11 +322,13 @@ def entry_guards(manager, differentiating_only):
 
 def _unmarked(t):
     """`t`, or where it is an output of a step compiled with dynamic shapes, a detached alias
-    without the dynamic-size marks Dynamo leaves on such outputs (``_dynamo_propagated_dynamic_indices``):
-    a static branch step given the marked tensor traced it with symbolic sizes despite
-    ``dynamic=False``, and F.dropout then failed under ``torch.func.vjp`` (a dropout block
-    backed by a deterministic block fell back to the eager steps at its second batch size)."""
-    return t.detach() if isinstance(t, torch.Tensor) and hasattr(t, "_dynamo_propagated_dynamic_indices") else t
+    without the dynamic-size marks Dynamo leaves on such outputs (``_dynamo_propagated_dynamic_indices``;
+    ``_dynamo_weak_dynamic_indices`` in torch 2.11): a static branch step given the marked tensor
+    traced it with symbolic sizes despite ``dynamic=False``, and F.dropout then failed under
+    ``torch.func.vjp`` (a dropout block backed by a deterministic block fell back to the eager steps
+    at its second batch size)."""
+    marked = hasattr(t, "_dynamo_propagated_dynamic_indices") or hasattr(t, "_dynamo_weak_dynamic_indices")
+    return t.detach() if marked and isinstance(t, torch.Tensor) else t
 
 
 def _any_shape(block):

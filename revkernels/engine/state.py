@@ -169,7 +169,8 @@ def grad_tensors(context):
 def records_graph(x1, x2, params, grad_context):
     """Whether a run's call differentiates anything: grad mode on, and a stream, a parameter (of
     `params`, those requiring grad) or a context tensor (`grad_context`) requiring grad."""
-    return torch.is_grad_enabled() and bool(x1.requires_grad or x2.requires_grad or params or grad_context)
+    # (len, not bool, of the lists: torch 2.11's Dynamo cannot trace bool of a list)
+    return torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad or len(params) > 0 or len(grad_context) > 0)
 
 
 @contextlib.contextmanager

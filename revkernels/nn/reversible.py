@@ -411,7 +411,7 @@ class ReversibleSequential(nn.Module):
     def forward(self, x1, x2, **context):
         check_streams(x1, x2)
         if torch.compiler.is_compiling() and self._engine_name != "autograd":
-            if torch.compiler.is_exporting() or not records_graph(
+            if _exporting() or not records_graph(
                     x1, x2, [p for p in self.blocks.parameters() if p.requires_grad], grad_tensors(context)):
                 # Nothing to differentiate (inference): the blocks' forward is traced, for the
                 # compiler to optimize; and an exported program must not call an op whose kernel
@@ -533,6 +533,13 @@ def _new_handle(seq):
     from revkernels.engine.opaque import new_handle  # (engine imports this module)
 
     return new_handle(seq)
+
+
+def _exporting():
+    # torch.export's own flag, read directly: torch.compiler.is_exporting() reads True under every
+    # Dynamo trace in torch 2.11 (Dynamo folds it to a constant), which would trace the blocks
+    # into the user's graph, saving their activations, instead of calling the opaque op
+    return torch.compiler._is_exporting_flag
 
 
 def _uninitialized_params(blocks):

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import revkernels as rk
+from revkernels.engine import compiled
 from revkernels.engine.compiled import backward_blocks, compiled_steps, forward_blocks, keeps_guard
 from revkernels.nn.reversible import ReversibleSequential, unique_grad_params
 from revkernels.nn.revvit import RevViTBlock
@@ -521,6 +522,18 @@ def test_a_dropout_block_below_a_deterministic_one_keeps_static_steps():
             expected = run_grads(lambda a, b: plain_forward(seq, a, b), seq, *data, seed=batch)
             _assert_all_close(run_grads(seq, seq, *data, seed=batch), expected, 1e-5, f"batch {batch}")
     assert not any(compiled_steps(seq, "cpu").fell_back(block) for block in seq.blocks)
+
+
+@pytest.mark.parametrize("mark", ["_dynamo_propagated_dynamic_indices", "_dynamo_weak_dynamic_indices"])
+def test_static_branch_steps_get_aliases_without_dynamic_size_marks(mark):
+    # The marks that torch 2.13+ (propagated) and torch 2.11 (weak) leave on the outputs of a step
+    # compiled with dynamic shapes: the test above, where 2.13 sets the first, covers the second on 2.11.
+    t = torch.randn(3, 4)
+    setattr(t, mark, {0})
+    alias = compiled._unmarked(t)
+    assert not hasattr(alias, mark) and alias.data_ptr() == t.data_ptr() and hasattr(t, mark)
+    plain = torch.randn(3)
+    assert compiled._unmarked(plain) is plain
 
 
 def test_blocks_without_randomness_take_any_number_of_batch_sizes():
