@@ -57,7 +57,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_cuda_impl(const at
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(revkernels, m) {
-  m.def("cuda_batch_norm_act(Tensor x, Tensor weight, Tensor bias, float eps, bool relu) "
+  // The public op's defaults too: the dispatcher leaves trailing default arguments out of the
+  // Python kernel's call that forwards them here.
+  m.def("cuda_batch_norm_act(Tensor x, Tensor weight, Tensor bias, float eps=1e-05, bool relu=True) "
         "-> (Tensor out, Tensor mean, Tensor rstd)");
 }
 

@@ -132,11 +132,19 @@ def _sync_is_an_error():
     # A host synchronisation inside a capture invalidates it; finding it during warm-up (an error
     # instead of a sync) means no capture is attempted for such a run.
     previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
     try:
+        _set_sync_debug_mode("error")
         yield
     finally:
-        torch.cuda.set_sync_debug_mode(previous)
+        _set_sync_debug_mode(previous)
+
+
+def _set_sync_debug_mode(mode):
+    # torch warns that the mode is a prototype: under an "error" warnings filter that warning raised
+    # after the mode was set, and "error" stayed set for the whole process.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 class HostSyncError(RuntimeError):

@@ -15,6 +15,28 @@ from revkernels.nn.revvit import RevViTBlock
 from tests.helpers import assert_close_rel, make_seq, perturb_parameters, plain_forward, rel_err, run_grads
 
 
+
+def test_the_warm_up_sync_check_leaves_the_mode_as_it_found_it_under_an_error_filter(monkeypatch):
+    # torch warns that the "error" sync-debug mode is a prototype when it is set; under an "error"
+    # warnings filter that warning raised after the mode was set, before the code that restores it
+    # (found on the H200: every later CUDA sync of the process raised). Stand-ins for torch's pair.
+    mode = [0]
+
+    def set_mode(value):
+        mode[0] = value
+        warnings.warn("Synchronization debug mode is a prototype feature")
+
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: mode[0])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with graphs._sync_is_an_error():
+            assert mode[0] == "error"
+        assert mode[0] == 0
+        with pytest.raises(KeyError), graphs._sync_is_an_error():
+            raise KeyError
+        assert mode[0] == 0
+
 def test_cpu_runs_eagerly_without_warning_and_matches_sequential():
     seq = make_seq(3, 16, dropout=0.2)
     data = [torch.randn(4, 16) for _ in range(4)]

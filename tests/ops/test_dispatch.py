@@ -304,3 +304,29 @@ def test_every_public_op_has_a_docstring():
 
 def test_the_top_level_package_exports_check():
     assert "check" in rk.__all__ and rk.check.monitor_reconstruction is not None
+
+
+def _cuda_cpp_schemas():
+    """{op name: schema} of every CUDA C++ op (``revkernels::cuda_<op>``) as csrc defines it, read
+    from the sources: the ops exist only in a CUDA build."""
+    import pathlib
+    import re
+
+    schemas = {}
+    for path in (pathlib.Path(__file__).parents[2] / "csrc" / "ops").glob("*_cuda.c*"):
+        for literals in re.findall(r'm\.def\(((?:\s*"(?:[^"\\]|\\.)*")+)\s*\)', path.read_text()):
+            text = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', literals)).replace('\\"', '"')
+            schemas[text.split("(", 1)[0]] = torch._C.parse_schema(text)
+    return schemas
+
+
+def test_cuda_cpp_ops_take_the_public_ops_arguments_and_defaults():
+    # The public op's CUDA kernel (registered in Python) forwards its arguments to cuda_<op>; the
+    # dispatcher leaves trailing arguments equal to their defaults out of that call, so a CUDA C++
+    # schema without them fails ("missing value for argument 'relu'", found on the H200).
+    schemas = _cuda_cpp_schemas()
+    assert {"cuda_coupling_sub", "cuda_bias_gelu", "cuda_batch_norm_act"} <= set(schemas), sorted(schemas)
+    for name, schema in schemas.items():
+        public = getattr(R, name.removeprefix("cuda_")).default._schema
+        assert [(a.name, str(a.type), a.default_value) for a in schema.arguments] == \
+               [(a.name, str(a.type), a.default_value) for a in public.arguments], name
