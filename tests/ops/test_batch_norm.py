@@ -32,6 +32,25 @@ def _random(shape, dtype=torch.float32):
     return (torch.randn(shape) * 3 + offset.view((1, c) + (1,) * (len(shape) - 2))).to(dtype)
 
 
+def _off_the_kink(x, weight, bias, eps=1e-5):
+    """`x` with the few elements whose pre-activation (float64, from x's own batch statistics) is
+    within 1e-5 of zero moved 0.05 away. At such an element the fp32 kernel and the float64
+    reference may take different sides of the ReLU's kink (an FMA on the GPU rounds the
+    pre-activation differently), and dx there differs by scale * dy: the H200 saw 0.16 relative on
+    6.4M elements, where a handful lie that close to zero in every draw."""
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    for _ in range(5):
+        x64 = x.double()
+        dims = [d for d in range(x.dim()) if d != 1]
+        mean, var = x64.mean(dims, keepdim=True), x64.var(dims, unbiased=False, keepdim=True)
+        pre = (x64 - mean) * (var + eps).rsqrt() * weight.double().view(shape) + bias.double().view(shape)
+        near = pre.abs() < 1e-5
+        if not near.any():
+            return x
+        x = torch.where(near, x + 0.05, x)
+    raise AssertionError("pre-activations stay near zero")
+
+
 def _params(c, dtype=torch.float32):
     return (1 + 0.5 * torch.randn(c)).to(dtype), (0.5 * torch.randn(c)).to(dtype)
 
@@ -594,8 +613,9 @@ def test_triton_fp64_and_empty():
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("shape", [(2, 3, 5, 7), (32, 64, 56, 56), (256, 64, 7, 7), (1, 8, 1, 1)])
 def test_cuda_fp32(shape, layout):
-    x = _in_layout(_random(shape), layout).cuda()
-    weight, bias = (t.cuda() for t in _params(shape[1]))
+    weight, bias = _params(shape[1])
+    x = _in_layout(_off_the_kink(_random(shape), weight, bias), layout).cuda()
+    weight, bias = weight.cuda(), bias.cuda()
     dout = torch.randn(shape, device="cuda")
     for relu in (True, False):
         out, mean, rstd = batch_norm_act(x, weight, bias, EPS, relu)
