@@ -9,9 +9,15 @@
   (`register_autograd_fallback`).
 - CPU: the C++ kernel, or the pure-PyTorch reference when the library was not built
   (`fill_missing_kernel`; it refuses forward-mode AD tangents as the C++ autograd kernels do).
-- CUDA: `register_cuda_kernel` registers a Python kernel that runs the Triton implementation
-  (default) or the CUDA C++ one (internal op `revkernels::cuda_<op>`), chosen by
-  `set_cuda_backend` or the environment variable REVKERNELS_CUDA_BACKEND=triton|cuda.
+- CUDA: `register_cuda_kernel` registers a Python kernel that runs the Triton implementation or
+  the CUDA C++ one (internal op `revkernels::cuda_<op>`, where the op has one), chosen by
+  `set_cuda_backend` or the environment variable REVKERNELS_CUDA_BACKEND=auto|triton|cuda. "auto"
+  (the default) takes CUDA C++ for calls below `AUTO_CUDA_CPP_BELOW` elements and Triton above:
+  on the H200 a CUDA C++ call costs the host less (coupling_sub at 4096 x 768 fp32, 18 against
+  31 us a call; bias_gelu 12 against 71 us), and at 12608 x 768 bf16 its kernels were also faster
+  on the device (coupling_sub 35 against 52 us, bias_gelu 32 against 116 us), while Triton's
+  streamed faster from 25216 x 1024 up (coupling_sub at 32768 x 4096: 192 against 316 us);
+  benchmarks/results/overhead_ops_cuda*.csv and kernels_cuda.csv.
 - Kernels written in Python (fake, Triton, fallback) declare the schema's defaults: the dispatcher
   leaves out trailing arguments equal to their defaults when it calls a Python kernel.
 """
@@ -29,7 +35,8 @@ from revkernels._extension import HAS_C_EXTENSION  # (loads the compiled schemas
 # Keeps the Python-side registrations alive for the life of the process.
 _FRAGMENT = torch.library.Library("revkernels", "FRAGMENT")
 
-CUDA_BACKENDS = ("triton", "cuda")
+CUDA_BACKENDS = ("auto", "triton", "cuda")
+AUTO_CUDA_CPP_BELOW = 1 << 24  # elements of the call's first tensor (see the module docstring)
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -42,7 +49,7 @@ def check_float_tensor(t, name):
 
 
 def _backend_from_env():
-    name = os.environ.get("REVKERNELS_CUDA_BACKEND", "triton")
+    name = os.environ.get("REVKERNELS_CUDA_BACKEND", "auto")
     if name not in CUDA_BACKENDS:
         raise ValueError(f"revkernels: REVKERNELS_CUDA_BACKEND must be one of {CUDA_BACKENDS}, got {name!r}")
     return name
@@ -52,8 +59,9 @@ _cuda_backend = _backend_from_env()
 
 
 def set_cuda_backend(name):
-    """Selects the CUDA kernels of every op: "triton" (default) or "cuda" (CUDA C++, where an op
-    has one; the others keep Triton)."""
+    """Selects the CUDA kernels of every op: "auto" (default: CUDA C++ for calls below
+    `AUTO_CUDA_CPP_BELOW` elements, Triton above), "triton", or "cuda" (CUDA C++). An op without a
+    CUDA C++ kernel runs Triton under every backend."""
     global _cuda_backend
     if name not in CUDA_BACKENDS:
         raise ValueError(f"revkernels: backend must be one of {CUDA_BACKENDS}, got {name!r}")
@@ -61,8 +69,14 @@ def set_cuda_backend(name):
 
 
 def get_cuda_backend():
-    """The CUDA kernels the ops use: "triton" or "cuda" (see `set_cuda_backend`)."""
+    """The CUDA kernels the ops use: "auto", "triton" or "cuda" (see `set_cuda_backend`)."""
     return _cuda_backend
+
+
+def runs_cuda_cpp(numel):
+    """Whether a call whose first tensor has `numel` elements runs an op's CUDA C++ kernel (where
+    the op has one) under the current backend."""
+    return _cuda_backend == "cuda" or (_cuda_backend == "auto" and numel < AUTO_CUDA_CPP_BELOW)
 
 
 def _has_schema(qualified_name):
@@ -150,12 +164,12 @@ def check_eps(eps):
 
 
 def register_cuda_kernel(name, triton_impl):
-    """The CUDA kernel of `revkernels::<name>`: `triton_impl` under the "triton" backend, the CUDA
-    C++ op `revkernels::cuda_<name>` under "cuda" (Triton where the op has no CUDA C++ kernel)."""
+    """The CUDA kernel of `revkernels::<name>`: the CUDA C++ op `revkernels::cuda_<name>` where
+    `runs_cuda_cpp` says so, else `triton_impl` (always, where the op has no CUDA C++ kernel)."""
     cuda_cpp = getattr(torch.ops.revkernels, f"cuda_{name}") if has_compiled_kernel(name, "CUDA") else None
 
     def cuda_kernel(*args):
-        if _cuda_backend == "cuda" and cuda_cpp is not None:
+        if cuda_cpp is not None and runs_cuda_cpp(args[0].numel()):
             return cuda_cpp(*args)
         return triton_impl(*args)
 

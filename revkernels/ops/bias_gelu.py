@@ -33,8 +33,8 @@ unit column stride and any row stride (a view for contiguous or row-sliced tenso
 layouts are copied to contiguous first.
 
 Kernels: C++ on CPU (``csrc/kernels/bias_gelu.h``); on CUDA Triton (``revkernels/triton/bias_gelu.py``,
-default) or CUDA C++ (``csrc/kernels/bias_gelu.cu``, ``set_cuda_backend("cuda")``); without a
-compiled CPU kernel, the references below.
+above 2^24 elements under the default backend) or CUDA C++ (``csrc/kernels/bias_gelu.cu``, below; see
+``set_cuda_backend``); without a compiled CPU kernel, the references below.
 
 Autograd: bias_gelu's VJP is bias_gelu_bwd (grads for x and bias; none for ``approximate``), in C++
 (``csrc/ops/bias_gelu_autograd.cpp``), or from Python without the compiled library. bias_gelu_bwd

@@ -20,8 +20,8 @@ fp32 (fp64 when either input is fp64) and rounded once, so ``coupling_sub(y, f)`
 ``y = x + f`` to within one rounding of the stream dtype. Inputs may be non-contiguous or expanded.
 Kernels: C++ on CPU (``csrc/cpu/vec_kernels.cpp``, semantics ``csrc/kernels/coupling.h``; calls larger
 than the last-level cache write their output with streaming stores); on CUDA Triton (``revkernels/triton/coupling.py``,
-default) or CUDA C++ (``csrc/kernels/coupling.cu``, ``set_cuda_backend("cuda")``); without a
-compiled CPU kernel, the reference below.
+above 2^24 elements under the default backend) or CUDA C++ (``csrc/kernels/coupling.cu``, below; see
+``set_cuda_backend``); without a compiled CPU kernel, the reference below.
 
 VJP (linear, so the backward needs nothing saved; ``csrc/ops/coupling_autograd.cpp``, or the
 Python formula below without the compiled library)::

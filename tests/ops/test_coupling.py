@@ -203,7 +203,7 @@ def test_triton_kernel_matches_reference(case, alpha, reference):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("backend", ["auto", "triton", "cuda"])
 def test_cuda_backends_are_selectable(backend):
     from revkernels.ops import get_cuda_backend, set_cuda_backend
 

@@ -330,3 +330,24 @@ def test_cuda_cpp_ops_take_the_public_ops_arguments_and_defaults():
         public = getattr(R, name.removeprefix("cuda_")).default._schema
         assert [(a.name, str(a.type), a.default_value) for a in schema.arguments] == \
                [(a.name, str(a.type), a.default_value) for a in public.arguments], name
+
+
+def test_the_default_cuda_backend_takes_cuda_cpp_below_its_size_and_triton_above(monkeypatch):
+    from revkernels.ops import _library
+
+    monkeypatch.delenv("REVKERNELS_CUDA_BACKEND", raising=False)
+    assert _library._backend_from_env() == "auto"
+    monkeypatch.setenv("REVKERNELS_CUDA_BACKEND", "fastest")
+    with pytest.raises(ValueError, match="REVKERNELS_CUDA_BACKEND"):
+        _library._backend_from_env()
+    below = _library.AUTO_CUDA_CPP_BELOW
+    previous = _library.get_cuda_backend()
+    try:
+        for backend, small, large in [("auto", True, False), ("triton", False, False), ("cuda", True, True)]:
+            rk.ops.set_cuda_backend(backend)
+            assert rk.ops.get_cuda_backend() == backend
+            assert (_library.runs_cuda_cpp(below - 1), _library.runs_cuda_cpp(below)) == (small, large), backend
+        with pytest.raises(ValueError, match="backend"):
+            rk.ops.set_cuda_backend("fastest")
+    finally:
+        rk.ops.set_cuda_backend(previous)
