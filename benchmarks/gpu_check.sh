@@ -13,7 +13,8 @@
 #
 # Stages: build (pip install -e ., CUDA kernels forced; if that fails the log is kept and the
 # package is built without them so the Triton paths still run), prebuilt (use the _C*.so already in
-# revkernels/), tests (pytest -m gpu, $TEST_ARGS appended), kernels (bench_kernels.py), train
+# revkernels/), cpu (the build's CPU kernels: coupling_sub under each ATEN_CPU_CAPABILITY, then the
+# engines' and coupling tests on CPU and GPU), tests (pytest -m gpu, $TEST_ARGS appended), kernels (bench_kernels.py), train
 # (bench_train.py, $TRAIN_ARGS appended), train_quick (bench_train.py --quick on the GPU),
 # overhead (bench_overhead.py on the GPU: host-bound and compute-bound steps of every engine, bf16
 # autocast, and the per-call cost of each fused op on its Triton and CUDA C++ paths against ATen),
@@ -24,7 +25,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 OUT=${OUT:-benchmarks/results/gpu}
-STAGES=${STAGES:-build tests kernels train}
+STAGES=${STAGES:-build cpu tests kernels train}
 mkdir -p "$OUT"
 log="$OUT/gpu_check.log"
 : >> "$log"
@@ -82,6 +83,20 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   step "peer wheels (.whl/*.whl, e.g. revlib and memcnn for bench_train)"
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/revkernels_peers \
     .whl/*.whl >> "$log" 2>&1 && export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/revkernels_peers"
+fi
+
+if wants cpu; then
+  step "CPU kernels of this build (the H200's CUDA build segfaulted in coupling_sub on CPU tensors on 2026-12-04)"
+  # Each ISA build alone, then the CPU tests of the engines; faulthandler names the Python frame of a crash.
+  for isa in default avx2 avx512; do
+    ATEN_CPU_CAPABILITY=$isa limit 30 $PY -X faulthandler -c "import torch, revkernels as rk
+y, f = torch.randn(4, 16), torch.randn(4, 16)
+assert torch.equal(torch.ops.revkernels.coupling_sub(y, f), y - f)
+print('$isa', rk.CPU_KERNEL_BUILD, 'coupling_sub ok')" >> "$log" 2>&1 || { status=1; echo "CPU kernels FAILED under ATEN_CPU_CAPABILITY=$isa" | tee -a "$log"; }
+  done
+  limit ${CPU_LIMIT:-90} $PY -X faulthandler -m pytest -q -p no:cacheprovider -x tests/engine/test_pareprop.py \
+    tests/engine/test_sequential.py tests/ops/test_coupling.py > "$OUT/cpu_tests.log" 2>&1 || status=1
+  tail -3 "$OUT/cpu_tests.log" | tee -a "$log"
 fi
 
 if wants tests; then
