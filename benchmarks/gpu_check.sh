@@ -121,7 +121,8 @@ fi
 
 if wants overhead; then
   step "host-overhead benchmark on the GPU (Triton backend, then CUDA C++ backend)"
-  limit ${OVERHEAD_LIMIT:-150} $PY benchmarks/bench_overhead.py --quick --device cuda --out "$OUT" >> "$log" 2>&1 || status=1
+  REVKERNELS_CUDA_BACKEND=triton limit ${OVERHEAD_LIMIT:-150} $PY benchmarks/bench_overhead.py --quick --device cuda --out "$OUT" \
+    >> "$log" 2>&1 || status=1
   mkdir -p "$OUT/cuda_cpp"
   REVKERNELS_CUDA_BACKEND=cuda limit ${OVERHEAD_LIMIT:-150} $PY benchmarks/bench_overhead.py --quick --device cuda \
     --configs host_bound --out "$OUT/cuda_cpp" >> "$log" 2>&1 || status=1
