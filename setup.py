@@ -179,9 +179,7 @@ def _build_ext_class(BuildExtension, variant_flags):
             if not os.path.exists(self._header_copy()) or read(self._header_copy()) != text:
                 with open(self._header_copy(), "w") as f:  # only then: a new copy rebuilds every source
                     f.write(text)
-            flags = list(ext.extra_compile_args["cxx"])
-            if not any(f.startswith("-std=") for f in flags):
-                flags.append("-std=c++20")  # as BuildExtension adds it
+            flags = list(ext.extra_compile_args["cxx"])  # (their -std: see _extensions)
             return self._header_copy() + ".gch", PRECOMPILED_HEADER, self._base_flags(ext) + flags + ["-x", "c++-header"]
 
         def _ninja(self, builds):
@@ -233,7 +231,10 @@ def _extensions():
     # -ffp-contract=off: GCC would fuse a * b + c into an FMA where an ISA variant has one (-mfma) and
     # not in the baseline build, so a vectorised forward and a scalar backward (chosen by layout)
     # could round the same pre-activation differently (BatchNorm+ReLU's recomputed mask).
-    cxx_flags = ["-O3", "-fopenmp", "-g0", "-ffp-contract=off"]
+    # -std=c++20 given here: BuildExtension adds its own standard only where none is given, and that
+    # is C++17 in torch 2.11 (C++20 from 2.13): the op sources, the precompiled header and the ISA
+    # variants are then compiled alike (with 2.11's C++17 the header went unused, 16 warnings).
+    cxx_flags = ["-O3", "-fopenmp", "-g0", "-ffp-contract=off", "-std=c++20"]
     isa_flags = ["-DREVKERNELS_CPU_ISA_VARIANTS"] if _isa_variants() else []
     # optional: unless a backend was forced, a failed compile still installs the pure-PyTorch package
     # (`import revkernels` then warns that revkernels._C is missing). Each extension gets lists of
@@ -255,7 +256,7 @@ def _extensions():
     else:
         ext = cpu_ext
     # -Wno-*uninitialized: GCC 12's AVX-512 intrinsics headers trip them (_mm512_undefined_*).
-    variant_flags = cxx_flags + ["-std=c++20", "-fPIC", "-Wno-maybe-uninitialized", "-Wno-uninitialized",
+    variant_flags = cxx_flags + ["-fPIC", "-Wno-maybe-uninitialized", "-Wno-uninitialized",
                                  f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     return [ext], {"build_ext": _build_ext_class(BuildExtension, variant_flags).with_options(use_ninja=True)}
 

@@ -72,6 +72,28 @@ def test_a_failed_own_build_skips_an_optional_extension(tmp_path, monkeypatch, o
     assert len(warnings) == 1 and "ISA variants" in warnings[0]
 
 
+def test_the_sources_the_precompiled_header_and_the_isa_builds_share_one_cxx_standard(tmp_path, monkeypatch):
+    """BuildExtension adds its own -std only where the sources name none, C++17 in torch 2.11: the
+    precompiled header and the ISA variants, built as C++20, then did not match the sources (GCC
+    skipped the header with 16 warnings, and the variants were another standard's objects). The
+    sources name C++20; every own build takes their flags."""
+    namespace = _setup_namespace(monkeypatch)
+    monkeypatch.delenv("REVKERNELS_SKIP_EXTENSION")
+    monkeypatch.setenv("REVKERNELS_BUILD_CUDA", "0")
+    (ext,), cmdclass = namespace["_extensions"]()
+    standards = [f for f in ext.extra_compile_args["cxx"] if f.startswith("-std=")]
+    assert standards == ["-std=c++20"], standards
+    command = cmdclass["build_ext"](setuptools.Distribution({"name": "probe"}))
+    command.compiler = types.SimpleNamespace(compiler_so=["c++"], compiler_cxx=["c++"], include_dirs=[])
+    command.build_temp = str(tmp_path)
+    builds = []
+    monkeypatch.setattr(command, "_ninja", builds.extend)
+    command._own_builds(ext, {"avx2": ["-mavx2"]})
+    assert len(builds) == (2 if namespace["_gcc"]() else 1)  # the precompiled header (GCC), the variant
+    for output, _, flags in builds:
+        assert [f for f in flags if f.startswith("-std=")] == standards, output
+
+
 def _setup_namespace(monkeypatch):
     """setup.py's functions, without building anything."""
     monkeypatch.setattr(setuptools, "setup", lambda **kwargs: None)
