@@ -355,6 +355,27 @@ mutation("cuda_build_failure_not_falling_back", "setup.py",  # the failed CUDA b
 mutation("cuda_arch_list_not_from_torch", "setup.py",  # torch's own rule again: an IndexError with no GPU
          "    if os.environ.get(\"TORCH_CUDA_ARCH_LIST\") or torch.cuda.is_available():",
          "    if True:", "tests/test_packaging.py")
+mutation("isa_builds_take_torchs_cxx_standard", "setup.py",  # torch 2.11's C++17 for the sources again
+         '    cxx_flags = ["-O3", "-fopenmp", "-g0", "-ffp-contract=off", "-std=c++20"]',
+         '    cxx_flags = ["-O3", "-fopenmp", "-g0", "-ffp-contract=off"]', "tests/test_packaging.py")
+mutation("opaque_run_skipped_where_is_exporting_lies", REV,  # torch 2.11: blocks traced, activations saved
+         "            if _exporting() or not records_graph(",
+         "            if torch.compiler.is_exporting() or not records_graph(",
+         "tests/engine/test_compile.py -k is_exporting")
+mutation("static_steps_keep_torch_211_dynamic_marks", "revkernels/engine/compiled.py",
+         '    marked = hasattr(t, "_dynamo_propagated_dynamic_indices") or hasattr(t, "_dynamo_weak_dynamic_indices")',
+         '    marked = hasattr(t, "_dynamo_propagated_dynamic_indices")',
+         "tests/engine/test_compiled.py -k dynamic_size_marks")
+mutation("sync_debug_mode_set_before_its_restore_is_armed", "revkernels/engine/graphs.py",
+         "    try:\n        _set_sync_debug_mode(\"error\")\n        yield",
+         "    torch.cuda.set_sync_debug_mode(\"error\")\n    try:\n        yield",
+         "tests/engine/test_graphs.py -k warm_up_sync_check")
+mutation("cuda_cpp_schema_without_the_public_defaults", "csrc/ops/batch_norm_cuda.cpp",
+         "float eps=1e-05, bool relu=True) ", "float eps, bool relu) ",
+         "tests/ops/test_dispatch.py -k cuda_cpp_ops_take")
+mutation("auto_backend_takes_cuda_cpp_at_the_threshold", "revkernels/ops/_library.py",
+         'numel < AUTO_CUDA_CPP_BELOW)', 'numel <= AUTO_CUDA_CPP_BELOW)',
+         "tests/ops/test_dispatch.py -k default_cuda_backend")
 mutation("petra_failed_tick_not_kept", SIM,  # a tick that raised, then the trainer went on mid-tick
          '            self._failed_tick = f"tick {self.tick} ({type(error).__name__}: {first_line})"\n', "",
          f"{T_SIM} -k tick_that_raises")
