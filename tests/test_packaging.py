@@ -52,9 +52,7 @@ def test_a_failed_own_build_skips_an_optional_extension(tmp_path, monkeypatch, o
     pytest.importorskip("ninja")
     from torch.utils.cpp_extension import BuildExtension
 
-    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: None)
-    monkeypatch.setenv("REVKERNELS_SKIP_EXTENSION", "1")
-    namespace = runpy.run_path(os.path.join(ROOT, "setup.py"))
+    namespace = _setup_namespace(monkeypatch)
     command = namespace["_build_ext_class"](BuildExtension, [])(setuptools.Distribution({"name": "probe"}))
     cxx = shutil.which("c++") or "c++"
     command.compiler = types.SimpleNamespace(compiler_so=[cxx], compiler_cxx=[cxx], include_dirs=[])

@@ -15,7 +15,6 @@ from revkernels.nn.revvit import RevViTBlock
 from tests.helpers import assert_close_rel, make_seq, perturb_parameters, plain_forward, rel_err, run_grads
 
 
-
 def test_the_warm_up_sync_check_leaves_the_mode_as_it_found_it_under_an_error_filter(monkeypatch):
     # torch warns that the "error" sync-debug mode is a prototype when it is set; under an "error"
     # warnings filter that warning raised after the mode was set, before the code that restores it
@@ -36,6 +35,7 @@ def test_the_warm_up_sync_check_leaves_the_mode_as_it_found_it_under_an_error_fi
         with pytest.raises(KeyError), graphs._sync_is_an_error():
             raise KeyError
         assert mode[0] == 0
+
 
 def test_cpu_runs_eagerly_without_warning_and_matches_sequential():
     seq = make_seq(3, 16, dropout=0.2)
