@@ -370,6 +370,21 @@ mutation("sync_debug_mode_set_before_its_restore_is_armed", "revkernels/engine/g
          "    try:\n        _set_sync_debug_mode(\"error\")\n        yield",
          "    torch.cuda.set_sync_debug_mode(\"error\")\n    try:\n        yield",
          "tests/engine/test_graphs.py -k warm_up_sync_check")
+GRAPHS = "revkernels/engine/graphs.py"
+T_GRAPHS = "tests/engine/test_graphs.py"
+mutation("graphs_random_rule_of_its_own", GRAPHS,  # MHA dropout, declared draws_random: captured, masks redrawn
+         "    return [i for i, block in enumerate(seq.blocks) if block.draws_random()]",
+         "    return [i for i, block in enumerate(seq.blocks)\n"
+         "            if any(isinstance(m, nn.Dropout) and m.training and m.p > 0 for m in block.modules())]",
+         T_GRAPHS + " -k draws_random")
+mutation("graphs_capture_fires_parameter_hooks", GRAPHS,
+         "    y1, y2 = run_reversible(seq, x1, x2, walker, param_inputs=aliases)",
+         "    y1, y2 = run_reversible(seq, x1, x2, walker)\n    aliases = params",
+         T_GRAPHS + " -k parameter_hooks")
+mutation("graphs_signature_without_hyperparameters", GRAPHS,  # eps/causal changed: the old graph replayed
+         "            autocast, hyperparameters(seq), tensors)",
+         "            autocast, tuple(m.training for m in seq.modules()), tensors)",
+         T_GRAPHS + " -k signature_tracks")
 mutation("cuda_cpp_schema_without_the_public_defaults", "csrc/ops/batch_norm_cuda.cpp",
          "float eps=1e-05, bool relu=True) ", "float eps, bool relu) ",
          "tests/ops/test_dispatch.py -k cuda_cpp_ops_take")

@@ -1,10 +1,7 @@
 """The graphs engine: a reversible run's forward and backward replayed from CUDA graphs.
 
 Eager reversible training is bound by the host on a fast GPU: every block's rebuild and gradient
-step is dozens of small launches plus Python. On an H200, bf16 ViT-B at batch 32, a step with the
-sequential engine took 111.03 ms under torch.profiler (its own host cost included), of which the
-GPU was busy for 41.21 ms (benchmarks/results/h200_profile_vit_b32_revkernels_sequential.txt);
-unprofiled it took 57.7 ms, and 19.9 ms with this engine (benchmarks/results/train_cuda.csv).
+step is dozens of small launches plus Python, so at small batches the GPU idles between them.
 This engine captures the whole run once per input signature and replays it, so a step costs two
 graph launches and a few copies:
 
@@ -20,8 +17,10 @@ graph launches and a few copies:
   ``.grad`` through autograd's accumulation, as in the other engines: gradient accumulation,
   tensor hooks and DDP behave the same.
 
-A signature is the inputs' shapes, dtypes, device and requires_grad, the autocast mode, the
-modules' training flags and the identity and storage of every parameter and buffer; a new one
+A signature is the inputs' shapes, dtypes, device and requires_grad, the autocast mode, every
+module's plain constant attributes (training flags, LayerNorm's eps, a block's causal flag, GELU's
+approximate, dropout rates: `hyperparameters`) and the identity and storage of every parameter and
+buffer; a new one
 is captured (the last ``MAX_GRAPHS`` are kept). The parameters are read in place at each replay,
 so optimizer steps are seen; replacing a parameter's storage triggers a new capture.
 
@@ -29,8 +28,9 @@ Where a graph cannot be used the call runs the pareprop engine eagerly (the sequ
 on CPU): without a warning when the inputs are not on a CUDA device or grad is disabled (a plain
 forward), and otherwise with a warning, once per run and reason:
 
-- active randomness (dropout or drop-path with p > 0 in training mode) with
-  ``preserve_rng_state``: a captured recompute cannot redraw the forward's random numbers;
+- a block that draws random numbers now (its ``draws_random()``, the rule every engine uses:
+  dropout, ``nn.MultiheadAttention`` dropout, drop-path, a module that declares ``draws_random``)
+  with ``preserve_rng_state``: a captured recompute cannot replay the forward's random numbers;
 - the previous forward of the same signature still awaits its backward (its static buffers are
   in use: two forwards before one backward, such as a run called twice in one step);
 - a block synchronises with the host (``.item()``, a data-dependent shape, ...): the second
@@ -61,17 +61,51 @@ from revkernels.engine.fsdp import block_units
 from revkernels.engine.pareprop import reverse_blocks_two_streams, run_pareprop
 from revkernels.engine.sequential import reverse_blocks, run_reversible
 from revkernels.engine.state import NO_CONTEXT, check_param_versions, differentiated_once, param_versions
+from revkernels.engine.structure import cached
 
 MAX_GRAPHS = 4  # captured signatures kept per run (each holds its memory pool)
 WARMUP_ITERS = 2
 
 
-def _random_modules(seq):
-    """Names of modules of `seq` that draw random numbers in its current mode."""
-    from revkernels.nn.drop_path import DropPath
+def random_blocks(seq):
+    """Indices of the blocks of `seq` that draw random numbers in their current mode: each block's
+    ``draws_random()``, the rule every engine uses to decide what to replay."""
+    return [i for i, block in enumerate(seq.blocks) if block.draws_random()]
 
-    return [name for name, m in seq.named_modules()
-            if m.training and isinstance(m, (nn.modules.dropout._DropoutNd, DropPath)) and m.p > 0]
+
+def eager_reason(seq, context):
+    """Why a run of `seq` with these context keywords cannot be captured (warned once per run and
+    reason), or None when it can be tried. A plain function of the run, so it is tested on CPU."""
+    if block_units(seq) is not None:
+        return "its blocks are sharded by FSDP2 (collectives cannot be captured)"
+    if context:
+        return f"context keywords {sorted(context)} are not captured"
+    if seq.preserve_rng_state:
+        random = random_blocks(seq)
+        if random:
+            return (f"blocks {random[:3]} draw random numbers in training mode, and a captured recompute "
+                    "cannot replay them (use eval mode, p=0, or the pareprop engine)")
+    return None
+
+
+def _is_constant(value):
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return True
+    return isinstance(value, tuple) and all(map(_is_constant, value))
+
+
+def _constant_slots(seq):
+    # (module, names of its attributes holding plain constants): eps, normalized_shape, causal,
+    # approximate, dropout rates, ... Which attributes those are is read once per structure; their
+    # values are read at every call.
+    return [(m, tuple(k for k, v in vars(m).items() if _is_constant(v))) for m in seq.modules()]
+
+
+def hyperparameters(seq):
+    """The plain constant attributes of every module of `seq` (LayerNorm's eps, a block's causal
+    flag, GELU's approximate, ...), in module order: a captured graph baked them in, so a change
+    must make a new signature."""
+    return tuple(tuple(m.__dict__.get(k) for k in names) for m, names in cached(seq, "constant_slots", _constant_slots))
 
 
 def _signature(seq, x1, x2):
@@ -79,7 +113,7 @@ def _signature(seq, x1, x2):
     tensors = tuple((id(t), t.data_ptr(), t.requires_grad) for t in seq.parameters()) + \
         tuple((id(t), t.data_ptr()) for t in seq.buffers())
     return (tuple(x1.shape), tuple(x2.shape), x1.dtype, x2.dtype, x1.device, x1.requires_grad, x2.requires_grad,
-            autocast, tuple(m.training for m in seq.modules()), tensors)
+            autocast, hyperparameters(seq), tensors)
 
 
 @contextlib.contextmanager
@@ -147,6 +181,17 @@ def _set_sync_debug_mode(mode):
         torch.cuda.set_sync_debug_mode(mode)
 
 
+def forward_with_aliases(seq, x1, x2, params, walker):
+    """``(y1, y2, aliases)``: `seq` run as one `ReversibleRun` whose parameter inputs are detached
+    aliases of `params` (the same storage). Differentiating the outputs with respect to the aliases
+    gives the parameter grads without running the parameters' own tensor hooks: warm-up and capture
+    are not a backward of the caller's (at replay the grads reach the parameters through
+    `GraphedRun`, and their hooks fire once)."""
+    aliases = [p.detach().requires_grad_() for p in params]
+    y1, y2 = run_reversible(seq, x1, x2, walker, param_inputs=aliases)
+    return y1, y2, aliases
+
+
 class HostSyncError(RuntimeError):
     """A block synchronised with the host during the graphs engine's warm-up."""
 
@@ -159,15 +204,16 @@ class CapturedRun:
         self.x1 = x1.detach().clone().requires_grad_(x1.requires_grad)
         self.x2 = x2.detach().clone().requires_grad_(x2.requires_grad)
         self.input_slots = [t.requires_grad for t in (self.x1, self.x2)]
-        inputs = [t for t in (self.x1, self.x2) if t.requires_grad] + list(params)
+        needed = [t for t in (self.x1, self.x2) if t.requires_grad]
         saved_buffers = [b.detach().clone() for b in seq.buffers()]
         caller = torch.cuda.current_stream(x1.device)
         side = torch.cuda.Stream(x1.device)
         side.wait_stream(caller)
 
         def forward_backward():
-            y1, y2 = run_reversible(seq, self.x1, self.x2, walker)
-            torch.autograd.grad((y1, y2), inputs, (torch.ones_like(y1), torch.ones_like(y2)), allow_unused=True)
+            y1, y2, aliases = forward_with_aliases(seq, self.x1, self.x2, params, walker)
+            torch.autograd.grad((y1, y2), needed + aliases, (torch.ones_like(y1), torch.ones_like(y2)),
+                                allow_unused=True)
 
         with _uncached_autocast(), _without_rng_replay(seq):
             with torch.cuda.stream(side):
@@ -192,11 +238,12 @@ class CapturedRun:
             self.pool = torch.cuda.graph_pool_handle()
             self.forward_graph = torch.cuda.CUDAGraph()
             with _capturing(self.forward_graph, self.pool, side):
-                self.y1, self.y2 = run_reversible(seq, self.x1, self.x2, walker)
+                self.y1, self.y2, aliases = forward_with_aliases(seq, self.x1, self.x2, params, walker)
             self.dy1, self.dy2 = torch.empty_like(self.y1), torch.empty_like(self.y2)
             self.backward_graph = torch.cuda.CUDAGraph()
             with _capturing(self.backward_graph, self.pool, side):
-                grads = torch.autograd.grad((self.y1, self.y2), inputs, (self.dy1, self.dy2), allow_unused=True)
+                grads = torch.autograd.grad((self.y1, self.y2), needed + aliases, (self.dy1, self.dy2),
+                                            allow_unused=True)
             caller.wait_stream(side)
         grads = list(grads)
         self.dx = [grads.pop(0) if needed else None for needed in self.input_slots]
@@ -309,24 +356,13 @@ def run_graphs(seq, x1, x2, context=NO_CONTEXT):
     needs_grad = torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad or params)
     if not (x1.is_cuda and needs_grad):
         return run_pareprop(seq, x1, x2, context)
-    if block_units(seq) is not None:
-        _warn_once(seq, "its blocks are sharded by FSDP2 (collectives cannot be captured)")
-        return run_pareprop(seq, x1, x2, context)
-    if context:
-        _warn_once(seq, f"context keywords {sorted(context)} are not captured")
-        return run_pareprop(seq, x1, x2, context)
-    reason = None
-    if seq.preserve_rng_state:
-        random = _random_modules(seq)
-        if random:
-            reason = (f"modules {random[:3]} draw random numbers in training mode, and a captured recompute "
-                      "cannot replay them (use eval mode, p=0, or the pareprop engine)")
+    reason = eager_reason(seq, context)
     captured = None
     if reason is None:
         captured, reason = _captured(seq, x1, x2, params)
     if captured is None:
         _warn_once(seq, reason)
-        return run_pareprop(seq, x1, x2)
+        return run_pareprop(seq, x1, x2, context)
     return GraphedRun.apply(captured, x1, x2, *params)
 
 

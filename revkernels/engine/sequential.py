@@ -286,8 +286,10 @@ class ReversibleRun(torch.autograd.Function):
         return (None, None, None, None, None, dx1, dx2, *grads)
 
 
-def run_reversible(seq, x1, x2, walker, context=NO_CONTEXT):
-    """Runs `seq`'s blocks as one `ReversibleRun` whose backward follows `walker`."""
+def run_reversible(seq, x1, x2, walker, context=NO_CONTEXT, param_inputs=None):
+    """Runs `seq`'s blocks as one `ReversibleRun` whose backward follows `walker`. `param_inputs`:
+    tensors that stand for the parameters that require grad as the node's inputs (detached aliases:
+    their grads then reach them instead of the parameters, whose hooks do not fire)."""
     from revkernels.nn.reversible import unique_params
 
     units = block_units(seq)
@@ -302,7 +304,8 @@ def run_reversible(seq, x1, x2, walker, context=NO_CONTEXT):
         for block in seq.blocks:
             x1, x2 = block.forward(x1, x2, **context)
         return x1, x2
-    return ReversibleRun.apply(seq, params, all_params, walker, context or None, x1, x2, *params, *grad_context)
+    inputs = params if param_inputs is None else param_inputs
+    return ReversibleRun.apply(seq, params, all_params, walker, context or None, x1, x2, *inputs, *grad_context)
 
 
 def run_sequential(seq, x1, x2, context=NO_CONTEXT):

@@ -12,7 +12,8 @@ from torch import nn
 import revkernels as rk
 from revkernels.engine import graphs
 from revkernels.nn.revvit import RevViTBlock
-from tests.helpers import assert_close_rel, make_seq, perturb_parameters, plain_forward, rel_err, run_grads
+from tests.helpers import (assert_close_rel, make_seq, perturb_parameters, plain_forward, rel_err, residual_fn,
+                           run_grads)
 
 
 def test_the_warm_up_sync_check_leaves_the_mode_as_it_found_it_under_an_error_filter(monkeypatch):
@@ -49,13 +50,74 @@ def test_cpu_runs_eagerly_without_warning_and_matches_sequential():
         assert torch.equal(a, e)
 
 
-def test_random_modules_are_found_only_when_they_draw():
-    seq = make_seq(2, 8, dropout=0.1, drop_path=0.2)
-    found = graphs._random_modules(seq)
-    assert any("f.4" in name for name in found) and any("f.5" in name for name in found)
+class _DeclaresNoise(nn.Module):
+    """Draws its noise with torch.randn_like, which no module type reveals: it says so itself."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def draws_random(self):
+        return self.training
+
+    def forward(self, x):
+        return self.linear(x) + 0.1 * torch.randn_like(x)
+
+
+class _Attention(nn.Module):
+    def __init__(self, width, dropout):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(width, 2, dropout=dropout, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("branch", ["dropout", "drop_path", "attention_dropout", "declared"])
+def test_a_run_that_draws_random_numbers_is_not_captured(branch):
+    # The rule is each block's draws_random(), the one every engine replays by: a block with
+    # nn.MultiheadAttention dropout or a module declaring draws_random was captured with replay off
+    # (the rebuild then redrew the masks) while only dropout and drop-path modules were looked for.
+    width = 8
+    if branch == "attention_dropout":
+        f = _Attention(width, 0.1)
+    elif branch == "declared":
+        f = _DeclaresNoise(width)
+    else:
+        f = residual_fn(width, **{branch: 0.2})
+    blocks = [rk.nn.ReversibleBlock(residual_fn(width), residual_fn(width)),
+              rk.nn.ReversibleBlock(f, residual_fn(width))]
+    seq = rk.nn.ReversibleSequential(*blocks, engine="graphs")
+    assert graphs.random_blocks(seq) == [1]
+    assert "blocks [1] draw random numbers" in graphs.eager_reason(seq, {})
+    seq.preserve_rng_state = False  # nothing replayed: capture may be tried
+    assert graphs.eager_reason(seq, {}) is None
+    seq.preserve_rng_state = True
     seq.eval()
-    assert graphs._random_modules(seq) == []
-    assert graphs._random_modules(make_seq(2, 8)) == []
+    assert graphs.random_blocks(seq) == [] and graphs.eager_reason(seq, {}) is None
+    assert "context keywords ['mask']" in graphs.eager_reason(seq, {"mask": torch.ones(2)})
+
+
+def test_capture_differentiates_aliases_so_parameter_hooks_do_not_fire():
+    # Warm-up and capture differentiate the run; the parameters' own hooks must not run there (they
+    # fire once per replayed backward, through GraphedRun). Grads reach the aliases, equal to plain
+    # autograd's.
+    torch.manual_seed(0)
+    seq = perturb_parameters(make_seq(3, 8, engine="graphs"))
+    params = [p for p in seq.parameters() if p.requires_grad]
+    fired = []
+    handles = [p.register_hook(lambda g, i=i: fired.append(i)) for i, p in enumerate(params)]
+    x1, x2 = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    dy1, dy2 = torch.randn(4, 8), torch.randn(4, 8)
+    y1, y2, aliases = graphs.forward_with_aliases(seq, x1, x2, params, rk.engine.reverse_blocks)
+    ours = torch.autograd.grad((y1, y2), [x1, x2, *aliases], (dy1, dy2))
+    assert fired == [] and all(p.grad is None for p in params)
+    for h in handles:
+        h.remove()
+    e1, e2 = plain_forward(seq, x1, x2)
+    expected = torch.autograd.grad((e1, e2), [x1, x2, *params], (dy1, dy2))
+    for a, e in zip(ours, expected):
+        assert_close_rel(a, e)
 
 
 def test_signature_tracks_what_a_graph_depends_on():
@@ -70,6 +132,18 @@ def test_signature_tracks_what_a_graph_depends_on():
     seq.eval()
     assert graphs._signature(seq, x, x) != key  # training flags
     seq.train()
+    for module, attr, value in ((seq.blocks[0].f[0], "eps", 1e-3),  # LayerNorm's eps
+                                (seq.blocks[1].g[2], "approximate", "tanh")):  # GELU's approximate
+        before = getattr(module, attr)
+        setattr(module, attr, value)
+        assert graphs._signature(seq, x, x) != key, attr  # a hyperparameter the graph baked in
+        setattr(module, attr, before)
+        assert graphs._signature(seq, x, x) == key
+    vit = rk.nn.ReversibleSequential(rk.nn.RevTransformerBlock(8, 2), engine="graphs")
+    x = torch.randn(2, 3, 8)
+    key = graphs._signature(vit, x, x)
+    vit.blocks[0].f.causal = True  # RevTransformerBlock's causal flag
+    assert graphs._signature(vit, x, x) != key
     with torch.no_grad():
         seq.blocks[0].f[1].weight = nn.Parameter(seq.blocks[0].f[1].weight.clone())
     assert graphs._signature(seq, x, x) != key  # a parameter's storage
