@@ -1,9 +1,10 @@
 // CUDA C++ implementation of revkernels::batch_norm_act, registered as the internal op
 // revkernels::cuda_batch_norm_act: the public op's CUDA kernel (registered in Python) calls it when
-// the CUDA backend is "cuda" instead of the default "triton". The per-channel statistics come from
+// the CUDA backend is "cuda", or "auto" (the default) for calls below 2^24 elements (Triton at
+// and above; revkernels/ops/_library.py). The per-channel statistics come from
 // ATen's batch_norm_stats (Welford in fp32, fp64 for fp64 data; mean and 1/sqrt(var + eps)); the
 // normalise + affine + ReLU is the kernel in kernels/batch_norm.cu. batch_norm_act_bwd has no CUDA
-// C++ kernel (Triton under either backend).
+// C++ kernel (Triton under every backend).
 // Layouts as on CPU (batch_norm_cpu.cpp): NCHW-contiguous or channels_last as is, else a contiguous
 // copy; out is allocated like it.
 #include <ATen/ATen.h>

@@ -1,6 +1,7 @@
 // CUDA C++ implementations of the bias + GELU ops, registered as the internal ops
 // revkernels::cuda_bias_gelu / cuda_bias_gelu_bwd: the public ops' CUDA kernel (registered in
-// Python) calls them when the CUDA backend is "cuda" instead of the default "triton".
+// Python) calls them when the CUDA backend is "cuda", or "auto" (the default) for calls below
+// 2^24 elements (Triton at and above; revkernels/ops/_library.py).
 // Layouts as on CPU (bias_gelu_cpu.cpp): x and dy as (rows, N) views with unit column stride, else
 // contiguous copies; outputs contiguous. The dbias partial sums live in a caching-allocator buffer.
 #include <ATen/cuda/CUDAContext.h>

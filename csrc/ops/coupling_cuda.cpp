@@ -1,6 +1,7 @@
 // CUDA C++ implementations of the coupling ops, registered as the internal ops
 // revkernels::cuda_coupling_sub / cuda_coupling_add: the public ops' CUDA kernel (registered in
-// Python) calls them when the CUDA backend is "cuda" instead of the default "triton".
+// Python) calls them when the CUDA backend is "cuda", or "auto" (the default) for calls below
+// 2^24 elements (Triton at and above; revkernels/ops/_library.py).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>

@@ -12,13 +12,11 @@
 - CUDA: `register_cuda_kernel` registers a Python kernel that runs the Triton implementation or
   the CUDA C++ one (internal op `revkernels::cuda_<op>`, where the op has one), chosen by
   `set_cuda_backend` or the environment variable REVKERNELS_CUDA_BACKEND=auto|triton|cuda. "auto"
-  (the default) takes CUDA C++ for calls below `AUTO_CUDA_CPP_BELOW` elements and Triton above:
-  on the H200 a CUDA C++ call costs the host less (coupling_sub at 4096 x 768 fp32, 18 against
-  31 us a call; bias_gelu 12 against 71 us; at 12608 x 768 bf16, host cost included, 35 against
-  52 us and 32 against 116 us), while Triton's streamed faster from 25216 x 1024 up (coupling_sub
-  at 32768 x 4096: 192 against 316 us); benchmarks/results/overhead_ops_cuda*.csv and
-  kernels_cuda.csv. 2^24 lies in the unmeasured gap between those sizes (and counts elements, not
-  bytes): a first choice, to be measured again with bench_kernels.
+  (the default) takes the CUDA C++ kernel for calls below `AUTO_CUDA_CPP_BELOW` (2^24) elements of
+  the call's first tensor, where a CUDA C++ call costs the host less, and Triton at and above it,
+  where Triton's kernels stream faster (the measurements: benchmarks/results/overhead_ops_cuda_*.csv
+  and kernels_cuda.csv). The threshold counts elements, not bytes, and lies between the sizes
+  measured so far; ops without a CUDA C++ kernel take Triton under every backend.
 - Kernels written in Python (fake, Triton, fallback) declare the schema's defaults: the dispatcher
   leaves out trailing arguments equal to their defaults when it calls a Python kernel.
 """

@@ -1,6 +1,6 @@
 r"""Coupling ops: the elementwise steps of an additive coupling, one pass each.
 
-Two-stream additive coupling (DESIGN.md section 1)::
+Two-stream additive coupling (docs/design.md, "The math")::
 
     forward   y1 = x1 + F(x2)          inverse (rebuild)   x2 = y2 - G(y1)
               y2 = x2 + G(y1)                              x1 = y1 - F(x2)

@@ -1,5 +1,5 @@
 r"""LayerNorm ops with the coupling fused in: the rebuild subtract feeding F's first LayerNorm, and
-the LayerNorm backward feeding the residual-gradient add (DESIGN.md section 5).
+the LayerNorm backward feeding the residual-gradient add (docs/design.md, "Kernels: what to fuse").
 
 Rows are all leading dims flattened; the last dim (width N) is normalised; weight and bias have
 shape (N,). In a reversible block whose F starts with a LayerNorm, the rebuild ``x2 = y2 - G(y1)``

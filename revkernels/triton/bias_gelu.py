@@ -4,11 +4,10 @@ x (..., N) is handled as a (rows, N) matrix with unit column stride and one row 
 x where one exists (contiguous, or rows sliced out of a wider buffer), else a contiguous copy.
 Programs tile (rows, N) in 2-D, BLOCK_M x BLOCK_N; outputs are contiguous.
 
-Tile shapes come from an H200 sweep (bf16, widths 768/1024/3072/4096; kernel launches timed with
-do_bench), 4 warps throughout (8 were slower): forward 4096-element tiles up to 256 columns wide
-(32768x4096 212.6 -> 202.6 us, 12608x3072 66.0 -> 63.7 us against 2048-element tiles of <= 128
-columns); backward 4096-element tiles up to 128 columns wide, at most 256 row programs (32768x4096
-426.6 -> 384 us, 12608x3072 151.2 -> 133.3 us; 256 columns wide was slower, 477 us).
+Tile shapes were tuned by benchmarks/sweep_triton_configs.py (bf16, widths 768/1024/3072/4096;
+kernel launches timed with do_bench), 4 warps throughout (8 were slower): forward 4096-element
+tiles up to 256 columns wide; backward 4096-element tiles up to 128 columns wide (256 was slower),
+at most 256 row programs.
 
 - forward: out = gelu(x + bias), one tile per program.
 - backward: dx = dy * gelu'(x + bias), and dbias in two passes: program (m, n) walks its own range

@@ -20,11 +20,10 @@ Rows wider than MAX_FUSED_N_BWD (4096: the fused kernel spills registers at BLOC
 kernel writes each row's mean(dxhat) and mean(dxhat * xhat), then a 2-D grid (row blocks x column
 chunks) writes dx and the partial sums chunk by chunk.
 
-Block sizes, warps and programs come from an H200 sweep (bf16, widths 768/1024/3072/4096; kernel
-launches timed with do_bench): the forward's warps (4 at 768/1024, 16 at 4096) reach ~98% of copy
-bandwidth; the backward takes 8 warps (fewer for blocks under 1024) and 4 programs per SM up to
-BLOCK_N 2048, else 2: 12608x768 93.9 -> 76.4 us, 25216x1024 170.5 -> 121.0 us, 32768x4096
-547 -> 341.8 us (3142 GB/s) against the former 2 programs per SM and forward warp counts.
+Block sizes, warps and programs were tuned by benchmarks/sweep_triton_configs.py (bf16, widths
+768/1024/3072/4096; kernel launches timed with do_bench): the forward takes 4 warps up to width
+1024 and 16 at 4096; the backward 8 warps (fewer for blocks under 1024) and 4 programs per SM up to
+BLOCK_N 2048, else 2.
 """
 
 import torch

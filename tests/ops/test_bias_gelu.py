@@ -116,7 +116,7 @@ def test_bias_dtype_may_differ(approximate, x_dtype, bias_dtype):
     assert y.dtype == dx.dtype == x_dtype and dbias.dtype == bias_dtype
     # Exact: float64. Same-dtype PyTorch: the composition in the promoted compute dtype (fp32 or
     # fp64), rounded to each output's dtype. fp32/fp64 outputs: the fp32 rule (1e-5; 1e-12 in fp64);
-    # 16-bit outputs: at most 2x PyTorch's error (DESIGN.md's low-precision rule).
+    # 16-bit outputs: at most 2x PyTorch's error (the low-precision rule of docs/design.md).
     ref_y = bias_gelu_reference(x.double(), bias.double(), approximate)
     ref_dx, ref_dbias = bias_gelu_bwd_reference(dy.double(), x.double(), bias.double(), approximate)
     compute = torch.promote_types(torch.promote_types(x_dtype, bias_dtype), torch.float32)

@@ -7,7 +7,7 @@ capability. csrc/tests/test_cpu_vec_ops.cpp calls all four builds directly).
 Each ISA runs in a subprocess with ATEN_CPU_CAPABILITY set and checks every CPU op against an fp64
 pure-PyTorch reference: widths that leave vector tails, row-sliced, broadcast and transposed inputs,
 each dtype, and 1 against 3 threads (results must be bitwise equal: the reductions' order does not
-depend on the thread count). Tolerances follow DESIGN.md: fp32/fp64 relative error 1e-5 / 1e-12;
+depend on the thread count). Tolerances follow docs/design.md: fp32/fp64 relative error 1e-5 / 1e-12;
 for fp16/bf16 at most 2x the error of the same computation rounded once from fp32 (the module's
 reference), plus one unit in the last place of the output's scale. The subprocesses stream outputs
 above 4 MiB (REVKERNELS_STREAM_ABOVE_BYTES) rather than above the last-level cache, which can be

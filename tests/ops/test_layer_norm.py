@@ -315,7 +315,7 @@ def test_opcheck_layer_norm_bwd_add():
 def test_double_backward():
     """A backward with create_graph=True differentiates sub_layer_norm twice (autograd's fallback for
     the backward op warned and returned zero second-order grads): against finite differences in
-    float64; and a gradient penalty in fp32 (a bf16 g) against float64, with DESIGN's rule for
+    float64; and a gradient penalty in fp32 (a bf16 g) against float64, with docs/design.md's rule for
     results whose PyTorch counterpart is itself inexact: ATen's LayerNorm double backward in fp32 is
     some 3e-5 from float64 on these rows, and ours may be at most twice that."""
     inputs = [torch.randn(3, 6, dtype=torch.float64, requires_grad=True) for _ in range(2)]
