@@ -1,29 +1,29 @@
-"""README results from the committed benchmark CSVs: markdown tables, regenerated, never typed.
+"""Results tables generated from the committed benchmark CSVs, never typed: the README's, the
+documentation's (docs/*.md) and the provenance list of benchmarks/results/README.md.
 
-    python benchmarks/readme_tables.py            # rewrites README.md between the results markers
-    python benchmarks/readme_tables.py --print    # prints the tables instead
+    python benchmarks/readme_tables.py                 # rewrites every generated section
+    python benchmarks/readme_tables.py --check         # exits 1 where a section is out of date
+    python benchmarks/readme_tables.py --print memory  # prints one table
 
-Reads ``benchmarks/results/kernels_cuda.csv`` (bench_kernels.py) and ``train_cuda.csv``
-(bench_train.py) where present; each table is headed by the commit, GPU, torch and triton versions
-its CSV recorded. Ratios are computed here from the medians in the CSV, against baselines measured
-in the same run. The host-overhead tables (bench_overhead.py: ``overhead_<device>.csv`` and
-``overhead_ops_<device>.csv``, CPU then CUDA where present) go between their own markers, with the
-issues' CPU step targets (revkernels/bench/targets.py, read by path: no torch needed) after the CPU
-step table, followed by the host-time profiles of profile_overhead.py (``profile_<config>_<device>.csv``).
+A generated section lies between ``<!-- table:NAME -->`` and ``<!-- table:end -->``; NAME is a key
+of ``TABLES``. Each table reads the CSVs of ``benchmarks/results`` (``--results``) and is headed by
+the commit, device and versions its CSV recorded; ratios are computed here from the CSV's medians,
+against baselines measured in the same run. Standard library only: no torch needed.
 """
 import argparse
 import csv
-import importlib.util
+import glob
 import os
+import re
+import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
-BEGIN, END = "<!-- results:begin (benchmarks/readme_tables.py) -->", "<!-- results:end -->"
-OVERHEAD_BEGIN, OVERHEAD_END = "<!-- overhead-table:start -->", "<!-- overhead-table:end -->"
-FORWARD_OPS = ("coupling_sub", "sub_layer_norm", "bias_gelu")
-BACKWARD_OPS = ("layer_norm_bwd_add", "bias_gelu_bwd")
-TARGET_PCT = {**{op: 85 for op in FORWARD_OPS}, **{op: 70 for op in BACKWARD_OPS}}
+DOCUMENTS = ("README.md", "docs/*.md", "benchmarks/results/README.md")  # where sections are looked for
+BEGIN = "<!-- table:{} -->"
+END = "<!-- table:end -->"
+SECTION = re.compile(r"<!-- table:([a-z0-9-]+) -->\n.*?<!-- table:end -->", flags=re.S)
 
 
 def read_csv(path):
@@ -45,7 +45,8 @@ def _ratio(a, b):
 
 def _provenance(rows):
     r = rows[0]
-    return f"commit `{r['commit']}`, {r['device']}, torch {r['torch']}, triton {r['triton']}, {r['date']}"
+    isa = f", C++ kernels {r['cpu_kernels']}" if r.get("cpu_kernels") and r["device"].startswith("CPU") else ""
+    return f"commit `{r['commit']}`, {r['device']}, torch {r['torch']}, triton {r['triton']}{isa}, {r['date']}"
 
 
 def kernel_tables(rows):
@@ -62,7 +63,7 @@ def kernel_tables(rows):
     lines = [f"Fused ops at {sample['rows']} x {sample['width']} {sample['dtype']} ({_provenance(rows)}; "
              f"{timings}; medians; copy bandwidth {_num(sample['copy_gb_per_s']):.0f} GB/s measured in the same "
              "run):", "",
-             "| op | " + " | ".join(impls) + " | best fused, % of copy (target) | vs eager | vs torch.compile |",
+             "| op | " + " | ".join(impls) + " | best fused, % of copy | vs eager | vs torch.compile |",
              "|---" * (len(impls) + 4) + "|"]
     ops = list(dict.fromkeys(r["op"] for r in at_largest))
     for op in ops:
@@ -76,12 +77,10 @@ def kernel_tables(rows):
             rate = f"{_num(r['gb_per_s']):.0f} GB/s" if r["gb_per_s"] else f"{_num(r['tflop_per_s']):.0f} TFLOP/s"
             cells.append(f"{_num(r['ms']) * 1e3:.0f} us, {rate}")
         best = min((mine[i] for i in fused if i in mine), key=lambda r: _num(r["ms"]))
-        if op in TARGET_PCT:
-            pct = _num(best["gb_per_s"]) / _num(best["copy_gb_per_s"]) * 100
-            met = "met" if pct >= TARGET_PCT[op] else "missed"
-            pct_cell = f"{pct:.0f}% ({best['impl']}; >= {TARGET_PCT[op]}%: {met})"
+        if _num(best["gb_per_s"]) == _num(best["gb_per_s"]):
+            pct_cell = f"{_num(best['gb_per_s']) / _num(best['copy_gb_per_s']) * 100:.0f}% ({best['impl']})"
         else:
-            pct_cell = "GEMM, no target"
+            pct_cell = f"GEMM ({best['impl']})"
         lines.append(f"| `{op}` | " + " | ".join(cells) + f" | {pct_cell} | {_ratio(mine['eager']['ms'], best['ms'])} | "
                      f"{_ratio(mine['compile']['ms'], best['ms']) if 'compile' in mine else 'n/a'} |")
     return lines
@@ -167,38 +166,9 @@ def _config_line(rows):
             f"{r['threads']} thread{'s' if r['threads'] != '1' else ''}; median of {r['steps']} steps")
 
 
-def _bench_module(name):
-    """revkernels/bench/<name>.py (targets, helptext), loaded by path: those need only the standard
-    library, where importing the revkernels package would load torch."""
-    path = os.path.join(ROOT, "revkernels", "bench", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"revkernels_bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def target_table(steps):
-    """The issues' CPU step targets (`revkernels.bench.targets`) as this run met them, with the
-    spread of each ratio over the run's rounds."""
-    targets_module = _bench_module("targets")
-    targets = targets_module.target_rows(steps)
-    if not targets:
-        return []
-    lines = ["", "The issues' CPU step targets in this run (speed = baseline ms / variant ms, the ratio of the "
-             "medians above; q1-q3: first and third quartile of the ratio over the run's rounds, each round "
-             "timing every variant once):", "",
-             "| configuration | variant | against | speed | q1-q3 | target | |", "|---|---|---|---|---|---|---|"]
-    for t in targets:
-        speed, spread = targets_module.format_ratio(t["speed"]), targets_module.format_spread(t["q1"], t["q3"])
-        lines.append(f"| {t['config']} | `{t['variant']}` | {t['baseline']} | {speed} | {spread} | >= {t['target']} | "
-                     f"{t['status']} |")
-    return lines
-
-
-def overhead_tables(steps, ops, compiles=(), targets=False):
+def overhead_tables(steps, ops, compiles=()):
     """Step time per variant and configuration with speed ratios against the baselines of the same
-    run (and, with `targets`, the issues' CPU step targets), the compile times of a ViT-S, and each
-    fused op against its ATen composition."""
+    run, the compile times of a ViT-S, and each fused op against its ATen composition."""
     lines = []
     if steps:
         configs = list(dict.fromkeys(r["config"] for r in steps))
@@ -227,8 +197,6 @@ def overhead_tables(steps, ops, compiles=(), targets=False):
                 cells += [cell] + [_ratio(by.get((c, b), {}).get("step_ms"), r["step_ms"])
                                    for b in bases]
             lines.append(f"| `{v}` | " + " | ".join(cells) + " |")
-        if targets:
-            lines += target_table(steps)
     if compiles:
         r = compiles[0]
         lines += (["", ""] if lines else []) + [
@@ -268,83 +236,259 @@ def overhead_tables(steps, ops, compiles=(), targets=False):
     return lines
 
 
-PROFILE_CONFIGS = ("host_bound", "compute_bound")
-PROFILE_COLUMNS = (("gemm_attention", "GEMM + attention"), ("compiled_graphs", "compiled graphs"),
-                   ("dynamo_entry", "Dynamo entry"), ("autograd_engine", "autograd engine"),
-                   ("python_functions", "Python Functions"), ("revkernels_ops", "fused ops"),
-                   ("other_aten", "other ATen"), ("other", "other"), ("python_untraced", "Python, untraced"))
-
-
-def profile_table(rows):
-    """Host time per category of the profiled steps (benchmarks/profile_overhead.py), ms per step."""
+def memory_table(rows):
+    """The memory part (`train_step_<device>.csv`): per depth and engine, the step time, the
+    activations saved for backward and the step's peak memory, with ratios against `autograd`."""
     r = rows[0]
-    lines = [f"Where a `{r['config']}` step's host time goes (profiled, {r['steps']} steps per variant; ms per step "
-             f"by self CPU time, categories in `revkernels/bench/host_profile.py`; the profiler's own cost per "
-             f"event is included, so compare shares; {_provenance(rows)}):", "",
-             "| variant | " + " | ".join(title for _, title in PROFILE_COLUMNS) + " | step (profiled) |",
-             "|---" * (len(PROFILE_COLUMNS) + 2) + "|"]
-    for r in rows:
-        cells = [f"{_num(r[f'{key}_ms']):.2f}" for key, _ in PROFILE_COLUMNS]
-        lines.append(f"| `{r['variant']}` | " + " | ".join(cells) + f" | {_num(r['step_ms_profiled']):.2f} |")
+    lines = [f"Train step of a stack of reversible MLP blocks, {r['rows']} rows x width {r['width']}, {r['dtype']} "
+             f"({_provenance(rows)}; medians):", "",
+             "| depth | engine | step ms | saved for backward, MiB | peak, MiB | time vs autograd | saved: autograd / engine "
+             "| peak: autograd / engine |", "|---|---|---|---|---|---|---|---|"]
+    for depth in dict.fromkeys(r["depth"] for r in rows):
+        mine = {r["engine"]: r for r in rows if r["depth"] == depth}
+        base = mine.get("autograd", {})
+        for engine, r in mine.items():
+            lines.append(f"| {depth} | `{engine}` | {_num(r['step_ms']):.0f} | {_num(r['saved_mib']):.1f} | "
+                         f"{_num(r['peak_mib']):.0f} | {_ratio(r['step_ms'], base.get('step_ms'))} | "
+                         f"{_ratio(base.get('saved_mib'), r['saved_mib'])} | {_ratio(base.get('peak_mib'), r['peak_mib'])} |")
     return lines
 
 
-def overhead_section(results=RESULTS):
-    """The text between the overhead markers: the tables of every device with results."""
+def gpu_train_table(rows):
+    """The train part's transformer steps (`train_<device>.csv`), one row per variant: per model and
+    batch the step time, the speed against standard eager training and the step's peak memory."""
+    throughput = [r for r in rows if r["kind"] == "throughput"]
+    if not throughput:
+        return []
+    shapes = list(dict.fromkeys((r["model"], r["batch"]) for r in throughput))
+    by = {(r["model"], r["batch"], r["variant"]): r for r in throughput}
+    r = throughput[0]
+    lines = [f"Train step of {r['model']} ({r['depth']} blocks; bf16 autocast, AdamW; {_provenance(rows)}; medians). "
+             "Speed: standard eager ms / variant ms, > 1 is faster:", "",
+             "| variant | " + " | ".join(f"{m} batch {b}: ms | speed | peak MiB" for m, b in shapes) + " |",
+             "|---" * (1 + 3 * len(shapes)) + "|"]
+    for variant in dict.fromkeys(r["variant"] for r in throughput):
+        cells = []
+        for model, batch in shapes:
+            mine, base = by.get((model, batch, variant)), by.get((model, batch, "standard"), {})
+            if mine is None:
+                cells += ["", "", ""]
+                continue
+            cells += [f"{_num(mine['ms']):.1f}", _ratio(base.get("ms"), mine["ms"]), f"{_num(mine['peak_mib']):.0f}"]
+        lines.append(f"| `{variant}` | " + " | ".join(cells) + " |")
+    return lines
+
+
+DRIFT_MODES = {"fp32": "fp32", "autocast_bf16": "fp32 streams, bf16 autocast",
+               "autocast_fp16": "fp32 streams, fp16 autocast", "bf16_streams": "bf16 streams and weights"}
+
+
+def drift_table(rows):
+    """`benchmarks/bench_drift.py` (`drift_<device>.csv`): the relative error of a block input rebuilt
+    from the run's output, worst (median) over the seeds, per precision and depth."""
+    r = rows[0]
+    depths = list(dict.fromkeys(r["depth"] for r in rows))
+    by = {(r["mode"], r["depth"]): r for r in rows}
+    lines = [f"Relative max-abs error of a block input rebuilt from the run's output, `RevViTBlock(dim {r['dim']}, "
+             f"heads {r['heads']})` stacks, {r['tokens']} tokens, batch {r['batch']}, worst (median) of {r['seeds']} "
+             f"seeds ({_provenance(rows)}):", "",
+             "| precision | " + " | ".join(f"depth {d}" for d in depths) + " |", "|---" * (1 + len(depths)) + "|"]
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        cells = [f"{_num(by[mode, d]['chained_max']):.1e} ({_num(by[mode, d]['chained_median']):.1e})"
+                 if (mode, d) in by else "" for d in depths]
+        lines.append(f"| {DRIFT_MODES.get(mode, mode)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+TEXT_MODELS = {"autograd": "reversible, `autograd`", "sequential": "reversible, `sequential`",
+               "standard": "non-reversible, same layers"}
+
+
+def text_table(rows):
+    """`benchmarks/bench_text.py` (`text_<device>.csv`): a byte-level causal LM per depth and model."""
+    r = rows[0]
+    lines = [f"Byte-level causal LM (dim {r['dim']}, {r['heads']} heads, {r['tokens']} tokens x batch {r['batch']}, "
+             f"{r['steps']} AdamW steps, dropout {r['dropout']}; {_provenance(rows)}):", "",
+             "| depth | model | tokens/s | saved for backward, MiB | held-out loss | max abs(loss - autograd's) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        diff = _num(r["max_abs_loss_diff_vs_autograd"])
+        lines.append(f"| {r['depth']} | {TEXT_MODELS.get(r['model'], r['model'])} | {_num(r['tokens_per_s']):.0f} | "
+                     f"{_num(r['saved_mib']):.2f} | {_num(r['val_loss']):.4f} | {'' if diff != diff else f'{diff:.1e}'} |")
+    return lines
+
+
+def petra_table(rows):
+    """The petra part (`petra_<device>.csv`): the distributed runtime against single-process
+    reversible backprop, with the partition's bound (reversible backprop's time over the largest
+    stage group's tick)."""
+    r = rows[0]
+    lines = [f"{r['model']} ({r['stem']} stem), {r['image_size']}x{r['image_size']} images, batch {r['batch']}, "
+             f"{r['balance']}-balanced stage groups ({_provenance(rows)}; medians of {r['steps']} steps):", "",
+             "| variant | processes x threads | stage groups | ms per batch | speed vs reversible backprop, 1 thread | "
+             "vs its best | bound |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        bound = f"{_num(r['bound']):.2f}x" if r.get("bound") else ""
+        lines.append(f"| `{r['variant']}` | {r['processes']} x {r['threads']} | {r['groups'] or 'all'} | "
+                     f"{_num(r['step_ms']):.1f} | {_num(r['speedup_vs_revbackprop_1thread']):.2f}x | "
+                     f"{_num(r['speedup_vs_revbackprop_best']):.2f}x | {bound} |")
+    return lines
+
+
+def petra_accuracy_table(rows):
+    """`benchmarks/bench_petra_accuracy.py` (`petra_digits_<device>.csv`): test accuracy per method,
+    mean +- standard deviation over the seeds, and the mean cosine of the stages' gradients to the
+    end-to-end gradient."""
+    r = rows[0]
+    lines = [f"{r['model']} ({r['stem']} stem) on {r['dataset']} ({r['image_size']}x{r['image_size']}), {r['epochs']} "
+             f"epochs, batch {r['batch_size']}, k = {r['accum']}, base lr {r['base_lr']}; "
+             f"{len(set(r['seed'] for r in rows))} seeds ({_provenance(rows)}):", "",
+             "| method | test accuracy, % | gradient cosine to end-to-end |", "|---|---|---|"]
+    for method in dict.fromkeys(r["method"] for r in rows):
+        acc = [100 * _num(r["test_acc"]) for r in rows if r["method"] == method]
+        cos = [_num(r["mean_cosine"]) for r in rows if r["method"] == method]
+        spread = statistics.stdev(acc) if len(acc) > 1 else 0.0
+        lines.append(f"| `{method}` | {statistics.mean(acc):.2f} +- {spread:.2f} | {statistics.mean(cos):.3f} |")
+    return lines
+
+
+def attention_table(rows):
+    """`benchmarks/bench_attention.py` (`attention_<device>.csv`): a compiled attention forward + VJP,
+    SDPA's flash kernel against the math formula, by sequence length."""
+    r = rows[0]
+    lines = [f"Compiled attention forward + VJP, {r['heads']} heads x {r['head_dim']}, {r['dtype']}, {r['threads']} "
+             f"threads ({_provenance(rows)}; medians):", "",
+             "| tokens | batch | flash us | math us | flash / math | revkernels takes |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['tokens']} | {r['batch']} | {_num(r['flash_us']):.0f} | {_num(r['math_us']):.0f} | "
+                     f"{_num(r['flash_over_math']):.2f}x | {r['revkernels_takes']} |")
+    return lines
+
+
+def _read(results, name):
+    path = os.path.join(results, name)
+    return read_csv(path) if os.path.exists(path) else []
+
+
+def _overhead(results, suffix):
+    steps, ops, compiles = (_read(results, f"{name}_{suffix}.csv") for name in ("overhead", "overhead_ops", "overhead_compile"))
+    return overhead_tables(steps, ops, compiles)
+
+
+def overhead_cuda(results):
+    """The overhead part on CUDA, one run per CUDA backend (`overhead[_ops]_cuda_<backend>.csv`)."""
     lines = []
-    for device in ("cpu", "cuda"):
-        paths = [os.path.join(results, f"{name}_{device}.csv")
-                 for name in ("overhead", "overhead_ops", "overhead_compile")]
-        if any(os.path.exists(path) for path in paths):
-            steps, ops, compiles = (read_csv(path) if os.path.exists(path) else [] for path in paths)
-            lines += overhead_tables(steps, ops, compiles, targets=device == "cpu") + [""]
-        for config in PROFILE_CONFIGS:
-            path = os.path.join(results, f"profile_{config}_{device}.csv")
-            if os.path.exists(path):
-                lines += ["", *profile_table(read_csv(path)), ""]
+    for path in sorted(glob.glob(os.path.join(results, "overhead_cuda_*.csv"))):
+        backend = os.path.basename(path)[len("overhead_cuda_"):-len(".csv")]
+        tables = _overhead(results, f"cuda_{backend}")
+        if tables:
+            lines += (["", ""] if lines else []) + [f"With `REVKERNELS_CUDA_BACKEND={backend.replace('cudacpp', 'cuda')}`:",
+                                                    ""] + tables
+    return lines
+
+
+PARTS = (  # file name prefix -> what wrote it, most specific first
+    ("train_step_", "the memory part: `python -m revkernels.bench --parts memory`"),
+    ("kernels_", "the kernels part: `python -m revkernels.bench --parts kernels`"),
+    ("train_", "the train part: `python -m revkernels.bench --parts train`"),
+    ("overhead_", "the overhead part: `python -m revkernels.bench --parts overhead`"),
+    ("petra_digits_", "`python benchmarks/bench_petra_accuracy.py`"),
+    ("petra_", "the petra part: `python -m revkernels.bench --parts petra`"),
+    ("drift_", "`python benchmarks/bench_drift.py`"),
+    ("text_", "`python benchmarks/bench_text.py`"),
+    ("attention_", "`python benchmarks/bench_attention.py`"))
+
+
+def provenance_table(results):
+    """Each committed CSV: what wrote it, and the commit, device, versions and date on its rows."""
+    lines = ["| file | written by | commit | device | torch | triton | C++ kernels | date |",
+             "|---|---|---|---|---|---|---|---|"]
+    for path in sorted(glob.glob(os.path.join(results, "*.csv"))):
+        name = os.path.basename(path)
+        rows = read_csv(path)
+        if not rows:
+            continue
+        r = rows[0]
+        writer = next((what for prefix, what in PARTS if name.startswith(prefix)), "")
+        plot = " (plot: `.png` beside it)" if os.path.exists(path[:-4] + ".png") else ""
+        lines.append(f"| `{name}`{plot} | {writer} | `{r.get('commit', '')}` | {r.get('device', '')} | "
+                     f"{r.get('torch', '')} | {r.get('triton', '')} | {r.get('cpu_kernels', '') or 'n/a'} | "
+                     f"{r.get('date', '')} |")
+    return lines
+
+
+def _from(name, make):
+    """A table made by `make` from the rows of CSV `name`; none where it is not committed."""
+    return lambda results: make(rows) if (rows := _read(results, name)) else []
+
+
+TABLES = {
+    "memory": _from("train_step_cpu.csv", memory_table),
+    "gpu-train": _from("train_cuda.csv", gpu_train_table),
+    "train-cuda": _from("train_cuda.csv", train_tables),
+    "kernels-cuda": _from("kernels_cuda.csv", kernel_tables),
+    "overhead-cpu": lambda results: _overhead(results, "cpu"),
+    "overhead-cuda": overhead_cuda,
+    "drift": _from("drift_cpu.csv", drift_table),
+    "text": _from("text_cpu.csv", text_table),
+    "petra": _from("petra_cpu.csv", petra_table),
+    "petra-accuracy": _from("petra_digits_cpu.csv", petra_accuracy_table),
+    "attention": _from("attention_cpu.csv", attention_table),
+    "provenance": provenance_table,
+}
+
+
+def table(name, results=RESULTS):
+    """The text of generated section `name`, from the CSVs under `results`."""
+    lines = TABLES[name](results)
     if not lines:
-        lines = ["No results committed yet: `python benchmarks/bench_overhead.py` writes "
-                 "`benchmarks/results/overhead_cpu.csv` and `overhead_ops_cpu.csv`; then run "
-                 "`python benchmarks/readme_tables.py`."]
+        return f"No results committed for `{name}` yet.\n"
     return "\n".join(lines).rstrip() + "\n"
 
 
-def tables(results=RESULTS):
-    lines = []
-    kernels = os.path.join(results, "kernels_cuda.csv")
-    train = os.path.join(results, "train_cuda.csv")
-    if os.path.exists(kernels):
-        lines += kernel_tables(read_csv(kernels)) + [""]
-    if os.path.exists(train):
-        lines += train_tables(read_csv(train)) + [""]
-    return "\n".join(lines).rstrip() + "\n"
+def render(content, results=RESULTS, source="document"):
+    """`content` with every generated section rewritten; an unknown NAME raises naming it."""
+    def replace(match):
+        name = match.group(1)
+        if name not in TABLES:
+            raise SystemExit(f"{source}: unknown generated table {name!r} (known: {', '.join(TABLES)})")
+        return f"{BEGIN.format(name)}\n{table(name, results)}{END}"
+    return SECTION.sub(replace, content)
 
 
-def rewrite(readme, text, begin=BEGIN, end=END):
-    with open(readme) as f:
-        content = f.read()
-    if begin not in content or end not in content:
-        raise SystemExit(f"{readme} has no results markers ({begin} ... {end})")
-    head, rest = content.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    with open(readme, "w") as f:
-        f.write(head + begin + "\n" + text + end + tail)
+def documents(root=ROOT):
+    """The files that may hold generated sections."""
+    return sorted(path for pattern in DOCUMENTS for path in glob.glob(os.path.join(root, pattern)))
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=_bench_module("helptext").description(__doc__))
-    parser.add_argument("--print", action="store_true", help="print the tables instead of rewriting README.md")
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n", 1)[0].split()))
     parser.add_argument("--results", default=RESULTS, help="folder of the committed CSVs (default: benchmarks/results)")
-    parser.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
+    parser.add_argument("--root", default=ROOT, help="checkout whose README.md, docs/*.md and "
+                        "benchmarks/results/README.md are rewritten (default: this one)")
+    parser.add_argument("--check", action="store_true", help="rewrite nothing; exit 1 naming each file whose "
+                        "generated sections differ from what the CSVs give")
+    parser.add_argument("--print", choices=sorted(TABLES), metavar="NAME", help="print one table: " + ", ".join(TABLES))
     args = parser.parse_args(argv)
-    if not os.path.isdir(args.results):  # (missing CSVs read as "no results": every table would go)
+    if not os.path.isdir(args.results):  # (missing CSVs would read as "no results": every table would go)
         parser.error(f"--results {args.results!r} is not a folder of benchmark results")
-    text, overhead = tables(args.results), overhead_section(args.results)
     if args.print:
-        print(text + "\n" + overhead)
-    else:
-        rewrite(args.readme, text)
-        rewrite(args.readme, overhead, OVERHEAD_BEGIN, OVERHEAD_END)
+        print(table(args.print, args.results), end="")
+        return 0
+    stale = []
+    for path in documents(args.root):
+        with open(path) as f:
+            content = f.read()
+        new = render(content, args.results, os.path.relpath(path, args.root))
+        if new == content:
+            continue
+        stale.append(os.path.relpath(path, args.root))
+        if not args.check:
+            with open(path, "w") as f:
+                f.write(new)
+    if args.check and stale:
+        print("out of date (run python benchmarks/readme_tables.py): " + ", ".join(stale), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates ./.venv (if missing) with CPU torch 2.13.0, the test and benchmark tools, and revkernels
+# Creates ./.venv (if missing) with CPU torch 2.13.0, the test, benchmark and documentation tools, and revkernels
 # built in place (C++ CPU kernels; CUDA kernels too when torch has CUDA and nvcc exists).
 # Idempotent: a second run only rebuilds what changed.
 set -euo pipefail
@@ -19,6 +19,8 @@ pip_quiet setuptools wheel ninja cmake numpy tqdm pytest pytest-xdist hypothesis
 # Peer libraries the train-step benchmark compares against (pure Python; --no-deps: memcnn's declared
 # SimpleITK/torchvision are not needed by its couplings, and would pull another torch).
 pip_quiet --no-deps revlib==1.7.2 memcnn==1.5.2
+# The documentation site (mkdocs.yml; tests/test_docs.py builds it strictly).
+pip_quiet mkdocs==1.6.1 mkdocs-material==9.8.1 mkdocstrings==1.0.8 mkdocstrings-python==2.0.11
 python -c "import torch; assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__"
 # The extension is built in place with build_ext, whose ./build keeps ninja's state: a second run
 # recompiles only what changed (pip's editable build compiles everything in a fresh temporary folder
