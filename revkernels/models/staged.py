@@ -12,7 +12,7 @@ _LETTER = {"stem": "S", "reversible": "r", "down": "D", "head": "H"}
 def streams_in(dtype, *streams):
     """`streams` in `dtype` (a non-reversible stage's parameter dtype): what the stage hands to the
     next reversible run. Under autocast its convolutions and linears return the low-precision dtype,
-    and a run fed low-precision streams rebuilds each block's input only to that precision (README,
+    and a run fed low-precision streams rebuilds each block's input only to that precision (docs/numerics.md,
     "Expected drift"); in the parameters' dtype the streams stay fp32 while F and G compute under
     autocast. No copy where a stream already has `dtype`."""
     return tuple(s if s.dtype == dtype else s.to(dtype) for s in streams)

@@ -18,8 +18,7 @@ convert to and from the simulator's: ``torchrun --nproc-per-node R -m revkernels
 
 The algorithm: "PETRA: Parallel End-to-end Training with Reversible Architectures" (Rivaud et al.,
 ICLR 2025, arXiv:2406.02052). The tick-by-tick timing implemented here is written out in the
-docstring of `revkernels.petra.simulate`; usage in the README section "Models, and a RevNet
-trained with PETRA".
+docstring of `revkernels.petra.simulate`; usage in docs/petra.md.
 """
 from revkernels.petra import simulate
 from revkernels.petra.partition import Stage, balanced_sizes, group_sizes, partition, stage_costs
