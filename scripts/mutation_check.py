@@ -282,7 +282,7 @@ mutation("direct_step_calls_start_no_generation", "revkernels/engine/compiled.py
          "    return types",
          "tests/engine/test_compiled.py -k without_dynamos_frame_hook")
 mutation("random_branch_steps_always_static", "revkernels/engine/compiled.py",
-         "if name in self.any_shape and _any_shape(block)", "if False",
+         "if name in any_shape and _any_shape(block)", "if False",
          "tests/engine/test_compiled.py -k take_any_shape")
 mutation("context_keyword_nobody_uses_accepted", REV,
          "    if unused:\n        return (", "    if False:\n        return (",
@@ -385,6 +385,19 @@ mutation("graphs_signature_without_hyperparameters", GRAPHS,  # eps/causal chang
          "            autocast, hyperparameters(seq), tensors)",
          "            autocast, tuple(m.training for m in seq.modules()), tensors)",
          T_GRAPHS + " -k signature_tracks")
+COMPILED = "revkernels/engine/compiled.py"
+mutation("compiled_recompile_budget_per_process", COMPILED,  # a width sweep's later models ran eagerly
+         "        functions, any_shape = self._compiled(_layout(block).key)",
+         "        functions, any_shape = self._compiled(None)",
+         "tests/engine/test_compiled.py -k recompile_budget_of_its_own")
+mutation("compiled_anomaly_step_marks_the_structure_failed", COMPILED,
+         "                or dy1 is None or dy2 is None or torch.is_anomaly_enabled()):",
+         "                or dy1 is None or dy2 is None):",
+         "tests/engine/test_compiled.py -k anomaly")
+mutation("undeclared_randomness_not_checked", "revkernels/engine/state.py",
+         "    if torch.equal(before.cpu, after.cpu) and all(",
+         "    if True or all(",
+         "tests/engine/test_state.py")
 mutation("cuda_cpp_schema_without_the_public_defaults", "csrc/ops/batch_norm_cuda.cpp",
          "float eps=1e-05, bool relu=True) ", "float eps, bool relu) ",
          "tests/ops/test_dispatch.py -k cuda_cpp_ops_take")

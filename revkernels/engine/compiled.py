@@ -73,7 +73,8 @@ from revkernels.engine.sequential import (add_param_grads, as_in_the_forward, bl
                                           recompute_step, save_forward_state, save_with_context, saved_with_context,
                                           with_buffers, without_unused)
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of,
-                                     differentiated_once, grad_tensors, maybe_replay, records_graph)
+                                     differentiated_once, grad_tensors, maybe_replay, randomness_before, records_graph,
+                                     check_randomness_after)
 from revkernels.engine.structure import (cached, coupling_kind, invalidate, param_slots, recompute_context,
                                          record_buffers, stochastic_modules, submodule_hooked)
 import revkernels.nn.reversible as _reversible  # (a module object: the import is circular)
@@ -178,7 +179,7 @@ class CompiledSteps:
         # The branch steps (blocks that draw random numbers) with static shapes unless asked: a
         # symbolic-size recompile cannot differentiate nn.Dropout under torch.func.vjp (but see
         # `any_shape` below)
-        branch_dynamic = options.get("dynamic", False)
+        self.branch_dynamic = options.get("dynamic", False)
         if backend == "inductor":
             # fallback_random: random ops draw from the global generator as in eager (see module doc)
             mode = options.pop("mode", None)
@@ -191,14 +192,26 @@ class CompiledSteps:
                 inductor.setdefault("cpp_wrapper", True)
             options["options"] = inductor
         self.options = dict(backend=backend, **options)
-        self.functions = {name: torch.compile(isolated(fn), fullgraph=True, **_with_guard_filter(
-            {**self.options, "dynamic": branch_dynamic} if name.startswith("branch") else self.options))
-            for name, fn in _STEPS.items()}
-        # The branch steps of blocks whose random layers all take symbolic sizes (`_any_shape`),
-        # with the block steps' dynamic shapes
-        self.any_shape = {name: torch.compile(isolated(_STEPS[name]), fullgraph=True, **_with_guard_filter(self.options))
-                          for name in ("branch_forward", "branch_backward")}
+        self._by_structure = {}  # `_Layout.key` -> (step functions, any-shape branch steps)
         self.failed = set()  # structures (`_Layout.key`) whose blocks run the eager steps
+
+    def _compiled(self, key):
+        """The compiled step functions of the blocks of structure `key` (`_Layout.key`): each
+        structure gets copies with code objects of their own (`isolated`), so Dynamo's recompile
+        limit counts the signatures of one structure (one model's blocks), not of every model of
+        the process (the ninth width of a sweep compiled nothing with shared code)."""
+        compiled = self._by_structure.get(key)
+        if compiled is None:
+            branch = {**self.options, "dynamic": self.branch_dynamic}
+            functions = {name: torch.compile(isolated(fn), fullgraph=True, **_with_guard_filter(
+                branch if name.startswith("branch") else self.options)) for name, fn in _STEPS.items()}
+            # The branch steps of blocks whose random layers all take symbolic sizes (`_any_shape`),
+            # with the block steps' dynamic shapes
+            any_shape = {name: torch.compile(isolated(_STEPS[name]), fullgraph=True,
+                                             **_with_guard_filter(self.options))
+                         for name in ("branch_forward", "branch_backward")}
+            compiled = self._by_structure[key] = (functions, any_shape)
+        return compiled
 
     def fell_back(self, block):
         """Whether `block` runs the eager steps after a step of its structure failed (`StepFailed`)."""
@@ -208,12 +221,13 @@ class CompiledSteps:
         """``step(*args)`` compiled for `block` (blocks[`position`] of its run); raises
         `StepFailed` where it does not compile."""
         hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled()
+        functions, any_shape = self._compiled(_layout(block).key)
         try:
-            if name in self.any_shape and _any_shape(block):
-                step = self.any_shape[name]
+            if name in any_shape and _any_shape(block):
+                step = any_shape[name]
             else:
-                step = self.functions[name]
-                if name in self.any_shape:  # a static branch step (see `_unmarked`)
+                step = functions[name]
+                if name in any_shape:  # a static branch step (see `_unmarked`)
                     args = [_unmarked(a) for a in args]
             classes = cached(block, "shared_classes", _shared_classes)
             if not classes:
@@ -570,7 +584,7 @@ def forward_blocks(blocks, x1, x2, steps, preserve_rng_state=True, context=NO_CO
     with torch.no_grad():
         for i, block in enumerate(blocks):
             layout = _layout(block)
-            if _eager_block(block, layout) or (failed and layout.key in failed):
+            if _eager_block(block, layout) or (failed and layout.key in failed) or torch.is_anomaly_enabled():
                 x1, x2, state = forward_step(block, x1, x2, preserve_rng_state, context)
             else:
                 try:
@@ -589,7 +603,10 @@ def _pure_forward(block, position, layout, x1, x2, steps, preserve_rng_state, co
     if preserve_rng_state and block.draws_random():
         y1, y2, state = _random_forward(block, position, layout, x1, x2, steps, context)
     else:
+        before = randomness_before(block, x1, x2) if preserve_rng_state else None
         y1, y2 = _step(steps, "block_forward", block, position, block, layout.kind, x1, x2, context)
+        if before is not None:
+            check_randomness_after(block, before)
         state = None
     if record is not None:
         state = with_buffers(state, record.changed(lambda: f"blocks[{position}] ({type(block).__name__})"))
@@ -672,8 +689,10 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
         # place of a tensor it did not get as an input)
         # A grad the loss did not give (None; see sequential.block_grads): the eager steps, for
         # the run's last block only (a None would be a signature of its own)
+        # Under anomaly detection (a debugging mode the compiled steps cannot run under): the eager
+        # steps for this call only; the structure is not marked failed
         if (_eager_block(block, layout) or getattr(state, "buffers", ()) or (failed and layout.key in failed)
-                or dy1 is None or dy2 is None):
+                or dy1 is None or dy2 is None or torch.is_anomaly_enabled()):
             y1, y2, dy1, dy2, grads = _eager_backward(block, state, y1, y2, dy1, dy2, autocast, context)
         else:
             try:

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from revkernels.engine.fsdp import block_units, run_sharded
 from revkernels.engine.state import (CONTEXT_CONTAINERS, NO_CONTEXT, AutocastState, BlockState, block_modes,
                                      check_param_versions, differentiated_once, grad_tensors, in_mode, param_versions,
-                                     records_graph, run_modes)
+                                     check_randomness_after, randomness_before, records_graph, run_modes)
 from revkernels.engine.structure import (buffers_as_before, buffers_kept, invalidate, param_slots,
                                          parametrize_cache_off, record_buffers, y2_only_params)
 
@@ -83,15 +83,21 @@ def forward_step(block, x1, x2, preserve_rng_state, context=NO_CONTEXT):
     (`parametrize_cache_off`: the forward runs without grad). The buffers the forward changed go
     into the returned state with their old values (`record_buffers`), for `recompute_step`."""
     record = record_buffers(block)
-    if parametrize._cache_enabled:
-        with parametrize_cache_off(block):
-            out = _forward_with_state(block, x1, x2, preserve_rng_state, context)
-    else:
-        out = _forward_with_state(block, x1, x2, preserve_rng_state, context)
+    before = randomness_before(block, x1, x2) if preserve_rng_state else None
+    out = _uncached_forward_with_state(block, x1, x2, preserve_rng_state, context)
+    if before is not None:
+        check_randomness_after(block, before)
     if record is None:
         return out
     x1, x2, state = out
     return x1, x2, with_buffers(state, record.changed(lambda: type(block).__name__))
+
+
+def _uncached_forward_with_state(block, x1, x2, preserve_rng_state, context):
+    if parametrize._cache_enabled:
+        with parametrize_cache_off(block):
+            return _forward_with_state(block, x1, x2, preserve_rng_state, context)
+    return _forward_with_state(block, x1, x2, preserve_rng_state, context)
 
 
 def _forward_with_state(block, x1, x2, preserve_rng_state, context):

@@ -9,12 +9,16 @@
 - `param_versions` / `check_param_versions`: a parameter changed in place between a forward and
   its backward raises autograd's error (the rebuild would use the new values).
 - `differentiated_once`: the engines' backwards are not differentiable.
+- `randomness_before` / `check_randomness_after`: a block that says it draws no random numbers is checked, once per
+  mode, to draw none (its rebuild would draw new ones: silently wrong gradients).
 (BatchNorm, InstanceNorm and spectral norm in a recompute:
 `revkernels.engine.structure.recompute_context`.)
 """
 import contextlib
 import functools
 import numbers
+import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -188,6 +192,43 @@ def autograd_recording():
 def cuda_devices_of(*tensors):
     """The CUDA device indices of `tensors` (whose generators a forward may draw from)."""
     return tuple(sorted({t.device.index for t in tensors if t.is_cuda}))
+
+
+_RANDOMNESS_CHECKED = weakref.WeakKeyDictionary()  # block -> the training flags its forward was checked in
+
+
+def _branch_names(block):
+    names = [f"{k}={type(m).__name__}" for k, m in block.named_children()]
+    return f"{type(block).__name__}({', '.join(names)})"
+
+
+def randomness_before(block, x1, x2):
+    """The generator states before the first forward of `block` in each mode (training or eval),
+    for `check_randomness_after`; None once that mode was checked (or while torch.compile traces)."""
+    checked = _RANDOMNESS_CHECKED.get(block)
+    if (checked is not None and block.training in checked) or torch.compiler.is_compiling():
+        return None
+    return RngState(cuda_devices_of(x1, x2))
+
+
+def check_randomness_after(block, before):
+    """Warns, naming `block`, when its forward drew random numbers (the CPU generator or one of the
+    inputs' CUDA generators moved since `before`) while its ``draws_random()`` is False. Such
+    randomness (``torch.randn_like`` noise, ``F.dropout`` with a float attribute, an attention
+    module with a dropout argument of its own) is not replayed: the rebuild draws new numbers and
+    the gradients are wrong. The cure is to declare it (``draws_random``, a bool or a method, on the
+    module that draws)."""
+    _RANDOMNESS_CHECKED.setdefault(block, set()).add(block.training)
+    if block.draws_random():
+        return
+    after = RngState(tuple(before.cuda))
+    if torch.equal(before.cpu, after.cpu) and all(torch.equal(before.cuda[d], after.cuda[d]) for d in before.cuda):
+        return
+    warnings.warn(
+        f"revkernels: the forward of {_branch_names(block)} drew random numbers, but its draws_random() is "
+        "False, so the rebuild draws different ones and its gradients are wrong. Declare the randomness on "
+        "the module that draws it (an attribute or method `draws_random` returning True while it draws), "
+        "or use eval mode / p=0.", UserWarning, stacklevel=4)
 
 
 def maybe_replay(rng_state):

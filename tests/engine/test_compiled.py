@@ -871,3 +871,58 @@ def test_past_the_recompile_limit_the_warning_says_so_and_the_grads_stay_exact()
     expected = run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data, seed=1)
     for a, b in zip(got, expected, strict=True):
         assert_close_rel(a, b, 1e-5)
+
+
+class _SweepLinear(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def test_each_block_structure_has_a_recompile_budget_of_its_own():
+    # A width sweep, one model per width: with one set of step functions for the whole process the
+    # models past Dynamo's recompile limit compiled nothing and ran eagerly, with a warning.
+    backend = CountingBackend()
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for width in (4, 6, 8, 10):
+            seq = ReversibleSequential(rk.nn.ReversibleBlock(_SweepLinear(width), _SweepLinear(width)),
+                                       engine="compiled")
+            seq.compile_options = {"backend": backend}
+            ref = copy.deepcopy(seq)
+            data = _data(3, width)
+            got = run_grads(seq, seq, *data)
+            expected = run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data)
+            for a, b in zip(got, expected, strict=True):
+                assert_close_rel(a, b, 1e-5)
+    assert [str(w.message) for w in caught if "revkernels" in str(w.message)] == []
+    assert backend.graphs == 8  # a forward and a backward step per width
+    assert not compiled_steps(seq, "cpu").failed
+
+
+def test_a_step_under_anomaly_detection_runs_eagerly_and_leaves_the_steps_compiled():
+    # One step under torch.autograd.detect_anomaly() marked the structure failed for the rest of
+    # the process (its steps do not compile in that mode): it now runs the eager steps for that call.
+    backend = CountingBackend()
+    seq = ReversibleSequential(*[rk.nn.ReversibleBlock(_SweepLinear(8), _SweepLinear(8)) for _ in range(2)],
+                               engine="compiled")
+    seq.compile_options = {"backend": backend}
+    ref = copy.deepcopy(seq)
+    data = _data(3, 8)
+    expected = run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's "Anomaly Detection has been enabled")
+        with torch.autograd.detect_anomaly():
+            got = run_grads(seq, seq, *data)
+    for a, b in zip(got, expected, strict=True):
+        assert_close_rel(a, b, 1e-5)
+    assert backend.calls == 0 and not compiled_steps(seq, "cpu").failed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = run_grads(seq, seq, *data)
+    assert backend.calls == 4  # two blocks, a forward and a backward step each
+    for a, b in zip(got, expected, strict=True):
+        assert_close_rel(a, b, 1e-5)
