@@ -4,7 +4,7 @@
     seq = rk.nn.ReversibleSequential(*[rk.nn.ReversibleBlock(f, g) for f, g in pairs])
     y1, y2 = seq(x1, x2)          # saves only (y1, y2) for backward
 
-The API contract is the project README (sections Usage and Support and limits). The math is in
+The API contract is the documentation (docs/, and its API reference). The math is in
 the module docstrings: the coupling and each fused op in `revkernels.ops.<family>`, the engines'
 schedules in `revkernels.engine.<engine>`, PETRA in `revkernels.petra`.
 """

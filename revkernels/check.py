@@ -195,7 +195,7 @@ class monitor_reconstruction:  # noqa: N801 (used like a function / context mana
         self.seq = seq
         self.monitor = ReconstructionMonitor(threshold, every, max_samples)
         seq.reconstruction_monitor = self.monitor
-        if seq.engine not in MONITORED_ENGINES:
+        if seq.engine not in MONITORED_ENGINES + ("auto",):
             warnings.warn(f"revkernels: the reconstruction monitor records nothing with engine={seq.engine!r} (it "
                           f"monitors the engines {MONITORED_ENGINES})", UserWarning, stacklevel=2)
 

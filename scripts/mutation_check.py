@@ -14,7 +14,7 @@ first failing test is reported), *survived* when it passes: each survivor is a m
     python scripts/mutation_check.py                        # every mutation
     python scripts/mutation_check.py --only revvit_ln_swap_grads petra_accum_count
     python scripts/mutation_check.py --list
-    python scripts/mutation_check.py --out benchmarks/results/mutation_check.txt
+    python scripts/mutation_check.py --out /tmp/mutation_check.txt
 
 Run on demand (minutes: one pytest process per mutant), not in CI. Mutations marked ``cuda`` need a
 GPU (they change code that only runs on CUDA) and are reported as "not run" without one.
@@ -398,6 +398,17 @@ mutation("undeclared_randomness_not_checked", "revkernels/engine/state.py",
          "    if torch.equal(before.cpu, after.cpu) and all(",
          "    if True or all(",
          "tests/engine/test_state.py")
+mutation("compile_options_keyed_by_repr", COMPILED,  # a backend lambda made per call: a new compile each time
+         "    key = (device_type, _option_key(options))",
+         "    key = (device_type, repr(options))",
+         "tests/engine/test_compiled.py -k compile_options_are_shared")
+mutation("expired_context_structure_not_reported", "revkernels/engine/opaque.py",
+         "    spec = _CONTEXT_SPECS.get(handle)\n    if spec is None:",
+         "    spec = _CONTEXT_SPECS.get(handle)\n    if False:",
+         "tests/engine/test_context.py -k registry_of_compiled")
+mutation("auto_captures_runs_graphs_cannot_replay", "revkernels/engine/__init__.py",
+         "    if x1.is_cuda and eager_reason(seq, context) is None:", "    if x1.is_cuda:",
+         "tests/engine/test_engines.py")
 mutation("cuda_cpp_schema_without_the_public_defaults", "csrc/ops/batch_norm_cuda.cpp",
          "float eps=1e-05, bool relu=True) ", "float eps, bool relu) ",
          "tests/ops/test_dispatch.py -k cuda_cpp_ops_take")

@@ -169,7 +169,7 @@ def perturb_parameters(module, scale=0.25, buffers=True):
 
 
 def assert_low_precision_rule(actual, same_dtype_torch, exact, what="tensor"):
-    """DESIGN.md's rule for bf16/fp16 results: the error against an exact (float64) reference is at
+    """The rule for bf16/fp16 results (docs/design.md): the error against an exact (float64) reference is at
     most twice the error of the same-dtype PyTorch op (relative to max |exact|)."""
     ours, torch_err = rel_err(actual, exact), rel_err(same_dtype_torch, exact)
     assert ours <= 2 * torch_err, f"{what}: relative error {ours:.3e} > 2 x PyTorch's {torch_err:.3e}"

@@ -1,6 +1,6 @@
 """Interop with the rest of PyTorch: activation checkpointing, tensor and module hooks,
-state_dict across engines. What each engine does with module hooks is documented in the README
-("Support and limits"); these tests pin it down."""
+state_dict across engines. What each engine does with module hooks is documented in
+docs/support.md ("Module hooks"); these tests pin it down."""
 import copy
 import io
 import warnings

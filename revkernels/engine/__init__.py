@@ -10,6 +10,9 @@
                 cannot be used: silently on CPU inputs or with grad disabled, with a warning (once
                 per run and reason) otherwise (dropout/drop-path to replay, capture failure, ...;
                 see `revkernels.engine.graphs`)
+    auto        the default: per call, graphs for CUDA inputs when the run can be captured (no
+                randomness to replay, no context keywords, not sharded block by block), the
+                sequential engine otherwise (`choose_engine`); ``seq.engine_in_use`` names the pick
     compiled    the sequential schedule with each block's forward and backward step as a pure
                 function (torch.func), compiled once per block signature and shared by every block
                 with that signature (see `revkernels.engine.compiled`)
@@ -24,20 +27,32 @@ the dict of keywords every F and G is called with (``seq(x1, x2, **context)``).
 from revkernels.engine.autograd import run_autograd
 from revkernels.engine.compiled import run_compiled
 from revkernels.engine.opaque import run_opaque  # registers revkernels::reversible_run (torch.compile)
-from revkernels.engine.graphs import clear_graphs, run_graphs
+from revkernels.engine.graphs import clear_graphs, eager_reason, run_graphs
 from revkernels.engine.pareprop import reverse_blocks_two_streams, run_pareprop
 from revkernels.engine.sequential import reverse_blocks, run_sequential
 
 ENGINES = {"autograd": run_autograd, "sequential": run_sequential, "pareprop": run_pareprop, "graphs": run_graphs,
            "compiled": run_compiled}
+AUTO = "auto"
+
+
+def choose_engine(seq, x1, context):
+    """The engine ``engine="auto"`` runs this call of `seq` with: "graphs" for CUDA inputs when the
+    run can be captured (`revkernels.engine.graphs.eager_reason`), else "sequential". Neither
+    compiles anything: "compiled" is faster still once compiled (see the docs' "Choosing an engine")
+    and stays a choice of the caller's."""
+    if x1.is_cuda and eager_reason(seq, context) is None:
+        return "graphs"
+    return "sequential"
 
 
 def get_engine(name):
-    """The engine function called `name`; ValueError naming the choices otherwise."""
-    if not isinstance(name, str) or name not in ENGINES:
-        raise ValueError(f"revkernels: engine must be one of {sorted(ENGINES)}, got {name!r}")
-    return ENGINES[name]
+    """The engine function called `name` (None for "auto", chosen per call by `choose_engine`);
+    ValueError naming the choices otherwise."""
+    if not isinstance(name, str) or (name not in ENGINES and name != AUTO):
+        raise ValueError(f"revkernels: engine must be one of {sorted([*ENGINES, AUTO])}, got {name!r}")
+    return ENGINES.get(name)
 
 
-__all__ = ["ENGINES", "get_engine", "run_autograd", "run_sequential", "run_pareprop", "run_graphs", "run_compiled",
+__all__ = ["ENGINES", "AUTO", "get_engine", "choose_engine", "run_autograd", "run_sequential", "run_pareprop", "run_graphs", "run_compiled",
            "run_opaque", "clear_graphs", "reverse_blocks", "reverse_blocks_two_streams"]

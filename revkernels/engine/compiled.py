@@ -75,7 +75,7 @@ from revkernels.engine.sequential import (add_param_grads, as_in_the_forward, bl
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of,
                                      differentiated_once, grad_tensors, maybe_replay, randomness_before, records_graph,
                                      check_randomness_after)
-from revkernels.engine.structure import (cached, coupling_kind, invalidate, param_slots, recompute_context,
+from revkernels.engine.structure import (LRU, cached, coupling_kind, invalidate, param_slots, recompute_context,
                                          record_buffers, stochastic_modules, submodule_hooked)
 import revkernels.nn.reversible as _reversible  # (a module object: the import is circular)
 
@@ -188,7 +188,7 @@ class CompiledSteps:
             inductor["fallback_random"] = True
             if device_type == "cpu":
                 # A C++ wrapper calls the step's kernels: a small step's host time is mostly inductor's
-                # Python wrapper otherwise (see README, "Compiled runs")
+                # Python wrapper otherwise (see docs/compile.md)
                 inductor.setdefault("cpp_wrapper", True)
             options["options"] = inductor
         self.options = dict(backend=backend, **options)
@@ -522,8 +522,8 @@ class _Layout:
         self.kind = coupling_kind(block)
         # what a compile of the steps depends on, short of attributes: the module types, the
         # parameters' shapes and dtypes (the failures of `StepFailed` are grouped by it)
-        self.key = tuple((type(m), tuple((name, tuple(p.shape), p.dtype) for name, p in m._parameters.items()
-                                         if p is not None)) for m in block.modules())
+        self.key = tuple((_compiled_class(m), tuple((name, tuple(p.shape), p.dtype) for name, p in m._parameters.items()
+                                                   if p is not None)) for m in block.modules())
         self.slots = slots = param_slots(block)
         self.params = slots.params
         index = {id(p): i for i, p in enumerate(slots.params)}
@@ -546,6 +546,14 @@ class _Layout:
             plan = (f_names, g_names, [self.params[i] for i in f_index + g_index])
             self._grad_plans[pattern] = plan
         return plan
+
+
+def _compiled_class(module):
+    """The class the steps trace `module` as: for a parametrized module, its base class and
+    parametrized names (the shared class of `_shared_classes`), not the class parametrize made for
+    it alone."""
+    names = _parametrized_names(type(module))
+    return (type(module).__bases__[0], names) if names else type(module)
 
 
 def _layout(block):
@@ -776,19 +784,33 @@ class CompiledRun(torch.autograd.Function):
         return (None, None, None, None, dx1, dx2, *without_unused(ctx.params, grads, unused))
 
 
+def _option_key(value):
+    # A function is keyed by its code and closure, not its repr (which holds its address): a backend
+    # written as a lambda in the caller's code is the same backend at every call.
+    if isinstance(value, types.FunctionType):
+        cells = tuple(id(c.cell_contents) for c in value.__closure__ or ())
+        return ("function", value.__code__, cells, value.__defaults__)
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((k, _option_key(v)) for k, v in value.items())))
+    return ("repr", repr(value))
+
+
 def compiled_steps(seq, device_type):
     """The `CompiledSteps` for ``seq.compile_options`` (a dict of torch.compile keywords; unset:
-    inductor's defaults) on `device_type`'s tensors, shared by every run with the same options."""
+    inductor's defaults) on `device_type`'s tensors, shared by every run with the same options
+    (the `MAX_OPTION_SETS` most recently used sets are kept)."""
     options = getattr(seq, "compile_options", None) or {}
     if not isinstance(options, dict):
         raise TypeError(f"revkernels: compile_options must be a dict, got {type(options).__name__}")
-    key = (device_type, *sorted((k, repr(v)) for k, v in options.items()))
-    if key not in _SHARED:
-        _SHARED[key] = CompiledSteps(options, device_type)
-    return _SHARED[key]
+    key = (device_type, _option_key(options))
+    steps = _SHARED.get(key)
+    if steps is None:
+        steps = _SHARED[key] = CompiledSteps(options, device_type)
+    return steps
 
 
-_SHARED = {}
+MAX_OPTION_SETS = 16
+_SHARED = LRU(MAX_OPTION_SETS)
 
 
 def run_compiled(seq, x1, x2, context=NO_CONTEXT):

@@ -61,7 +61,7 @@ from revkernels.engine.fsdp import block_units
 from revkernels.engine.pareprop import reverse_blocks_two_streams, run_pareprop
 from revkernels.engine.sequential import reverse_blocks, run_reversible
 from revkernels.engine.state import NO_CONTEXT, check_param_versions, differentiated_once, param_versions
-from revkernels.engine.structure import cached
+from revkernels.engine.structure import LRU, cached
 
 MAX_GRAPHS = 4  # captured signatures kept per run (each holds its memory pool)
 WARMUP_ITERS = 2
@@ -295,7 +295,7 @@ class _RunGraphs:
 
     def __init__(self):
         self.captured = collections.OrderedDict()  # signature -> CapturedRun, oldest first
-        self.failed = {}  # signature -> reason
+        self.failed = LRU(MAX_GRAPHS * 4)  # signature -> reason (the most recent ones)
         self.warned = set()
 
 

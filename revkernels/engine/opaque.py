@@ -41,6 +41,7 @@ from revkernels.engine import compiled
 from revkernels.engine.sequential import forward_step, with_buffers
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, RngState, autograd_recording, block_modes,
                                      cuda_devices_of, in_mode, run_modes)
+from revkernels.engine.structure import LRU
 
 
 def _assume_constant_result(fn):
@@ -72,9 +73,13 @@ def _run(handle):
     return seq
 
 
-# (tensor names, whether each requires grad, number names, other (name, value) pairs) -> handle, and back
-_CONTEXT_HANDLES = {}
-_CONTEXT_SPECS = []
+# (tensor names, whether each requires grad, number names, other (name, value) pairs) -> handle, and
+# back: the most recently used MAX_CONTEXT_SPECS (each distinct non-number value of a context keyword
+# is a spec of its own, and a graph compiled with it holds its handle as a constant)
+MAX_CONTEXT_SPECS = 4096
+_CONTEXT_HANDLES = LRU(MAX_CONTEXT_SPECS)
+_CONTEXT_SPECS = LRU(MAX_CONTEXT_SPECS)
+_NEXT_CONTEXT = itertools.count()
 
 
 @_assume_constant_result
@@ -89,9 +94,19 @@ def context_handle(names, requires_grad, number_names, values):
         raise TypeError("revkernels: under torch.compile the context values that are not tensors or numbers must "
                         f"be hashable, got {dict(values)}") from None
     if handle is None:
-        handle = _CONTEXT_HANDLES[spec] = len(_CONTEXT_SPECS)
-        _CONTEXT_SPECS.append(spec)
+        handle = _CONTEXT_HANDLES[spec] = next(_NEXT_CONTEXT)
+    _CONTEXT_SPECS[handle] = spec
     return handle
+
+
+def context_spec(handle):
+    """The context structure `context_handle` named `handle`."""
+    spec = _CONTEXT_SPECS.get(handle)
+    if spec is None:
+        raise RuntimeError(f"revkernels: context structure {handle} of a compiled run is no longer known: more than "
+                           f"{MAX_CONTEXT_SPECS} distinct context values were compiled since (pass values that vary "
+                           "per step as tensors or numbers; torch._dynamo.reset() drops the old graphs)")
+    return spec
 
 
 @_assume_constant_result
@@ -104,7 +119,7 @@ def _raise_nested_tensors(names):
 def _context(handle, tensors, numbers, leaves=False):
     """The context dict of `handle` around `tensors` and `numbers`; with `leaves`, each tensor that
     requires grad replaced by a detached leaf requiring grad. Returns ``(context, leaves)``."""
-    names, requires_grad, number_names, values = _CONTEXT_SPECS[handle]
+    names, requires_grad, number_names, values = context_spec(handle)
     context, grad_leaves = {**dict(values), **dict(zip(number_names, numbers))}, []
     for name, t, grad in zip(names, tensors, requires_grad):
         context[name] = t.detach().requires_grad_() if leaves and grad else t
@@ -122,7 +137,7 @@ def _autocast(device_type, dtype):
 
 
 def _steps(seq, device_type):
-    return compiled.compiled_steps(seq, device_type) if seq.engine == "compiled" else None
+    return compiled.compiled_steps(seq, device_type) if seq.engine_in_use == "compiled" else None
 
 
 # Generator states travel from the forward to the backward kernel as one uint8 tensor: per block
@@ -293,7 +308,7 @@ def reversible_run_backward(handle: torch.Tensor, y1: torch.Tensor, y2: torch.Te
 
 @reversible_run_backward.register_fake
 def _(handle, y1, y2, dy1, dy2, rng, params, context, context_tensors, context_numbers, autocast_dtype):
-    requires_grad = _CONTEXT_SPECS[context][1]
+    requires_grad = context_spec(context)[1]
     return torch.empty_like(y1), torch.empty_like(y2), [torch.empty_like(p) for p in params], \
         [torch.empty_like(t) for t, grad in zip(context_tensors, requires_grad) if grad]
 
@@ -314,7 +329,7 @@ def _backward(ctx, dy1, dy2, _drng):
     dx1, dx2, grads, context_grads = reversible_run_backward(handle, y1, y2, dy1, dy2, rng, params, ctx.context,
                                                              context_tensors, ctx.context_numbers, ctx.autocast_dtype)
     context_grads = iter(context_grads)
-    requires_grad = _CONTEXT_SPECS[ctx.context][1]
+    requires_grad = context_spec(ctx.context)[1]
     return (None, dx1, dx2, grads, None, [next(context_grads) if grad else None for grad in requires_grad],
             [] if not ctx.context_numbers else None, None, None)  # (an empty list counts as a tensor list)
 

@@ -256,7 +256,7 @@ class ReversibleRun(torch.autograd.Function):
         context = NO_CONTEXT if context is None else context
         states = []
         monitor = getattr(seq, "reconstruction_monitor", None)
-        if monitor is not None and (seq.engine == "graphs" or not monitor.begin_forward()):
+        if monitor is not None and (seq.engine_in_use == "graphs" or not monitor.begin_forward()):
             monitor = None  # not a sampled step (graphs: replayed graphs cannot host-sync)
         samples = []
         with torch.no_grad():

@@ -26,6 +26,7 @@ them (every occurrence of a tied parameter), so a local graph differentiates the
 no hook of the parameters themselves: what ``torch.func.functional_call`` does, without its
 per-call walks.
 """
+import collections
 import contextlib
 import operator
 import warnings
@@ -65,6 +66,30 @@ register_module_buffer_registration_hook(_bump_for_new_buffer)
 register_module_module_registration_hook(_bump)
 
 _CACHE = weakref.WeakKeyDictionary()
+
+
+class LRU(collections.OrderedDict):
+    """A dict that keeps its `size` most recently used entries: a process-wide registry keyed by
+    values users make (compile options, context values, graph signatures) must not grow without
+    bound."""
+
+    def __init__(self, size):
+        super().__init__()
+        self.size = size
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        self.move_to_end(key)
+        return value
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.size:
+            self.popitem(last=False)
 
 
 def structure_version():

@@ -208,7 +208,8 @@ class RevNet(StagedModel, nn.Module):
         layers: blocks per resolution, as in ResNet ((2, 2, 2, 2), (3, 4, 6, 3)).
         num_classes: outputs of the linear head.
         stem: "imagenet" (7x7/2 conv + max-pool) or "cifar" (3x3/1 conv, no pool).
-        engine: engine of every reversible run ("sequential", "autograd", ...); see `set_engine`.
+        engine: engine of every reversible run ("auto", the default, "sequential", "autograd", ...); see
+            `set_engine`.
         conv_bias: give every convolution a bias (the authors' code; inert before BatchNorm).
         recompute_nonreversible: with a memory-saving engine, the stem and downsampling stages keep
             only their input and recompute in the backward (`revkernels.engine.recompute`).
@@ -220,7 +221,7 @@ class RevNet(StagedModel, nn.Module):
     """
 
     def __init__(self, block="basic", layers=(2, 2, 2, 2), num_classes=1000, stem="imagenet",
-                 engine="sequential", conv_bias=False, recompute_nonreversible=True):
+                 engine="auto", conv_bias=False, recompute_nonreversible=True):
         super().__init__()
         self.recompute_nonreversible = bool(recompute_nonreversible)
         if block not in ("basic", "bottleneck"):
@@ -286,16 +287,16 @@ class RevNet(StagedModel, nn.Module):
         return out
 
 
-def revnet18(num_classes=1000, stem="imagenet", engine="sequential", conv_bias=False):
+def revnet18(num_classes=1000, stem="imagenet", engine="auto", conv_bias=False):
     """RevNet18: ``S r r D r D r D r H``; 12,211,048 parameters (ImageNet, 1000 classes)."""
     return RevNet("basic", (2, 2, 2, 2), num_classes, stem, engine, conv_bias)
 
 
-def revnet34(num_classes=1000, stem="imagenet", engine="sequential", conv_bias=False):
+def revnet34(num_classes=1000, stem="imagenet", engine="auto", conv_bias=False):
     """RevNet34: ``S rrr D rrr D rrrrr D rr H``; 22,319,208 parameters (ImageNet, 1000 classes)."""
     return RevNet("basic", (3, 4, 6, 3), num_classes, stem, engine, conv_bias)
 
 
-def revnet50(num_classes=1000, stem="imagenet", engine="sequential", conv_bias=False):
+def revnet50(num_classes=1000, stem="imagenet", engine="auto", conv_bias=False):
     """RevNet50: ``S D rr D rrr D rrrrr D rr H``; 30,391,144 parameters (ImageNet, 1000 classes)."""
     return RevNet("bottleneck", (3, 4, 6, 3), num_classes, stem, engine, conv_bias)

@@ -231,7 +231,8 @@ class RevSwin(StagedModel, nn.Module):
         patch_size, in_chans, mlp_ratio, qkv_bias: as in Swin (4, 3, 4.0, True).
         window_size: attention window side (clipped to the grid side for stages no larger).
         drop_path_rate: stochastic depth of the last block; it grows linearly from 0 over all blocks.
-        engine: engine of every reversible run ("sequential", "autograd", ...); see `set_engine`.
+        engine: engine of every reversible run ("auto", the default, "sequential", "autograd", ...); see
+            `set_engine`.
 
     Attributes:
         segments: the modules the forward runs, in order: stem, `ReversibleSequential` runs,
@@ -241,7 +242,7 @@ class RevSwin(StagedModel, nn.Module):
 
     def __init__(self, embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), num_classes=1000, img_size=224,
                  patch_size=PATCH, window_size=7, mlp_ratio=4.0, drop_path_rate=0.1, in_chans=3, qkv_bias=True,
-                 engine="sequential"):
+                 engine="auto"):
         super().__init__()
         for value, name in ((embed_dim, "embed_dim"), (num_classes, "num_classes"), (img_size, "img_size"),
                             (patch_size, "patch_size"), (window_size, "window_size"), (in_chans, "in_chans")):
@@ -309,7 +310,7 @@ class RevSwin(StagedModel, nn.Module):
         return out
 
 
-def revswin(name, num_classes=1000, img_size=224, window_size=7, drop_path_rate=0.1, engine="sequential",
+def revswin(name, num_classes=1000, img_size=224, window_size=7, drop_path_rate=0.1, engine="auto",
             **overrides):
     """`RevSwin` of size `name` in {"swin_t", "swin_s", "swin_b"}; `overrides` replace any other
     `RevSwin` argument (e.g. ``embed_dim``, ``depths``, ``num_heads`` for small test models)."""

@@ -39,7 +39,7 @@ class RevText(OneRunModel, nn.Module):
     mask, 0 for real tokens, would be read inverted)."""
 
     def __init__(self, vocab_size, max_len, dim, depth, heads, causal, lm_head, embed_norm, mlp_ratio=4.0,
-                 dropout=0.1, drop_path_rate=0.0, eps=1e-5, approximate="none", engine="sequential"):
+                 dropout=0.1, drop_path_rate=0.0, eps=1e-5, approximate="none", engine="auto"):
         super().__init__()
         check_drop_probability(drop_path_rate, "drop_path_rate")
         check_positive_int(vocab_size, "vocab_size")

@@ -26,7 +26,7 @@ PATCH = 16
 
 class RevViT(OneRunModel, nn.Module):
     def __init__(self, dim, depth, heads, num_classes=1000, img_size=224, patch_size=PATCH, in_chans=3,
-                 mlp_ratio=4.0, drop_path_rate=0.0, engine="sequential"):
+                 mlp_ratio=4.0, drop_path_rate=0.0, engine="auto"):
         super().__init__()
         check_drop_probability(drop_path_rate, "drop_path_rate")
         check_positive_int(num_classes, "num_classes")
@@ -48,7 +48,7 @@ class RevViT(OneRunModel, nn.Module):
         return self.head(self.norm((y1 + y2) * 0.5).mean(dim=1))
 
 
-def revvit(name, num_classes=1000, img_size=224, drop_path_rate=0.0, engine="sequential"):
+def revvit(name, num_classes=1000, img_size=224, drop_path_rate=0.0, engine="auto"):
     """`RevViT` of size `name` in {"vit_s16", "vit_b16", "vit_l16"}."""
     if name not in CONFIGS:
         raise ValueError(f"revkernels: name must be one of {sorted(CONFIGS)}, got {name!r}")

@@ -18,6 +18,7 @@ require grad are differentiated like parameters: the local graphs' `aliases` hol
 `grads` returns their per-block grads among the parameter grads and the walker sums them.
 """
 import inspect
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,8 @@ from revkernels.engine.state import (CONTEXT_CONTAINERS, NO_CONTEXT, BlockState,
 from revkernels.engine.structure import (buffers_as_before, buffers_kept, cached, check_members, detached_aliases,
                                          draws_random, invalidate, param_slots, recompute_context)
 from revkernels.ops.coupling import coupling_add, coupling_sub
+
+_log = logging.getLogger("revkernels")
 
 
 def check_streams(x1, x2, names=("x1", "x2")):
@@ -342,8 +345,10 @@ class ReversibleSequential(nn.Module):
 
     Args:
         *blocks: `ReversibleBlock` instances (or subclasses such as fused blocks), at least one.
-        engine: "sequential" (default: saves only the run's outputs and rebuilds each block's input
-            in the backward), "pareprop" (the same with the backward on two CUDA streams),
+        engine: "auto" (default: per call, "graphs" for CUDA inputs when the run can be captured,
+            else "sequential"; ``seq.engine_in_use`` names the engine the last call ran, see
+            `revkernels.engine.choose_engine`), "sequential" (saves only the run's outputs and
+            rebuilds each block's input in the backward), "pareprop" (the same with the backward on two CUDA streams),
             "graphs" (the pareprop run captured as CUDA graphs and replayed, for static shapes;
             see `revkernels.engine.graphs`) or "autograd" (reference: ordinary autograd, stores
             activations), or "compiled" (the sequential schedule with each block's steps compiled
@@ -368,7 +373,7 @@ class ReversibleSequential(nn.Module):
     # see `revkernels.engine.compiled.compiled_steps`
     compile_options = None
 
-    def __init__(self, *blocks, engine="sequential", preserve_rng_state=True):
+    def __init__(self, *blocks, engine="auto", preserve_rng_state=True):
         super().__init__()
         if len(blocks) == 1 and isinstance(blocks[0], (list, tuple, nn.ModuleList)):
             blocks = tuple(blocks[0])
@@ -387,6 +392,8 @@ class ReversibleSequential(nn.Module):
         # torch.compile ops' kernels (revkernels.engine.opaque.new_handle).
         super().__setstate__(state)
         self._opaque_handle = _new_handle(self)
+        if "engine_in_use" not in self.__dict__:  # (pickled before engine="auto" existed)
+            self.engine_in_use = None if self._engine_name == "auto" else self._engine_name
 
     @property
     def engine(self):
@@ -398,6 +405,7 @@ class ReversibleSequential(nn.Module):
 
         self._engine_fn = get_engine(name)
         self._engine_name = name
+        self.engine_in_use = None if name == "auto" else name
 
     def __len__(self):
         return len(self.blocks)
@@ -426,6 +434,14 @@ class ReversibleSequential(nn.Module):
 
             return run_opaque(self, x1, x2, context)
         run = self._engine_fn
+        if run is None:  # engine="auto"
+            from revkernels.engine import ENGINES, choose_engine
+
+            chosen = choose_engine(self, x1, context)
+            if chosen != self.engine_in_use:
+                _log.debug("revkernels: engine='auto' runs %s with the %s engine", type(self).__name__, chosen)
+                self.engine_in_use = chosen
+            run = ENGINES[chosen]
         if self._engine_name != "autograd":
             check_members(self.blocks)  # (a submodule inserted since the last run: see check_members)
             if _uninitialized_params(self.blocks):

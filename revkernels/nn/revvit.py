@@ -40,10 +40,8 @@ CUDA autocast runs both layer_norm and native_layer_norm in fp32). ln1 comes fro
 sub_layer_norm, which agrees with nn.LayerNorm to fp32 rounding but not bitwise; under autocast the
 rare ln1 element whose 16-bit cast then differs perturbs the attention, so x1's rebuild error at
 ViT sizes is ~1e-5 relative (CPU, bf16, 197 tokens x 256-768), against ~1e-3 for a bf16-rounded
-rebuild. The composition for x1 is also the faster one:
-on an H200 in bf16, F.linear + coupling_sub took 1.77 ms against 2.10 ms for the single
-addmm(alpha=-1, beta=1) of ``linear_sub`` at 32768 rows x 4096, and 0.117 ms against 0.177 ms at
-25216 x 1024.
+rebuild. The composition for x1 (F.linear, then coupling_sub) also measured faster on an H200 than
+the single addmm(alpha=-1, beta=1) of ``linear_sub``, at 25216 x 1024 and 32768 x 4096 in bf16.
 
 grads(dy1, dy2), in the forward's dtypes (parameter grads cast back to the parameters' dtypes)::
 

@@ -452,7 +452,7 @@ def test_blocks_whose_pure_steps_fail_run_the_eager_steps(branch, compile_it):
 
 @pytest.mark.parametrize("engine", ["sequential", "pareprop", "graphs"])
 def test_branches_that_checkpoint_run_with_the_eager_engines(engine):
-    """README (torch.utils.checkpoint inside F or G, use_reentrant=False): the eager engines' local
+    """docs/support.md (torch.utils.checkpoint inside F or G, use_reentrant=False): the eager engines' local
     graphs take its saved-tensor hooks; plain autograd's grads."""
     seq = _perturbed(ReversibleSequential(*[rk.nn.ReversibleBlock(_Checkpointed(), _mlp()) for _ in range(2)],
                                           engine=engine))
@@ -461,7 +461,7 @@ def test_branches_that_checkpoint_run_with_the_eager_engines(engine):
 
 
 def test_branches_that_checkpoint_with_reentrant_autograd_raise_torchs_error():
-    """README (torch.utils.checkpoint): with use_reentrant=True inside F or G the memory-saving
+    """docs/support.md (torch.utils.checkpoint): with use_reentrant=True inside F or G the memory-saving
     engines' backward, which differentiates with respect to given inputs, gets torch's error."""
     for engine in ("sequential", "compiled"):
         seq = ReversibleSequential(*[rk.nn.ReversibleBlock(_ReentrantCheckpointed(), _mlp()) for _ in range(2)],
@@ -589,7 +589,7 @@ def test_transformer_blocks_with_dropout_and_drop_path_take_any_shape():
             _assert_all_close(run_grads(seq, seq, *data, seed=k), run_grads(ref, ref, *data, seed=k), 1e-5,
                               f"{batch}x{tokens}: ")
     assert not any(compiled_steps(seq, "cpu").fell_back(block) for block in seq.blocks)
-    assert backend.graphs == settled == 12  # none for the last four lengths (the README quotes the 12)
+    assert backend.graphs == settled == 12  # none for the last four lengths
 
 
 def _assert_low_precision_rule(seq, data, device_type, seed=None):
@@ -926,3 +926,22 @@ def test_a_step_under_anomaly_detection_runs_eagerly_and_leaves_the_steps_compil
     assert backend.calls == 4  # two blocks, a forward and a backward step each
     for a, b in zip(got, expected, strict=True):
         assert_close_rel(a, b, 1e-5)
+
+
+def test_compile_options_are_shared_by_equal_functions_and_bounded():
+    # keyed by repr, a backend lambda made at each call was a new option set (a new compile) every
+    # time, and the registry grew with every one
+    def options():
+        return {"backend": lambda gm, inputs: gm.forward, "dynamic": False}
+
+    seq = make_seq(1, 4, engine="compiled")
+    seq.compile_options = options()
+    first = compiled_steps(seq, "cpu")
+    seq.compile_options = options()
+    assert compiled_steps(seq, "cpu") is first
+    seq.compile_options = {"backend": lambda gm, inputs: gm.forward, "dynamic": True}
+    assert compiled_steps(seq, "cpu") is not first
+    for i in range(compiled.MAX_OPTION_SETS + 1):
+        seq.compile_options = {"backend": "eager", "mode": None, "options": {"tag": i}}
+        compiled_steps(seq, "cpu")
+    assert len(compiled._SHARED) == compiled.MAX_OPTION_SETS

@@ -133,7 +133,7 @@ def test_context_of_plain_values_only_reaches_the_recompute(engine):
 
 
 def test_fullgraph_compile_takes_a_changing_scalar_as_a_0d_tensor_without_tracing_again():
-    """The README's advice for a value that changes every step (a float is specialized)."""
+    """docs/context.md's advice for a value that changes every step (a float is specialized)."""
     seq = rk.nn.ReversibleSequential(*[rk.nn.ReversibleBlock(ScaledMlp(), ScaledMlp()) for _ in range(2)])
     backend = CountingBackend()
     fn = torch.compile(lambda a, b, s: seq(a, b, scale=s), fullgraph=True, backend=backend)
@@ -422,3 +422,20 @@ def test_autocast_with_context_follows_the_low_precision_rule():
         ours = _grads(lambda a, b, c: seq(a, b, **c), seq, x1, x2, context, w1, w2, seed=0)
     for i, (o, s, e) in enumerate(zip(ours, same_dtype, exact)):
         assert rel_err(o, e) <= 2 * rel_err(s, e) + 1e-6, f"output/grad {i}"
+
+
+def test_the_registry_of_compiled_context_structures_is_bounded(monkeypatch):
+    # one entry per distinct non-number context value, held for the process; now the most recent
+    # MAX_CONTEXT_SPECS, and a handle dropped since raises naming the cause instead of a KeyError
+    from revkernels.engine import opaque
+    from revkernels.engine.structure import LRU
+
+    monkeypatch.setattr(opaque, "_CONTEXT_HANDLES", LRU(4))
+    monkeypatch.setattr(opaque, "_CONTEXT_SPECS", LRU(4))
+    monkeypatch.setattr(opaque, "MAX_CONTEXT_SPECS", 4)
+    handles = [opaque.context_handle(("mask",), (False,), (), (("mode", f"v{i}"),)) for i in range(6)]
+    assert len(set(handles)) == 6 and len(opaque._CONTEXT_SPECS) == 4
+    assert opaque.context_spec(handles[-1])[3] == (("mode", "v5"),)
+    assert opaque.context_handle(("mask",), (False,), (), (("mode", "v5"),)) == handles[-1]
+    with pytest.raises(RuntimeError, match="context structure .* no longer known"):
+        opaque.context_spec(handles[0])

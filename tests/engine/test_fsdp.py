@@ -35,7 +35,7 @@ fsdp = pytest.importorskip("torch.distributed.fsdp")
 
 WIDTH, DEPTH, TOKENS, BATCH, STEPS = 16, 3, 4, 4, 2
 # The streams stay fp32 (no input cast; F and G compute in bf16 under autocast): bf16 streams would
-# rebuild each block only to bf16 precision (README, "Expected drift"), which is not FSDP's doing.
+# rebuild each block only to bf16 precision (docs/numerics.md), which is not FSDP's doing.
 BF16 = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 # name: (model, what fully_shard wraps before the model, reshard_after_forward, engine, mixed precision)

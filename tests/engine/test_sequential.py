@@ -1,4 +1,4 @@
-"""The sequential engine against plain autograd: gradients, memory, and the DESIGN.md invariants."""
+"""The sequential engine against plain autograd: gradients, memory, and the invariants of docs/design.md."""
 import copy
 import math
 import warnings
@@ -53,7 +53,7 @@ def test_grads_equal_plain_autograd(engine, depth):
 
 @pytest.mark.parametrize("depth", [1, 2, 3, 7, 64])
 def test_readme_depth_guarantee_with_dropout_drop_path_and_batchnorm(depth):
-    """README: grads equal plain autograd (fp32 relative error <= 1e-5) at depths 1, 2, 3, 7 and 64
+    """docs/engines.md: grads equal plain autograd (fp32 relative error <= 1e-5) at depths 1, 2, 3, 7 and 64
     with dropout, drop-path and BatchNorm; BatchNorm statistics as plain autograd leaves them; the
     global RNG stream after the step is plain autograd's. Random (perturbed) parameters."""
     width, batch = (8, 32) if depth == 64 else (WIDTH, 8)

@@ -335,7 +335,7 @@ class _ReadOnlyRate(nn.Module):
 
 def test_a_read_only_rate_is_left_alone():
     """A layer's `p` without a setter cannot be put back: the backward runs (with the rate as it is
-    then: README, "Not covered") and the layer keeps it."""
+    then: docs/support.md, Limits) and the layer keeps it."""
     seq = make_seq(2, WIDTH)
     seq.blocks[0].f.append(_ReadOnlyRate(0.3))
     x1, x2, w1, w2 = _inputs()
@@ -510,3 +510,18 @@ def test_fused_forward_runs_the_modules_when_a_forward_hook_is_registered():
     assert seen  # the hook saw the engine's forward (and plain autograd's)
     handle.remove()
     _assert_grads_equal_plain(seq, data, seed=seed)
+
+
+def test_lru_keeps_the_most_recently_used_entries():
+    from revkernels.engine.structure import LRU
+
+    cache = LRU(3)
+    for k in "abc":
+        cache[k] = k.upper()
+    assert cache["a"] == "A"  # a used: b is now the oldest
+    assert cache.get("c") == "C"
+    cache["d"] = "D"
+    assert list(cache) == ["a", "c", "d"] and cache.get("b") is None
+    cache["a"] = "A2"
+    cache["e"] = "E"
+    assert list(cache) == ["d", "a", "e"] and len(cache) == 3

@@ -92,7 +92,7 @@ def test_fullgraph_compile_equals_eager_and_checks_the_ids(name):
     grads equal eager's (with dropout: the same seed), and a bad id raises naming vocab_size.
     float64 as in `test_sequential_grads_equal_autograd`: in fp32 the first block's grads of the two
     runs differed by up to 9.8e-6 (100 random draws): its rebuilt inputs keep fp32 rounding relative
-    to the outputs, ~50x the std-0.02 embeddings (README, "What the sequential engine guarantees")."""
+    to the outputs, ~50x the std-0.02 embeddings (docs/numerics.md)."""
     model = _tiny(name, dropout=0.2).double()
     tokens, mask = torch.randint(0, VOCAB, (2, 8)), _padding_mask(2, 8)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")

@@ -1,6 +1,6 @@
 """What RevNet and Rev-Swin share (`revkernels.models.staged`): under autocast their
 non-reversible stages hand the reversible runs streams in the parameters' dtype, so the runs
-rebuild in fp32 while F and G compute in bf16 (README, mixed precision)."""
+rebuild in fp32 while F and G compute in bf16 (docs/numerics.md)."""
 import pytest
 import torch
 

@@ -256,7 +256,7 @@ def test_a_second_backward_restricted_to_some_inputs_raises_too(engine, wrt):
 @pytest.mark.parametrize("loss", ["quadratic", "linear"])
 @pytest.mark.parametrize("engine", rk.engine.ENGINES)
 def test_gradient_penalty_needs_the_autograd_engine(engine, loss):
-    """README, limits: a loss built with create_graph=True through a memory-saving run raises (its
+    """docs/support.md, limits: a loss built with create_graph=True through a memory-saving run raises (its
     backward is not differentiable), also where the loss is linear in the run's outputs (whose grads
     then do not require grad: the penalty lost its second-order term, silently); the autograd engine
     gives plain autograd's second-order grads."""
@@ -319,7 +319,7 @@ def test_a_parameter_changed_in_place_before_the_backward_raises_autograds_error
 
 @pytest.mark.parametrize("engine", rk.engine.ENGINES)
 def test_torch_func_transforms_need_the_autograd_engine(engine):
-    """README, limits: torch.func.grad through a memory-saving run raises torch's error; through the
+    """docs/support.md, limits: torch.func.grad through a memory-saving run raises torch's error; through the
     autograd engine it gives plain autograd's parameter grads."""
     seq = make_seq(2, WIDTH, engine=engine)
     seq.compile_options = {"backend": "eager"}
