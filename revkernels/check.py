@@ -13,7 +13,8 @@ import torch
 
 from revkernels.engine.sequential import forward_step
 from revkernels.engine.structure import buffers_kept, check_members, recompute_context
-from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential, check_context, check_streams
+from revkernels.engine.state import check_context
+from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential, check_streams
 
 
 def _max_abs(t):

@@ -69,15 +69,14 @@ from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
 from revkernels.engine.fsdp import block_units, run_sharded_compiled
-from revkernels.engine.sequential import (add_param_grads, as_in_the_forward, block_grads, forward_step, output_grads,
-                                          recompute_step, save_forward_state, save_with_context, saved_with_context,
-                                          with_buffers, without_unused)
-from revkernels.engine.state import (NO_CONTEXT, AutocastState, RngState, autograd_recording, cuda_devices_of,
-                                     differentiated_once, grad_tensors, maybe_replay, randomness_before, records_graph,
-                                     check_randomness_after)
-from revkernels.engine.structure import (LRU, cached, coupling_kind, invalidate, param_slots, recompute_context,
-                                         record_buffers, stochastic_modules, submodule_hooked)
-import revkernels.nn.reversible as _reversible  # (a module object: the import is circular)
+from revkernels.engine.sequential import (add_param_grads, block_grads, forward_step, recompute_step, run_reversible,
+                                          with_buffers)
+from revkernels.engine.state import (NO_CONTEXT, AutocastState, BlockState, RngState, autograd_recording,
+                                     check_randomness_after, cuda_devices_of, grad_tensors, maybe_replay,
+                                     randomness_before, records_graph)
+from revkernels.engine.structure import (LRU, cached, check_residual, coupling_kind, invalidate, param_slots, recompute_context,
+                                         record_buffers, stochastic_modules, submodule_hooked,
+                                         unique_grad_params)
 
 
 # ---- pure steps ----
@@ -85,7 +84,7 @@ import revkernels.nn.reversible as _reversible  # (a module object: the import i
 def branch_forward(module, name, res, a, context):
     """``res + module(a, **context)``: one coupling half (`name`: "f" or "g", for errors)."""
     out = module(a, **context)
-    _reversible._check_residual(out, res, name, "x1" if name == "f" else "x2")
+    check_residual(out, res, name, "x1" if name == "f" else "x2")
     return res + out
 
 
@@ -643,7 +642,7 @@ def _random_forward(block, position, layout, x1, x2, steps, context):
     rng_f = RngState(devices)
     y = _step(steps, "branch_forward", block, position, block.f, "f", x1, x2, context)
     if layout.kind == "half":
-        return x2, y, _reversible.BlockState(rng_f, None)
+        return x2, y, BlockState(rng_f, None)
     rng_g = RngState(devices)
     try:
         y2 = _step(steps, "branch_forward", block, position, block.g, "g", x2, y, context)
@@ -652,7 +651,7 @@ def _random_forward(block, position, layout, x1, x2, steps, context):
         # so the block's numbers and the stream after it are eager's
         rng_f.restore()
         raise
-    return y, y2, _reversible.BlockState(rng_f, rng_g)
+    return y, y2, BlockState(rng_f, rng_g)
 
 
 def _unexpanded(t):
@@ -756,34 +755,6 @@ def _pure_backward(block, position, layout, state, y1, y2, dy1, dy2, steps, auto
 
 # ---- the engine ----
 
-class CompiledRun(torch.autograd.Function):
-    """One autograd node for a run stepped by compiled steps (saves only the run's outputs and
-    its context tensors, as `revkernels.engine.sequential.ReversibleRun` does)."""
-
-    @staticmethod
-    def forward(ctx, seq, params, all_params, context, x1, x2, *tensors):
-        # tensors: the parameters, then the context tensors that require grad (as ReversibleRun's)
-        context = NO_CONTEXT if context is None else context
-        steps = compiled_steps(seq, x1.device.type)
-        y1, y2, ctx.states = forward_blocks(list(seq.blocks), x1, x2, steps, seq.preserve_rng_state, context)
-        ctx.blocks, ctx.params, ctx.steps = list(seq.blocks), params, steps
-        save_forward_state(ctx, seq, all_params)
-        ctx.autocast_state = AutocastState.capture(x1.device.type)
-        save_with_context(ctx, context, y1, y2)
-        ctx.set_materialize_grads(False)  # see output_grads
-        return y1, y2
-
-    @staticmethod
-    @differentiated_once
-    def backward(ctx, dy1, dy2):
-        (y1, y2), context, leaves = saved_with_context(ctx, 2)
-        with as_in_the_forward(ctx):
-            dy1, dy2, unused = output_grads(ctx.blocks, y1, y2, dy1, dy2)
-            _, _, dx1, dx2, grads = backward_blocks(ctx.blocks, ctx.states, y1, y2, dy1, dy2, ctx.params + leaves,
-                                                    ctx.steps, ctx.autocast_state, context)
-        return (None, None, None, None, dx1, dx2, *without_unused(ctx.params, grads, unused))
-
-
 def _option_key(value):
     # A function is keyed by its code and closure, not its repr (which holds its address): a backend
     # written as a lambda in the caller's code is the same backend at every call.
@@ -817,10 +788,17 @@ def run_compiled(seq, x1, x2, context=NO_CONTEXT):
     units = block_units(seq)
     if units is not None:  # blocks sharded by FSDP2 one by one: one autograd node per block
         return run_sharded_compiled(seq, x1, x2, units, context)
-    all_params = _reversible.unique_params(seq.blocks)
-    params = [p for p in all_params if p.requires_grad]
-    grad_context = grad_tensors(context)
-    if not records_graph(x1, x2, params, grad_context):
-        y1, y2, _ = forward_blocks(list(seq.blocks), x1, x2, compiled_steps(seq, x1.device.type), False, context)
+    steps = compiled_steps(seq, x1.device.type)
+    params = unique_grad_params(seq.blocks)
+    if not records_graph(x1, x2, params, grad_tensors(context)):
+        y1, y2, _ = forward_blocks(list(seq.blocks), x1, x2, steps, False, context)
         return y1, y2
-    return CompiledRun.apply(seq, params, all_params, context or None, x1, x2, *params, *grad_context)
+
+    def forward(seq, x1, x2, context):
+        y1, y2, states = forward_blocks(list(seq.blocks), x1, x2, steps, seq.preserve_rng_state, context)
+        return y1, y2, states, None
+
+    def walker(blocks, states, y1, y2, dy1, dy2, params, autocast_state, monitor=None, context=NO_CONTEXT):
+        return backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_state, context)
+
+    return run_reversible(seq, x1, x2, walker, context, forward=forward)

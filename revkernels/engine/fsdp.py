@@ -33,7 +33,7 @@ import torch
 
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, differentiated_once, grad_tensors, in_mode, module_modes,
                                      records_graph)
-from revkernels.engine.structure import cached, invalidate, param_slots
+from revkernels.engine.structure import cached, invalidate, param_slots, unique_grad_params
 
 _MANAGED = "_is_fsdp_managed_module"  # fully_shard's mark on every module whose parameters it manages
 _ENTRY = "_revkernels_fsdp_forward"  # the method FSDP runs its forward logic around (`enter`)
@@ -189,8 +189,6 @@ def run_sharded(seq, x1, x2, units, walker, forward_step, context=NO_CONTEXT):
     """Runs `seq`, whose blocks hold the FSDP `units` (from `block_units`), one `BlockStep` node
     per block. `forward_step(block, x1, x2, preserve_rng_state, context) -> (y1, y2, state)` and
     `walker` (`reverse_blocks`' signature, called with one block) are the engine's steps."""
-    from revkernels.nn.reversible import unique_grad_params
-
     if not records_graph(x1, x2, unique_grad_params(seq.blocks), grad_tensors(context)):
         # a plain forward that keeps nothing
         for block, unit_list in zip(seq.blocks, units):

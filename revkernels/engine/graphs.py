@@ -55,13 +55,12 @@ import warnings
 import weakref
 
 import torch
-from torch import nn
 
 from revkernels.engine.fsdp import block_units
 from revkernels.engine.pareprop import reverse_blocks_two_streams, run_pareprop
 from revkernels.engine.sequential import reverse_blocks, run_reversible
 from revkernels.engine.state import NO_CONTEXT, check_param_versions, differentiated_once, param_versions
-from revkernels.engine.structure import LRU, cached
+from revkernels.engine.structure import LRU, cached, unique_grad_params
 
 MAX_GRAPHS = 4  # captured signatures kept per run (each holds its memory pool)
 WARMUP_ITERS = 2
@@ -350,8 +349,6 @@ def _captured(seq, x1, x2, params):
 
 
 def run_graphs(seq, x1, x2, context=NO_CONTEXT):
-    from revkernels.nn.reversible import unique_grad_params
-
     params = unique_grad_params(seq.blocks)
     needs_grad = torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad or params)
     if not (x1.is_cuda and needs_grad):

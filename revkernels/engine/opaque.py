@@ -39,9 +39,9 @@ from torch.utils._pytree import tree_leaves
 
 from revkernels.engine import compiled
 from revkernels.engine.sequential import forward_step, with_buffers
-from revkernels.engine.state import (NO_CONTEXT, AutocastState, RngState, autograd_recording, block_modes,
-                                     cuda_devices_of, in_mode, run_modes)
-from revkernels.engine.structure import LRU
+from revkernels.engine.state import (NO_CONTEXT, AutocastState, BlockState, RngState, autograd_recording,
+                                     block_modes, check_context, cuda_devices_of, in_mode, run_modes)
+from revkernels.engine.structure import LRU, branch_count
 
 
 def _assume_constant_result(fn):
@@ -154,8 +154,6 @@ def _pack(states, devices):
 
 
 def _unpack(packed, blocks, random_flags, devices):
-    from revkernels.nn.reversible import BlockState, HalfCouplingBlock
-
     sizes = [torch.get_rng_state().numel()] + [torch.cuda.get_rng_state(d).numel() for d in devices]
     rows = iter(packed)
 
@@ -169,7 +167,7 @@ def _unpack(packed, blocks, random_flags, devices):
     for block, random in zip(blocks, random_flags):
         if not random:
             states.append(None)
-        elif isinstance(block, HalfCouplingBlock):
+        elif branch_count(block) == 1:
             states.append(BlockState(state(), None))
         else:
             states.append(BlockState(state(), state()))
@@ -181,9 +179,7 @@ def _random_flags(seq):
 
 
 def _random_rows(seq):
-    from revkernels.nn.reversible import HalfCouplingBlock
-
-    return sum((1 if isinstance(b, HalfCouplingBlock) else 2) for b, r in zip(seq.blocks, _random_flags(seq)) if r)
+    return sum(branch_count(b) for b, r in zip(seq.blocks, _random_flags(seq)) if r)
 
 
 # What the backward kernel must see as the forward kernel saw it stays on the host, keyed by a weak
@@ -243,8 +239,6 @@ def reversible_run(handle: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, par
     `new_handle`. `context`: a `context_handle` (its tensors and numbers: `context_tensors`,
     `context_numbers`). `rng_rows`: the rows of the generator states (`_random_rows` of the run
     when traced, for the fake kernel; Dynamo guards on what it read to count them)."""
-    from revkernels.nn.reversible import check_context
-
     seq = _run(handle)
     devices = cuda_devices_of(x1, x2)
     inputs = (x1, x2)

@@ -29,7 +29,8 @@ from revkernels.engine.state import (CONTEXT_CONTAINERS, NO_CONTEXT, AutocastSta
                                      check_param_versions, differentiated_once, grad_tensors, in_mode, param_versions,
                                      check_randomness_after, randomness_before, records_graph, run_modes)
 from revkernels.engine.structure import (buffers_as_before, buffers_kept, invalidate, param_slots,
-                                         parametrize_cache_off, record_buffers, y2_only_params)
+                                         parametrize_cache_off, record_buffers, swapped_params, unique_params,
+                                         y2_only_params)
 
 
 def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None, monitor=None, context=NO_CONTEXT):
@@ -146,11 +147,9 @@ def as_in_the_forward(ctx):
     had (``model.eval()``, a submodule's ``eval()`` or a dropout probability changed between a
     forward and its backward would recompute dropout and BatchNorm otherwise: `in_mode`), and
     holding the parameters the forward used
-    (`revkernels.nn.reversible.swapped_params`). Reads ``ctx.run_blocks`` (the run's ModuleList),
+    (`revkernels.engine.structure.swapped_params`). Reads ``ctx.run_blocks`` (the run's ModuleList),
     ``ctx.blocks``, ``ctx.all_params`` and ``ctx.modes``, set by `save_forward_state`. A parameter
     changed in place since the forward raises autograd's error (`check_param_versions`)."""
-    from revkernels.nn.reversible import swapped_params
-
     check_param_versions(ctx.all_params, ctx.param_versions, ctx.run_blocks, "blocks.")
     swapped = swapped_params(ctx.run_blocks, ctx.all_params)
     changed = run_modes(ctx.run_blocks)[0] != ctx.modes[0]
@@ -245,36 +244,43 @@ def saved_with_context(ctx, count):
     return saved[:count], context, leaves
 
 
+def eager_forward(seq, x1, x2, context):
+    """Runs `seq`'s blocks forward without autograd through their own steps (`forward_step`):
+    ``(y1, y2, states, monitor)``, `monitor` the reconstruction monitor and its samples on a
+    sampled step (None otherwise; see `revkernels.check.monitor_reconstruction`)."""
+    states, samples = [], []
+    monitor = getattr(seq, "reconstruction_monitor", None)
+    if monitor is not None and (seq.engine_in_use == "graphs" or not monitor.begin_forward()):
+        monitor = None  # not a sampled step (graphs: replayed graphs cannot host-sync)
+    with torch.no_grad():
+        for block in seq.blocks:
+            if monitor is not None:
+                samples.append(monitor.sample(x1, x2))
+            x1, x2, state = forward_step(block, x1, x2, seq.preserve_rng_state, context)
+            states.append(state)
+    return x1, x2, states, None if monitor is None else (monitor, samples)
+
+
 class ReversibleRun(torch.autograd.Function):
-    """One autograd node for a run of reversible blocks. `walker` is the backward schedule:
-    a function with `reverse_blocks`' signature (sequential here, two streams in pareprop)."""
+    """One autograd node for a run of reversible blocks, whatever steps them: `forward` runs the
+    blocks without autograd (`eager_forward`'s signature: the blocks' own steps, or the compiled
+    engine's), `walker` walks them backwards (`reverse_blocks`' signature: sequential, two streams
+    in pareprop, the compiled engine's steps)."""
 
     @staticmethod
-    def forward(ctx, seq, params, all_params, walker, context, x1, x2, *tensors):
+    def forward(ctx, seq, params, all_params, schedule, context, x1, x2, *tensors):
         # tensors: the parameters, then the context tensors that require grad; all_params: the
         # run's `unique_params`, of which `params` are those that require grad
         context = NO_CONTEXT if context is None else context
-        states = []
-        monitor = getattr(seq, "reconstruction_monitor", None)
-        if monitor is not None and (seq.engine_in_use == "graphs" or not monitor.begin_forward()):
-            monitor = None  # not a sampled step (graphs: replayed graphs cannot host-sync)
-        samples = []
-        with torch.no_grad():
-            for block in seq.blocks:
-                if monitor is not None:
-                    samples.append(monitor.sample(x1, x2))
-                x1, x2, state = forward_step(block, x1, x2, seq.preserve_rng_state, context)
-                states.append(state)
-        ctx.monitor = None if monitor is None else (monitor, samples)
+        forward, ctx.walker = schedule
+        y1, y2, ctx.states, ctx.monitor = forward(seq, x1, x2, context)
         ctx.blocks = list(seq.blocks)
         save_forward_state(ctx, seq, all_params)
-        ctx.states = states
         ctx.params = params
-        ctx.walker = walker
         ctx.autocast_state = AutocastState.capture(x1.device.type)
-        save_with_context(ctx, context, x1, x2)
+        save_with_context(ctx, context, y1, y2)
         ctx.set_materialize_grads(False)  # see output_grads
-        return x1, x2
+        return y1, y2
 
     @staticmethod
     @differentiated_once
@@ -292,12 +298,12 @@ class ReversibleRun(torch.autograd.Function):
         return (None, None, None, None, None, dx1, dx2, *grads)
 
 
-def run_reversible(seq, x1, x2, walker, context=NO_CONTEXT, param_inputs=None):
-    """Runs `seq`'s blocks as one `ReversibleRun` whose backward follows `walker`. `param_inputs`:
-    tensors that stand for the parameters that require grad as the node's inputs (detached aliases:
-    their grads then reach them instead of the parameters, whose hooks do not fire)."""
-    from revkernels.nn.reversible import unique_params
-
+def run_reversible(seq, x1, x2, walker, context=NO_CONTEXT, param_inputs=None, forward=eager_forward):
+    """Runs `seq`'s blocks as one `ReversibleRun` stepped forward by `forward` and backwards by
+    `walker`. `param_inputs`: tensors that stand for the parameters that require grad as the node's
+    inputs (detached aliases: their grads then reach them instead of the parameters, whose hooks do
+    not fire). Without anything to differentiate, the blocks' plain forward (the compiled engine
+    runs its compiled forward instead: `run_compiled`)."""
     units = block_units(seq)
     if units is not None:  # blocks sharded by FSDP2 one by one: one autograd node per block
         return run_sharded(seq, x1, x2, units, reverse_blocks, forward_step, context)
@@ -311,7 +317,8 @@ def run_reversible(seq, x1, x2, walker, context=NO_CONTEXT, param_inputs=None):
             x1, x2 = block.forward(x1, x2, **context)
         return x1, x2
     inputs = params if param_inputs is None else param_inputs
-    return ReversibleRun.apply(seq, params, all_params, walker, context or None, x1, x2, *inputs, *grad_context)
+    return ReversibleRun.apply(seq, params, all_params, (forward, walker), context or None, x1, x2, *inputs,
+                               *grad_context)
 
 
 def run_sequential(seq, x1, x2, context=NO_CONTEXT):

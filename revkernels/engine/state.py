@@ -16,6 +16,7 @@
 """
 import contextlib
 import functools
+import inspect
 import numbers
 import warnings
 import weakref
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from revkernels.engine.structure import cached, stochastic_modules
 
@@ -314,3 +316,62 @@ def differentiated_once(backward):
         return error(*[None if t is None else t.detach().requires_grad_() for t in outputs], *anchors)[:len(outputs)]
 
     return wrapper
+
+
+def check_context(owner, blocks, context, label=None):
+    """Raises TypeError naming the block whose F or G cannot take the keywords of `context`
+    (a forward without a parameter of that name or ``**kwargs``), or naming the keywords no F or
+    G uses (every one names others, or takes them through ``**kwargs`` only to ignore them, as
+    revkernels' attention and MLP branches do: ``absorbs_context``), such as a misspelled
+    ``attention_mask`` for ``attn_mask``. Checked once per module structure and set of keywords
+    (cached on `owner`); `label(i)` names block i."""
+    keys = tuple(sorted(context))
+    problem = cached(owner, ("context", keys), lambda _: _context_problem(blocks, keys, label))
+    if problem is not None:
+        raise TypeError(problem)
+
+
+def check_context_grads(context):
+    """Raises TypeError for a context value that holds tensors requiring grad inside a container
+    (a tuple, list or dict): the memory-saving engines differentiate the context's top-level
+    tensors only, so such a tensor would get no grad."""
+    for name, value in context.items():
+        if isinstance(value, CONTEXT_CONTAINERS) and any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(value)):
+            raise TypeError(f"revkernels: context {name!r} holds tensors that require grad inside a "
+                            f"{type(value).__name__}; a memory-saving engine differentiates only tensors "
+                            "passed as keywords of their own: pass each one as its own keyword")
+
+
+def _context_problem(blocks, keys, label):
+    unused = set(keys)
+    for i, block in enumerate(blocks):
+        for branch in ("f", "g"):
+            module = block._modules.get(branch)
+            if module is None:
+                continue
+            missing, used = _unaccepted(module, keys)
+            if missing:
+                name = f"blocks[{i}]" if label is None else label(i)
+                return (f"revkernels: {name}.{branch} ({type(module).__name__}) does not accept the context "
+                        f"keyword(s) {missing}: every F and G of a run is called with the run's context, so "
+                        "one that does not use it must take **kwargs in its forward")
+            unused -= used
+    if unused:
+        return (f"revkernels: no F or G of the run uses the context keyword(s) {sorted(unused)}: revkernels' "
+                "attention and MLP branches take attn_mask and ignore other keywords (a misspelling?)")
+    return None
+
+
+def _unaccepted(module, keys):
+    """``(the keywords of `keys` that module.forward has no parameter for, those it may use)``: a
+    forward with ``**kwargs`` accepts every keyword and may use those it does not name, unless its
+    module declares ``absorbs_context`` (its ``**kwargs`` only absorb other branches' keywords)."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: the call itself decides
+        return [], set(keys)
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return [], {k for k in keys if k in named or not getattr(module, "absorbs_context", False)}
+    return [k for k in keys if k not in named], {k for k in keys if k in named}

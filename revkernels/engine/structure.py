@@ -16,7 +16,7 @@ a registration where it cannot convert in place (between device types such as me
 with ``torch.__future__.set_overwrite_module_params_on_conversion(True)``); it replaces every
 parameter of the tree it is called on, so each access of cached parameters checks the first one
 (`ParamSlots.stale`). ``torch.func.functional_call`` swaps tensors into any slots for one call:
-`revkernels.nn.reversible.unique_params`, which every run calls, checks every slot.
+`unique_params`, which every run calls, checks every slot.
 ``ModuleList.insert``, ``nn.Sequential.insert``, ``del`` and ``pop`` add or remove submodules by
 writing ``_modules`` directly, also without a registration: each run checks the size of every
 ``_modules`` dict of its tree (`check_members`).
@@ -28,6 +28,7 @@ per-call walks.
 """
 import collections
 import contextlib
+import functools
 import operator
 import warnings
 import weakref
@@ -229,15 +230,29 @@ def param_slots(module):
 
 
 def coupling_kind(block):
-    """"full" (ReversibleBlock's coupling), "half" (HalfCouplingBlock's) or None (a subclass with a
-    forward of its own)."""
-    from revkernels.nn.reversible import HalfCouplingBlock, ReversibleBlock
-    from revkernels.nn.revvit import RevViTBlock
+    """The coupling `block`'s forward step computes, as its class declares it (a ``coupling``
+    attribute on the class that defines ``forward_with_state`` or on a subclass of it): "full" (y1 = x1 + F(x2),
+    y2 = x2 + G(y1): `ReversibleBlock`, and fused blocks computing the same), "half" (y1 = x2,
+    y2 = x1 + F(x2): `HalfCouplingBlock`), or None: a class with a forward step of its own that
+    declares none (the engines then run its own steps only). Blocks declare; the engine tests no
+    class."""
+    return _declared_coupling(type(block))
 
-    forward = type(block).forward_with_state
-    if isinstance(block, HalfCouplingBlock):
-        return "half" if forward is HalfCouplingBlock.forward_with_state else None
-    return "full" if forward in (ReversibleBlock.forward_with_state, RevViTBlock.forward_with_state) else None
+
+@functools.cache
+def _declared_coupling(cls):
+    # the nearest class that defines the step or declares a coupling: a step defined below the
+    # nearest declaration is undeclared
+    for klass in cls.__mro__:
+        if "forward_with_state" in vars(klass) or "coupling" in vars(klass):
+            return vars(klass).get("coupling")
+    return None
+
+
+def branch_count(block):
+    """How many branches (F, and G where there is one) `block` runs: how many generator states its
+    forward keeps when it draws random numbers (`BlockState`'s rng_f, rng_g)."""
+    return 1 if block._modules.get("g") is None else 2
 
 
 def y2_only_params(blocks):
@@ -501,3 +516,63 @@ def detached_aliases(slots):
 __all__ = ["structure_version", "invalidate", "cached", "ParamSlots", "param_slots", "running_stats_layers",
            "draws_random", "recompute_context", "parametrize_cache_off", "record_buffers", "buffers_kept",
            "buffers_as_before", "detached_aliases"]
+
+
+def check_residual(out, stream, name, stream_name):
+    """Raises, naming branch `name`, unless `out` (a branch output) can be added to `stream`."""
+    # The coupling inverts only if F/G keep the stream's shape; a promoted stream dtype would change
+    # the output's dtype from block to block.
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"revkernels: {name} must return a single tensor, got {type(out).__name__}")
+    if out.shape != stream.shape:
+        raise ValueError(
+            f"revkernels: {name} must preserve the shape of its input {tuple(stream.shape)} "
+            f"(a reversible coupling needs shape-preserving F and G), got {tuple(out.shape)}"
+        )
+    if not out.is_floating_point():
+        raise TypeError(f"revkernels: {name} must return a floating-point tensor, got {out.dtype}")
+    if torch.promote_types(out.dtype, stream.dtype) != stream.dtype:
+        raise ValueError(
+            f"revkernels: {name} returned {out.dtype}, which would promote the {stream_name} stream "
+            f"({stream.dtype}); keep the streams in the wider dtype"
+        )
+
+
+def unique_params(blocks):
+    """The parameters of `blocks` (a ModuleList), each once, in module order: the cached list
+    (the same list object while no module changed), checked slot by slot against the modules
+    (a conversion or ``torch.func.functional_call`` may have swapped tensors in; then the caches
+    are built again)."""
+    managed, params, slots = cached(blocks, "unique_params", _unique_params)
+    if managed:  # FSDP swaps the parameters without a registration: the current ones
+        params = _unique_params(blocks)[1]
+    elif slots.stale(every=True):
+        invalidate()
+        params = cached(blocks, "unique_params", _unique_params)[1]
+    return params
+
+
+def unique_grad_params(blocks):
+    """`unique_params` that require grad."""
+    return [p for p in unique_params(blocks) if p.requires_grad]
+
+
+def swapped_params(blocks, params):
+    """{id(the parameter a module holds now): the one it held}, where `params` (what `unique_params`
+    returned when the run's forward ran) and the modules differ now; empty for a run managed by
+    FSDP, which swaps its parameters itself. ``torch.func.functional_call`` swaps tensors in for
+    the forward and puts the modules' own back before the backward runs."""
+    managed = cached(blocks, "unique_params", _unique_params)[0]
+    now = unique_params(blocks)
+    if managed or now is params:
+        return {}
+    if len(now) != len(params):
+        raise RuntimeError("revkernels: the run's modules gained or lost parameters between its forward and its "
+                           "backward; the backward rebuilds activations from the modules")
+    return {id(current): p for current, p in zip(now, params) if current is not p}
+
+
+def _unique_params(blocks):
+    """(managed, the parameters, their `ParamSlots`: the blocks' own, unless FSDP manages them)."""
+    slots = param_slots(blocks)  # a ModuleList's slots: its blocks' parameters, each once, in module order
+    return slots.managed, slots.params, slots

@@ -17,7 +17,6 @@ and ``g(y1, **context)``; the steps take the keywords as one dict, `context`. Co
 require grad are differentiated like parameters: the local graphs' `aliases` hold them too, so
 `grads` returns their per-block grads among the parameter grads and the walker sums them.
 """
-import inspect
 import logging
 from dataclasses import dataclass
 
@@ -26,12 +25,12 @@ from torch import nn
 from torch.autograd.graph import _engine_run_backward
 from torch.func import functional_call
 from torch.nn.parameter import is_lazy
-from torch.utils._pytree import tree_leaves
 
-from revkernels.engine.state import (CONTEXT_CONTAINERS, NO_CONTEXT, BlockState, RngState, cuda_devices_of,
-                                     grad_tensors, maybe_replay, records_graph)
-from revkernels.engine.structure import (buffers_as_before, buffers_kept, cached, check_members, detached_aliases,
-                                         draws_random, invalidate, param_slots, recompute_context)
+from revkernels.engine.state import (NO_CONTEXT, BlockState, RngState, check_context, check_context_grads,
+                                     cuda_devices_of, grad_tensors, maybe_replay, records_graph)
+from revkernels.engine.structure import (buffers_as_before, buffers_kept, cached, check_members, check_residual,
+                                         detached_aliases, draws_random, param_slots, recompute_context,
+                                         unique_grad_params)
 from revkernels.ops.coupling import coupling_add, coupling_sub
 
 _log = logging.getLogger("revkernels")
@@ -51,84 +50,6 @@ def check_streams(x1, x2, names=("x1", "x2")):
         raise ValueError(f"revkernels: {a} and {b} must have the same dtype, got {x1.dtype} and {x2.dtype}")
     if x1.device != x2.device:
         raise ValueError(f"revkernels: {a} and {b} must be on the same device, got {x1.device} and {x2.device}")
-
-
-def _check_residual(out, stream, name, stream_name):
-    # The coupling inverts only if F/G keep the stream's shape; a promoted stream dtype would change
-    # the output's dtype from block to block.
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"revkernels: {name} must return a single tensor, got {type(out).__name__}")
-    if out.shape != stream.shape:
-        raise ValueError(
-            f"revkernels: {name} must preserve the shape of its input {tuple(stream.shape)} "
-            f"(a reversible coupling needs shape-preserving F and G), got {tuple(out.shape)}"
-        )
-    if not out.is_floating_point():
-        raise TypeError(f"revkernels: {name} must return a floating-point tensor, got {out.dtype}")
-    if torch.promote_types(out.dtype, stream.dtype) != stream.dtype:
-        raise ValueError(
-            f"revkernels: {name} returned {out.dtype}, which would promote the {stream_name} stream "
-            f"({stream.dtype}); keep the streams in the wider dtype"
-        )
-
-
-def check_context(owner, blocks, context, label=None):
-    """Raises TypeError naming the block whose F or G cannot take the keywords of `context`
-    (a forward without a parameter of that name or ``**kwargs``), or naming the keywords no F or
-    G uses (every one names others, or takes them through ``**kwargs`` only to ignore them, as
-    revkernels' attention and MLP branches do: ``absorbs_context``), such as a misspelled
-    ``attention_mask`` for ``attn_mask``. Checked once per module structure and set of keywords
-    (cached on `owner`); `label(i)` names block i."""
-    keys = tuple(sorted(context))
-    problem = cached(owner, ("context", keys), lambda _: _context_problem(blocks, keys, label))
-    if problem is not None:
-        raise TypeError(problem)
-
-
-def check_context_grads(context):
-    """Raises TypeError for a context value that holds tensors requiring grad inside a container
-    (a tuple, list or dict): the memory-saving engines differentiate the context's top-level
-    tensors only, so such a tensor would get no grad."""
-    for name, value in context.items():
-        if isinstance(value, CONTEXT_CONTAINERS) and any(
-                isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(value)):
-            raise TypeError(f"revkernels: context {name!r} holds tensors that require grad inside a "
-                            f"{type(value).__name__}; a memory-saving engine differentiates only tensors "
-                            "passed as keywords of their own: pass each one as its own keyword")
-
-
-def _context_problem(blocks, keys, label):
-    unused = set(keys)
-    for i, block in enumerate(blocks):
-        for branch in ("f", "g"):
-            module = block._modules.get(branch)
-            if module is None:
-                continue
-            missing, used = _unaccepted(module, keys)
-            if missing:
-                name = f"blocks[{i}]" if label is None else label(i)
-                return (f"revkernels: {name}.{branch} ({type(module).__name__}) does not accept the context "
-                        f"keyword(s) {missing}: every F and G of a run is called with the run's context, so "
-                        "one that does not use it must take **kwargs in its forward")
-            unused -= used
-    if unused:
-        return (f"revkernels: no F or G of the run uses the context keyword(s) {sorted(unused)}: revkernels' "
-                "attention and MLP branches take attn_mask and ignore other keywords (a misspelling?)")
-    return None
-
-
-def _unaccepted(module, keys):
-    """``(the keywords of `keys` that module.forward has no parameter for, those it may use)``: a
-    forward with ``**kwargs`` accepts every keyword and may use those it does not name, unless its
-    module declares ``absorbs_context`` (its ``**kwargs`` only absorb other branches' keywords)."""
-    try:
-        params = inspect.signature(module.forward).parameters.values()
-    except (TypeError, ValueError):  # no signature to read: the call itself decides
-        return [], set(keys)
-    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return [], {k for k in keys if k in named or not getattr(module, "absorbs_context", False)}
-    return [k for k in keys if k not in named], {k for k in keys if k in named}
 
 
 def _context_leaves(context):
@@ -172,6 +93,11 @@ class ReversibleBlock(nn.Module):
     ``block(x1, x2, **context)`` calls ``f(x2, **context)`` and ``g(y1, **context)``.
     """
 
+    # What the engines read instead of testing classes (`revkernels.engine.structure.coupling_kind`):
+    # the coupling this class's forward_with_state computes. A subclass with a forward step of its
+    # own declares it again, or the engines run only its own steps.
+    coupling = "full"
+
     def __init__(self, f, g):
         super().__init__()
         for module, name in ((f, "f"), (g, "g")):
@@ -199,11 +125,11 @@ class ReversibleBlock(nn.Module):
         devices = cuda_devices_of(x1, x2) if keep else ()
         rng_f = RngState(devices) if keep else None
         fx2 = self.f(x2, **context)
-        _check_residual(fx2, x1, "f", "x1")
+        check_residual(fx2, x1, "f", "x1")
         y1 = x1 + fx2
         rng_g = RngState(devices) if keep else None
         gy1 = self.g(y1, **context)
-        _check_residual(gy1, x2, "g", "x2")
+        check_residual(gy1, x2, "g", "x2")
         return y1, x2 + gy1, BlockState(rng_f, rng_g) if keep else None
 
     def inverse(self, y1, y2, state=None, context=NO_CONTEXT):
@@ -303,6 +229,8 @@ class HalfCouplingBlock(ReversibleBlock):
     `ReversibleBlock(f, g)` up to the order of the output streams.
     """
 
+    coupling = "half"
+
     def __init__(self, f):
         nn.Module.__init__(self)
         if not isinstance(f, nn.Module):
@@ -313,7 +241,7 @@ class HalfCouplingBlock(ReversibleBlock):
         keep = preserve_rng_state and self.draws_random()
         rng_f = RngState(cuda_devices_of(x1, x2)) if keep else None
         fx2 = self.f(x2, **context)
-        _check_residual(fx2, x1, "f", "x1")
+        check_residual(fx2, x1, "f", "x1")
         return x2, x1 + fx2, BlockState(rng_f, None) if keep else None
 
     def inverse(self, y1, y2, state=None, context=NO_CONTEXT):
@@ -565,41 +493,3 @@ def _uninitialized_params(blocks):
     return bool(lazy) and any(map(is_lazy, lazy))
 
 
-def unique_params(blocks):
-    """The parameters of `blocks` (a ModuleList), each once, in module order: the cached list
-    (the same list object while no module changed), checked slot by slot against the modules
-    (a conversion or ``torch.func.functional_call`` may have swapped tensors in; then the caches
-    are built again)."""
-    managed, params, slots = cached(blocks, "unique_params", _unique_params)
-    if managed:  # FSDP swaps the parameters without a registration: the current ones
-        params = _unique_params(blocks)[1]
-    elif slots.stale(every=True):
-        invalidate()
-        params = cached(blocks, "unique_params", _unique_params)[1]
-    return params
-
-
-def unique_grad_params(blocks):
-    """`unique_params` that require grad."""
-    return [p for p in unique_params(blocks) if p.requires_grad]
-
-
-def swapped_params(blocks, params):
-    """{id(the parameter a module holds now): the one it held}, where `params` (what `unique_params`
-    returned when the run's forward ran) and the modules differ now; empty for a run managed by
-    FSDP, which swaps its parameters itself. ``torch.func.functional_call`` swaps tensors in for
-    the forward and puts the modules' own back before the backward runs."""
-    managed = cached(blocks, "unique_params", _unique_params)[0]
-    now = unique_params(blocks)
-    if managed or now is params:
-        return {}
-    if len(now) != len(params):
-        raise RuntimeError("revkernels: the run's modules gained or lost parameters between its forward and its "
-                           "backward; the backward rebuilds activations from the modules")
-    return {id(current): p for current, p in zip(now, params) if current is not p}
-
-
-def _unique_params(blocks):
-    """(managed, the parameters, their `ParamSlots`: the blocks' own, unless FSDP manages them)."""
-    slots = param_slots(blocks)  # a ModuleList's slots: its blocks' parameters, each once, in module order
-    return slots.managed, slots.params, slots

@@ -238,6 +238,8 @@ class RevTransformerBlock(ReversibleBlock):
     `attention_mask`; the mask gets no gradient); other context keywords are ignored.
     """
 
+    coupling = "full"  # its fused steps compute ReversibleBlock's coupling (engine.structure.coupling_kind)
+
     def __init__(self, dim, num_heads, mlp_ratio=4.0, causal=False, drop_path=0.0, qkv_bias=True, eps=1e-6,
                  approximate="none", dropout=0.0):
         super().__init__(AttentionBranch(dim, num_heads, qkv_bias, drop_path, eps, causal, dropout),

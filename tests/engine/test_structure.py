@@ -525,3 +525,40 @@ def test_lru_keeps_the_most_recently_used_entries():
     cache["a"] = "A2"
     cache["e"] = "E"
     assert list(cache) == ["d", "a", "e"] and len(cache) == 3
+
+
+def test_the_engine_imports_nothing_from_nn():
+    # the data path runs one way: nn -> engine -> ops; blocks declare what the engine needs
+    import ast
+    import pathlib
+
+    engine = pathlib.Path(rk.engine.__file__).parent
+    offenders = []
+    for path in sorted(engine.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.name}:{node.lineno} {n}" for n in names if n.startswith("revkernels.nn")]
+    assert offenders == []
+
+
+def test_blocks_declare_their_coupling():
+    from revkernels.engine.structure import coupling_kind
+
+    class OwnStep(rk.nn.ReversibleBlock):  # a forward step of its own, no coupling declared
+        def forward_with_state(self, x1, x2, preserve_rng_state=True, context=None):
+            return x1, x2, None
+
+    class Declared(OwnStep):
+        coupling = "full"
+
+    class Plain(rk.nn.ReversibleBlock):  # inherits ReversibleBlock's step and its declaration
+        pass
+
+    lin = lambda: nn.Linear(4, 4)  # noqa: E731
+    assert coupling_kind(rk.nn.ReversibleBlock(lin(), lin())) == "full"
+    assert coupling_kind(rk.nn.HalfCouplingBlock(lin())) == "half"
+    assert coupling_kind(rk.nn.RevViTBlock(8, 2)) == "full"
+    assert coupling_kind(OwnStep(lin(), lin())) is None
+    assert coupling_kind(Declared(lin(), lin())) == "full"
+    assert coupling_kind(Plain(lin(), lin())) == "full"
