@@ -96,7 +96,7 @@ def test_stage_layout_and_kinds(name):
             assert isinstance(stage, ReversibleStage)
             assert type(stage.f) is (BottleneckResidual if name == "revnet50" else BasicResidual)
     assert [len(run) for run in model.runs] == run_lengths
-    assert all(isinstance(run, rk.nn.ReversibleSequential) and run.engine == "sequential" for run in model.runs)
+    assert all(isinstance(run, rk.nn.ReversibleSequential) and run.engine == "auto" for run in model.runs)
 
 
 @pytest.mark.parametrize("name", NAMES)
