@@ -273,8 +273,11 @@ def test_revtext_forward(name, engine, mask):
         attention_mask[0, 5] = 2  # any non-zero value is a token
     expected = revtext_reference(P, name, tokens, attention_mask)
     P.assert_all_read()
-    got = model(tokens) if attention_mask is None else model(tokens, attention_mask=attention_mask)
+    kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+    got = model(tokens, **kwargs)
     assert_close(got, expected, f"{name} output")
+    with torch.no_grad():  # inference: the same function
+        assert_close(model(tokens, **kwargs), expected, f"{name} output under no_grad")
     assert got.shape == ((BATCH, 7, VOCAB) if TEXT[name]["lm_head"] else (BATCH, 7, TEXT_DIM))
 
 
@@ -298,6 +301,8 @@ def test_revvit_forward():
     expected = linear(pooled, P["head.weight"], P["head.bias"])
     P.assert_all_read()
     assert_close(model(images), expected, "RevViT logits")
+    with torch.no_grad():
+        assert_close(model(images), expected, "RevViT logits under no_grad")
 
 
 # ---------------------------------------------------------------------------------------------
