@@ -28,11 +28,11 @@ def _padding_mask(batch, tokens):
 
 
 @pytest.mark.parametrize("name,vocab,max_len,millions", [("gpt2_small", 50257, 1024, 124.44),
-                                                         ("roberta_base", 50265, 514, 124.65)])
+                                                         ("roberta_base", 50265, 514, 124.06)])
 def test_parameter_counts_match_the_non_reversible_models(name, vocab, max_len, millions):
     with torch.device("meta"):
         model = rk.models.revtext(name, vocab, max_len)
-    assert abs(sum(p.numel() for p in model.parameters()) / 1e6 - millions) <= 0.01 * millions
+    assert abs(sum(p.numel() for p in model.parameters()) / 1e6 - millions) <= 0.005  # (to the 10k shown)
 
 
 @pytest.mark.parametrize("name", ["gpt2_small", "roberta_base"])
