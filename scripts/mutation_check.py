@@ -460,6 +460,20 @@ mutation("half_coupling_no_swap", REV, "        return x2, x1 + fx2, BlockState(
 mutation("revnet_head_max_pool", NET, "z = torch.nn.functional.adaptive_avg_pool2d(", "z = torch.nn.functional.adaptive_max_pool2d(", f"{T_INDEP} -k revnet")
 mutation("bnact_train_eps", BNACT, "out, mean, rstd = batch_norm_act(x, weight, bias, self.eps, self.relu)", "out, mean, rstd = batch_norm_act(x, weight, bias, self.eps * 100, self.relu)", f"{T_INDEP} -k revnet")
 mutation("bnact_eval_no_relu", BNACT, "            return torch.relu(out) if self.relu else out", "            return out", f"{T_INDEP} -k revnet")
+BUDGET = "revkernels/engine/budget.py"
+T_BUDGET = "tests/engine/test_budget.py"
+mutation("budget_keeps_a_block_past_the_budget", BUDGET,
+         "        if used + block_bytes[i] > budget_bytes:", "        if used > budget_bytes:",
+         T_BUDGET + " -k within_the_budget")
+mutation("budget_measurement_counts_a_batch_norm_batch", BUDGET,
+         "            with recompute_context(block), buffers_kept(block), \\\n",
+         "            with buffers_kept(block), \\\n", T_BUDGET + " -k batch_norm")
+mutation("budget_measurement_draws_from_the_stream", BUDGET,
+         "    with torch.random.fork_rng(devices=devices), torch.enable_grad():",
+         "    with torch.enable_grad():", T_BUDGET + " -k every_budget")
+mutation("budget_plan_ignores_training_flags", BUDGET,
+         "            tuple(m.training for m in modules), ctx)", "            (), ctx)",
+         T_BUDGET + " -k once_per_signature")
 mutation("cuda_cpp_schema_without_the_public_defaults", "csrc/ops/batch_norm_cuda.cpp",
          "float eps=1e-05, bool relu=True) ", "float eps, bool relu) ",
          "tests/ops/test_dispatch.py -k cuda_cpp_ops_take")

@@ -30,7 +30,7 @@ from revkernels.engine.state import (NO_CONTEXT, BlockState, RngState, check_con
                                      cuda_devices_of, grad_tensors, maybe_replay, records_graph)
 from revkernels.engine.structure import (buffers_as_before, buffers_kept, cached, check_members, check_residual,
                                          detached_aliases, draws_random, param_slots, recompute_context,
-                                         unique_grad_params)
+                                         unique_grad_params, unique_params)
 from revkernels.ops.coupling import coupling_add, coupling_sub
 
 _log = logging.getLogger("revkernels")
@@ -285,6 +285,10 @@ class ReversibleSequential(nn.Module):
             op of the graph (`revkernels.engine.opaque`): it still saves only its outputs.
         preserve_rng_state: replay each block's randomness (dropout, drop-path) in the recompute.
             Costs a few KB of host memory per block; turn off only for deterministic blocks.
+        memory_budget: activations the run may keep beyond its outputs (0, the default: none): a
+            fraction in [0, 1] of what plain autograd would save, a number of bytes, or "auto"
+            (CUDA's free memory). The last blocks that fit keep theirs and skip their rebuild;
+            ``seq.memory_plan(x1, x2)`` shows the plan (see `revkernels.engine.budget`).
 
     ``seq(x1, x2, **context)``: keywords passed to every F and G (``f(x2, **context)``,
     ``g(y1, **context)``): tensors (an attention mask, a conditioning vector, rotary tables)
@@ -301,7 +305,7 @@ class ReversibleSequential(nn.Module):
     # see `revkernels.engine.compiled.compiled_steps`
     compile_options = None
 
-    def __init__(self, *blocks, engine="auto", preserve_rng_state=True):
+    def __init__(self, *blocks, engine="auto", preserve_rng_state=True, memory_budget=0):
         super().__init__()
         if len(blocks) == 1 and isinstance(blocks[0], (list, tuple, nn.ModuleList)):
             blocks = tuple(blocks[0])
@@ -313,11 +317,13 @@ class ReversibleSequential(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.engine = engine
         self.preserve_rng_state = bool(preserve_rng_state)
+        self.memory_budget = memory_budget
         self._opaque_handle = _new_handle(self)
 
     def __setstate__(self, state):
         # A copy (copy.deepcopy, pickle) is a run of its own: it must not name its original to the
         # torch.compile ops' kernels (revkernels.engine.opaque.new_handle).
+        state.pop("_budget", None)  # (plans and the head run are remade for the copy)
         super().__setstate__(state)
         self._opaque_handle = _new_handle(self)
         if "engine_in_use" not in self.__dict__:  # (pickled before engine="auto" existed)
@@ -334,6 +340,59 @@ class ReversibleSequential(nn.Module):
         self._engine_fn = get_engine(name)
         self._engine_name = name
         self.engine_in_use = None if name == "auto" else name
+
+    @property
+    def memory_budget(self):
+        """Activations the run may keep, beyond its outputs: 0 (the default: rebuild every block),
+        a fraction in [0, 1] of what plain autograd would save for the same input, a number of
+        bytes, or "auto" (CUDA: the free memory); see `revkernels.engine.budget`."""
+        return self._memory_budget
+
+    @memory_budget.setter
+    def memory_budget(self, budget):
+        from revkernels.engine.budget import check_budget
+
+        self._memory_budget = check_budget(budget)
+
+    def memory_plan(self, x1, x2, **context):
+        """The `revkernels.engine.budget.MemoryPlan` a call with these inputs runs under: which
+        blocks keep their activations, the bytes each would save, the budget in bytes and the
+        rebuilds saved (``print`` it). Measured once per input signature, then cached."""
+        check_streams(x1, x2)
+        budget = self.__dict__.get("_budget")
+        if budget is None:
+            from revkernels.engine.budget import Plans
+
+            budget = self.__dict__["_budget"] = [Plans(), {}]  # (kept out of the module tree and state)
+        return budget[0].get(self._memory_budget, self.blocks, x1, x2, context, unique_params(self.blocks))
+
+    def _rebuilt_run(self, k):
+        """A run of blocks[:k] (the same modules) with this run's settings: the memory-saving node of
+        a run with a budget."""
+        heads = self.__dict__["_budget"][1]
+        head = heads.get(k)
+        if head is None:
+            head = heads[k] = ReversibleSequential(*self.blocks[:k])
+        head.engine, head.preserve_rng_state = self._engine_name, self.preserve_rng_state
+        head.compile_options = self.compile_options
+        if "reconstruction_monitor" in self.__dict__:
+            head.reconstruction_monitor = self.reconstruction_monitor
+        return head
+
+    def _run_within_budget(self, x1, x2, context):
+        """(y1, y2) with the kept blocks run under plain autograd after the node of the others; None
+        when the plan keeps no block."""
+        plan = self.memory_plan(x1, x2, **context)
+        k = plan.first_kept
+        if k == len(self.blocks):
+            return None
+        if k:
+            head = self._rebuilt_run(k)
+            x1, x2 = head.forward(x1, x2, **context)
+            self.engine_in_use = head.engine_in_use
+        for block in self.blocks[k:]:
+            x1, x2 = block(x1, x2, **context)
+        return x1, x2
 
     def __len__(self):
         return len(self.blocks)
@@ -361,6 +420,14 @@ class ReversibleSequential(nn.Module):
             from revkernels.engine.opaque import run_opaque
 
             return run_opaque(self, x1, x2, context)
+        if (self._memory_budget and self._engine_name != "autograd"
+                and records_graph(x1, x2, unique_grad_params(self.blocks), grad_tensors(context))):
+            check_members(self.blocks)
+            if context:
+                check_context(self, self.blocks, context)
+            out = self._run_within_budget(x1, x2, context)
+            if out is not None:
+                return out
         run = self._engine_fn
         if run is None:  # engine="auto"
             from revkernels.engine import ENGINES, choose_engine
