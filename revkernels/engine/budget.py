@@ -28,7 +28,7 @@ import numbers
 
 import torch
 
-from revkernels.engine.structure import LRU, buffers_kept, recompute_context
+from revkernels.engine.structure import LRU, buffers_kept, cached, recompute_context
 
 MAX_PLANS = 8  # input signatures whose plan a run keeps
 
@@ -66,7 +66,7 @@ class MemoryPlan:
 
     @property
     def first_kept(self):
-        return self.kept.index(True) if any(self.kept) else len(self.kept)
+        return self.kept.index(True) if True in self.kept else len(self.kept)
 
     @property
     def kept_bytes(self):
@@ -152,30 +152,31 @@ def auto_budget_bytes(params, device):
 
 def signature(x1, x2, context, modules):
     """What a plan depends on besides the budget: the inputs' shapes, dtypes and device, autocast,
-    the training flags and the context tensors' shapes."""
+    the training flags of `modules` and the context tensors' shapes."""
     autocast = (torch.is_autocast_enabled(x1.device.type), torch.get_autocast_dtype(x1.device.type)) \
         if x1.device.type in ("cpu", "cuda") else None
     ctx = tuple((k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, repr(v))
-                for k, v in sorted(context.items()))
-    return (tuple(x1.shape), tuple(x2.shape), x1.dtype, x2.dtype, x1.device, autocast,
+                for k, v in sorted(context.items())) if context else ()
+    return (x1.shape, x2.shape, x1.dtype, x2.dtype, x1.device, autocast,
             tuple(m.training for m in modules), ctx)
 
 
 class Plans:
-    """A run's plans, the most recent `MAX_PLANS` signatures."""
+    """A run's measurements and plans, for its most recent `MAX_PLANS` signatures."""
 
     def __init__(self):
-        self.by_key = LRU(MAX_PLANS)
+        self.by_key = LRU(MAX_PLANS)  # signature -> (block bytes, {budget: plan})
 
     def get(self, budget, blocks, x1, x2, context, params):
-        key = signature(x1, x2, context, blocks.modules())
+        key = signature(x1, x2, context, cached(blocks, "modules", lambda m: list(m.modules())))
         entry = self.by_key.get(key)
         if entry is None:
-            entry = self.by_key[key] = activation_bytes(blocks, x1, x2, context)
-        if budget == "auto":
-            budget_bytes = auto_budget_bytes(params, x1.device)
-        elif isinstance(budget, float):
-            budget_bytes = int(budget * sum(entry))
-        else:
-            budget_bytes = budget
-        return plan(blocks, budget_bytes, entry)
+            entry = self.by_key[key] = (activation_bytes(blocks, x1, x2, context), {})
+        block_bytes, plans = entry
+        if budget == "auto":  # (the free memory changes: planned at every call)
+            return plan(blocks, auto_budget_bytes(params, x1.device), block_bytes)
+        made = plans.get(budget)
+        if made is None:
+            budget_bytes = int(budget * sum(block_bytes)) if isinstance(budget, float) else budget
+            made = plans[budget] = plan(blocks, budget_bytes, block_bytes)
+        return made

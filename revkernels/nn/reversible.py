@@ -359,6 +359,9 @@ class ReversibleSequential(nn.Module):
         blocks keep their activations, the bytes each would save, the budget in bytes and the
         rebuilds saved (``print`` it). Measured once per input signature, then cached."""
         check_streams(x1, x2)
+        return self._plan(x1, x2, context)
+
+    def _plan(self, x1, x2, context):
         budget = self.__dict__.get("_budget")
         if budget is None:
             from revkernels.engine.budget import Plans
@@ -382,8 +385,7 @@ class ReversibleSequential(nn.Module):
     def _run_within_budget(self, x1, x2, context):
         """(y1, y2) with the kept blocks run under plain autograd after the node of the others; None
         when the plan keeps no block."""
-        plan = self.memory_plan(x1, x2, **context)
-        k = plan.first_kept
+        k = self._plan(x1, x2, context).first_kept
         if k == len(self.blocks):
             return None
         if k:

@@ -1,0 +1,212 @@
+"""Speed against memory: a reversible run under memory budgets against the ways plain PyTorch trades
+memory for time, all measured in one run on the same blocks.
+
+    python benchmarks/bench_budget.py                        # CPU compute-bound configuration
+    python benchmarks/bench_budget.py --device cuda --dim 768 --heads 12 --tokens 197 --batch 32 --depth 12
+    python benchmarks/bench_budget.py --quick                # a small configuration, seconds
+
+Rows (each a train step of the same RevViTBlock stack, forward + backward, median ms after warm-up;
+``saved_mib`` is what autograd saves for the backward, parameters aside, *measured* with a saved-tensor
+hook over one step):
+
+- ``revkernels budget=b``: the sequential engine with ``memory_budget=b`` for b in 0, 0.1, 0.25,
+  0.5, 0.75, 1.0 (`revkernels.engine.budget`);
+- ``standard``: ordinary autograd through the blocks (the autograd engine);
+- ``checkpoint every k``: torch.utils.checkpoint (non-reentrant) around each group of k blocks;
+- ``selective checkpoint``: torch's selective activation checkpointing around each block, saving the
+  outputs of matrix products and attention and recomputing the rest.
+
+With ``--compiled``, the same under torch.compile: revkernels' compiled engine at each budget
+against the standard stack compiled with ``torch._functorch.config.activation_memory_budget`` at the
+same fractions (compiled against compiled). Writes ``budget_<device>.csv`` (with the commit, device
+and versions on every row) and ``budget_<device>.png``: step time against saved memory.
+"""
+import argparse
+import functools
+import os
+import statistics
+import time
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+import revkernels as rk
+from revkernels.bench.report import check_device, provenance, pyplot, save_figure, synchronize, write_csv
+
+BUDGETS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
+SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+             torch.ops.aten._scaled_dot_product_efficient_attention.default,
+             torch.ops.aten._scaled_dot_product_flash_attention.default}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def stack(args, device):
+    torch.manual_seed(0)
+    blocks = [rk.nn.RevViTBlock(args.dim, args.heads) for _ in range(args.depth)]
+    return rk.nn.ReversibleSequential(*blocks, engine="sequential").to(device)
+
+
+def checkpointed(seq, every, selective=False):
+    """The blocks under ordinary autograd, each group of `every` blocks inside torch.utils.checkpoint."""
+    blocks = list(seq.blocks)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls) if selective else None
+
+    def group(a, b, part):
+        for block in part:
+            a, b = block(a, b)
+        return a, b
+
+    def run(x1, x2):
+        for i in range(0, len(blocks), every):
+            part = blocks[i:i + every]
+            kwargs = {"context_fn": context_fn} if selective else {}
+            x1, x2 = checkpoint(group, x1, x2, part, use_reentrant=False, **kwargs)
+        return x1, x2
+    return run
+
+
+def saved_bytes(step, params):
+    """What autograd saves during one call of `step` (each storage once, `params`' aside)."""
+    seen, total = {p.untyped_storage().data_ptr() for p in params}, [0]
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total[0] += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return total[0]
+
+
+def median_ms(step, device, warmup, reps):
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(reps):
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def train_step(fn, params, x, target):
+    def step():
+        for p in params:
+            p.grad = None
+        y1, y2 = fn(x, x)
+        torch.nn.functional.mse_loss((y1 + y2) * 0.5, target).backward()
+    return step
+
+
+def measure(args, device):
+    seq = stack(args, device)
+    params = [p for p in seq.parameters() if p.requires_grad]
+    x = torch.randn(args.batch, args.tokens, args.dim, device=device, requires_grad=True)
+    target = torch.randn_like(x)
+    rows = []
+
+    def record(method, group, budget, fn):
+        step = train_step(fn, params, x, target)
+        step()  # (a plan's measurement, a compile, lazy initialisation: before the counting step)
+        saved = saved_bytes(step, seq.parameters())
+        ms = median_ms(step, device, args.warmup, args.reps)
+        rows.append({"group": group, "method": method, "budget": budget, "step_ms": round(ms, 3),
+                     "saved_mib": round(saved / 2**20, 3)})
+        print(f"{group:8s} {method:28s} {ms:9.2f} ms  saved {saved / 2**20:9.2f} MiB", flush=True)
+
+    for budget in BUDGETS:
+        seq.memory_budget = budget
+        record(f"revkernels budget={budget:g}", "eager", budget, seq)
+    seq.memory_budget = 0
+    standard = rk.nn.ReversibleSequential(*seq.blocks, engine="autograd")
+    record("standard", "eager", "", standard)
+    for every in sorted({1, 2, 3, args.depth // 2} - {0}):
+        record(f"checkpoint every {every}", "eager", "", checkpointed(seq, every))
+    record("selective checkpoint", "eager", "", checkpointed(seq, 1, selective=True))
+
+    if args.compiled:
+        from torch._functorch import config as functorch_config
+
+        seq.engine = "compiled"
+        for budget in BUDGETS:
+            seq.memory_budget = budget
+            record(f"revkernels compiled budget={budget:g}", "compiled", budget, seq)
+        seq.memory_budget, seq.engine = 0, "sequential"
+        for budget in BUDGETS:
+            torch._dynamo.reset()
+            with functorch_config.patch(activation_memory_budget=budget):
+                compiled = torch.compile(standard)
+                record(f"standard compiled budget={budget:g}", "compiled", budget, compiled)
+    return rows
+
+
+def plot(rows, path, title):
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for group, marker in (("eager", "o"), ("compiled", "s")):
+        ours = [r for r in rows if r["group"] == group and r["method"].startswith("revkernels")]
+        if ours:
+            ax.plot([r["saved_mib"] for r in ours], [r["step_ms"] for r in ours], marker + "-",
+                    label=f"revkernels ({group}), budgets 0..1", color="C0" if group == "eager" else "C3")
+        for r in rows:
+            if r["group"] == group and not r["method"].startswith("revkernels"):
+                ax.plot(r["saved_mib"], r["step_ms"], marker, color="C1" if group == "eager" else "C2")
+                ax.annotate(r["method"].replace("standard compiled ", "compiled "), (r["saved_mib"], r["step_ms"]),
+                            fontsize=7, xytext=(4, 3), textcoords="offset points")
+    floor = min((r["saved_mib"] for r in rows if r["method"].startswith("checkpoint")), default=None)
+    if floor is not None:
+        ax.axvspan(0, floor, color="0.9", zorder=0)
+        ax.text(floor, 0.02, " below every checkpointing: only revkernels runs", fontsize=7,
+                transform=ax.get_xaxis_transform(), va="bottom")
+    ax.set_xlabel("saved for backward (MiB, measured)")
+    ax.set_ylabel("train step (ms, median)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dim", type=int, default=192)
+    parser.add_argument("--heads", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=65)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--compiled", action="store_true", help="add the torch.compile rows (minutes on CPU)")
+    parser.add_argument("--quick", action="store_true", help="dim 32, 2 heads, 9 tokens, batch 2, depth 4, 3 reps")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = parser.parse_args(argv)
+    device = check_device(parser, args.device)
+    if args.quick:
+        args.dim, args.heads, args.tokens, args.batch, args.depth, args.warmup, args.reps = 32, 2, 9, 2, 4, 1, 3
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    rows = measure(args, device)
+    meta = provenance(device)
+    config = f"dim {args.dim}, {args.heads} heads, {args.tokens} tokens, batch {args.batch}, depth {args.depth}"
+    os.makedirs(args.out, exist_ok=True)
+    csv_path = write_csv(os.path.join(args.out, f"budget_{device.type}.csv"),
+                         [{**r, "config": config} for r in rows], meta)
+    png = plot(rows, os.path.join(args.out, f"budget_{device.type}.png"),
+               f"speed against memory: {config}\n{meta['device']}, torch {meta['torch']}, {meta['commit']}")
+    print(f"wrote {csv_path}" + (f" and {png}" if png else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
