@@ -23,12 +23,12 @@ really captures, and "auto" picks it where the run can be captured. Where graphs
 table does not treat as a failure.
 """
 import copy
-import itertools
 import warnings
 
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.backends.registry import lookup_backend
 
 import revkernels as rk
 from revkernels.models.revnet import BasicResidual, ReversibleStage
@@ -123,9 +123,16 @@ def _padding_mask():
 
 
 def make_case(kind, depth, device="cpu", random=None):
-    """`kind`: one of KINDS (the transformer kinds with their randomness: RevTransformerBlock's
-    residual dropout is part of the kind; `random=False` turns it off), a random source of
-    RANDOM_SOURCES, a BatchNorm kind of BN_KINDS or a context kind of CONTEXT_KINDS."""
+    """A `Case` of `kind` (see `_make_case`) whose ``key`` names its run's structure."""
+    case = _make_case(kind, depth, device, random)
+    case.key = (kind, depth, device, random)
+    return case
+
+
+def _make_case(kind, depth, device, random):
+    """`kind`: one of KINDS (the RevTransformerBlock's residual dropout and drop-path are part of its
+    kind; `random=False` turns them off), a random source of RANDOM_SOURCES, a BatchNorm kind of
+    BN_KINDS or a context kind of CONTEXT_KINDS."""
     tokens = (BATCH, TOKENS, WIDTH)
     w = WIDTH
     if kind == "generic":
@@ -135,9 +142,9 @@ def make_case(kind, depth, device="cpu", random=None):
     if kind == "revvit":
         return Case([rk.nn.RevViTBlock(w, HEADS) for _ in range(depth)], tokens, device=device)
     if kind == "revtransformer":
-        dropout = 0.1 if random is None or random else 0.0
-        return Case([rk.nn.RevTransformerBlock(w, HEADS, causal=True, dropout=dropout) for _ in range(depth)], tokens,
-                    context={"attn_mask": _padding_mask()}, device=device)
+        rate = 0.0 if random is False else 0.2
+        return Case([rk.nn.RevTransformerBlock(w, HEADS, causal=True, dropout=rate, drop_path=rate) for _ in range(depth)],
+                    tokens, context={"attn_mask": _padding_mask()}, device=device)
     if kind == "revnet":
         return Case([ReversibleStage(BasicResidual(CHANNELS)) for _ in range(depth)], (BATCH, CHANNELS, SIDE, SIDE),
                     dtype=torch.float64, half=True, device=device)
@@ -158,9 +165,6 @@ def make_case(kind, depth, device="cpu", random=None):
                     device=device)
     if kind == "revvit_drop_path":
         return Case([rk.nn.RevViTBlock(w, HEADS, drop_path=0.4) for _ in range(depth)], tokens, device=device)
-    if kind == "revtransformer_drop_path":
-        return Case([rk.nn.RevTransformerBlock(w, HEADS, causal=True, dropout=0.2, drop_path=0.4)
-                     for _ in range(depth)], tokens, context={"attn_mask": _padding_mask()}, device=device)
     # BatchNorm kinds (running statistics); rows of WIDTH features
     rows = (BATCH * TOKENS, WIDTH)
     if kind == "generic_bn":
@@ -181,35 +185,57 @@ def make_case(kind, depth, device="cpu", random=None):
 
 
 RANDOM_SOURCES = ["dropout", "mha_dropout", "declared", "drop_path", "half_dropout", "revvit_drop_path",
-                  "revtransformer_drop_path"]
+                  "revtransformer"]
 BN_KINDS = ["revnet", "generic_bn", "half_bn"]
 CONTEXT_KINDS = ["generic_context", "half_context"]
 
 
 # --- running a step ------------------------------------------------------------------------------
 
-_CALLS = itertools.count()
+class CountingAotEager:
+    """The ``aot_eager`` backend, counting the calls of the graphs it compiles: the "compiled"
+    engine's rows check that every block ran compiled steps (not the eager steps it falls back to)."""
+
+    calls = 0
+
+    def __call__(self, gm, example_inputs):
+        compiled = lookup_backend("aot_eager")(gm, example_inputs)
+
+        def run(*args):
+            CountingAotEager.calls += 1
+            return compiled(*args)
+
+        run._boxed_call = getattr(compiled, "_boxed_call", False)
+        return run
 
 
-def compiled_call(seq):
-    """``torch.compile(fullgraph=True, backend="aot_eager")`` of ``seq(a, b, **context)``, with a code
-    object of its own (Dynamo keeps its cache, recompile count and automatic-dynamic state per code
-    object): each case traces its run afresh, as a user's first call would."""
-    def call(a, b, context):
-        return seq(a, b, **context)
-
-    call.__code__ = call.__code__.replace(co_name=f"conformance_call_{next(_CALLS)}")
-    return torch.compile(call, fullgraph=True, backend="aot_eager")
+COMPILE_OPTIONS = {"backend": CountingAotEager()}
+_COMPILED = {}
 
 
-def engine_forward(engine, seq, x1, x2, context):
+def compiled_call(case):
+    """``torch.compile(fullgraph=True, backend="aot_eager")`` of ``seq(a, b, **context)``, one per run
+    structure (`Case.key`), each with a code object of its own (Dynamo keeps its cache, recompile
+    count and automatic-dynamic state per code object): runs of one structure share the traced
+    graph, as new instances of a compiled model do (docs/compile.md), and no structure's graph
+    counts towards another's recompile limit."""
+    if case.key not in _COMPILED:
+        def call(seq, a, b, context):
+            return seq(a, b, **context)
+
+        call.__code__ = call.__code__.replace(co_name=f"conformance_call_{len(_COMPILED)}")
+        _COMPILED[case.key] = torch.compile(call, fullgraph=True, backend="aot_eager")
+    return _COMPILED[case.key]
+
+
+def engine_forward(engine, case, seq, x1, x2, context):
     """The run's forward under `engine` (a name of ENGINES)."""
     if engine == "torch.compile":
         seq.engine = "sequential"
-        return compiled_call(seq)(x1, x2, context)
+        return compiled_call(case)(seq, x1, x2, context)
     seq.engine = engine
     if engine == "compiled":
-        seq.compile_options = {"backend": "aot_eager"}
+        seq.compile_options = COMPILE_OPTIONS
     y1, y2 = seq(x1, x2, **context)
     if engine == "auto":
         assert seq.engine_in_use == expected_auto_pick(seq, x1, context)
@@ -241,7 +267,7 @@ def forward(engine, case, seq, x1, x2, context):
     with warnings.catch_warnings():
         # (graphs on CUDA: its documented fall-back warnings where it cannot capture)
         warnings.filterwarnings("ignore", message="revkernels: engine='graphs' runs this call eagerly")
-        return engine_forward(engine, seq, x1, x2, context)
+        return engine_forward(engine, case, seq, x1, x2, context)
 
 
 def leaves_of(context):
@@ -258,8 +284,12 @@ def step(engine, case, seq, data, seed=0):
     a1, a2 = x1.detach().clone().requires_grad_(), x2.detach().clone().requires_grad_()
     context = leaves_of(case.context)
     torch.manual_seed(seed)
+    compiled_calls = CountingAotEager.calls
     y1, y2 = forward(engine, case, seq, a1, a2, context)
     loss_of(y1, y2, w1, w2).backward()
+    if engine == "compiled":  # a forward and a backward step per block (or per branch)
+        compiled_calls = CountingAotEager.calls - compiled_calls
+        assert compiled_calls >= 2 * len(seq.blocks), f"{compiled_calls} compiled step calls: eager steps ran"
     out = {"y1": y1.detach().clone(), "y2": y2.detach().clone(), "dx1": a1.grad, "dx2": a2.grad,
            "rng after": torch.rand(8, device=case.device)}
     out.update({f"grad {k}": v.grad for k, v in context.items() if v.requires_grad})
