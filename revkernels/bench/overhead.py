@@ -22,9 +22,9 @@ created in the same order in every variant, so they hold the same weights):
                                  (host_bound) and 15.4 s (compute_bound) on 2 CPU cores:
                                  compile_s in benchmarks/results/overhead_cpu.csv)
     checkpoint                   standard with per-block torch.utils.checkpoint (use_reentrant=False)
-    reversible_plain             the minREV-style reversible stack of this module (PlainReversibleStack):
-                                 one autograd Function over the plain F and G modules, no
-                                 revkernels engine or op
+    reversible_plain             the minREV-style reversible stack (PlainReversibleStack over
+                                 `revkernels.reference`): one autograd Function over the plain F and
+                                 G modules, no revkernels engine or op
     revkernels_<engine>          RevViTBlock (fused rebuild and grads), for each engine in
                                  revkernels.engine.ENGINES (an engine added there is picked up)
     revkernels_generic_<engine>  ReversibleBlock(AttentionBranch, MlpBranch), for each engine
@@ -100,6 +100,7 @@ from revkernels.bench.report import (DEFAULT_OUT, check_device, check_out_folder
 from revkernels.bench.targets import format_ratio, format_spread, target_rows
 from revkernels.bench.train import ReversibleStack, StandardStack
 from revkernels.nn.revvit import AttentionBranch, MlpBranch, RevViTBlock
+from revkernels.reference import Coupling, ReversibleFunction
 
 CONFIGS = {
     "host_bound": dict(depth=12, dim=64, heads=4, tokens=8, batch=2, threads=1),
@@ -121,61 +122,13 @@ GRAD_CHECK_TOL = 1e-4  # max |grad - reference| / max |reference| per parameter 
 
 # --- the minREV-style reversible stack --------------------------------------------------------------
 
-class _PlainReversibleFunction(torch.autograd.Function):
-    """The plain reversible approach of the minREV reference: the forward runs the blocks without a
-    graph and saves only the outputs; the backward walks the blocks last-first, rebuilding each input
-    from its output while recomputing G(y1) and F(x2) under enable_grad, and calls
-    torch.autograd.backward on them so the parameter grads accumulate in .grad directly."""
-
-    @staticmethod
-    def forward(ctx, x1, x2, blocks):
-        with torch.no_grad():
-            for block in blocks:
-                x1 = x1 + block.f(x2)
-                x2 = x2 + block.g(x1)
-        ctx.blocks = blocks
-        # The recompute must run under the forward's autocast state (backward does not inherit it).
-        ctx.device_type = x1.device.type
-        ctx.autocast = torch.is_autocast_enabled(ctx.device_type)
-        ctx.autocast_dtype = torch.get_autocast_dtype(ctx.device_type)
-        ctx.save_for_backward(x1, x2)
-        return x1, x2
-
-    @staticmethod
-    def backward(ctx, dy1, dy2):
-        y1, y2 = ctx.saved_tensors
-        with torch.autocast(ctx.device_type, dtype=ctx.autocast_dtype, enabled=ctx.autocast):
-            for block in reversed(ctx.blocks):
-                with torch.enable_grad():
-                    y1 = y1.detach().requires_grad_()
-                    g = block.g(y1)
-                    torch.autograd.backward(g, dy2.to(g.dtype))  # G's param grads; y1.grad = dG^T dy2
-                with torch.no_grad():
-                    x2 = y2 - g
-                    dy1 = dy1 + y1.grad
-                with torch.enable_grad():
-                    x2.requires_grad_()
-                    f = block.f(x2)
-                    torch.autograd.backward(f, dy1.to(f.dtype))  # F's param grads; x2.grad = dF^T dy1
-                with torch.no_grad():
-                    x1 = y1 - f
-                    dy2 = dy2 + x2.grad
-                y1, y2 = x1, x2.detach()
-        return dy1, dy2, None
-
-
-class PlainBlock(nn.Module):
-    """Holds F and G of one coupling y1 = x1 + F(x2), y2 = x2 + G(y1)."""
-
-    def __init__(self, f, g):
-        super().__init__()
-        self.f, self.g = f, g
-
-
 class PlainReversibleStack(nn.Module):
-    """minREV-style reversible stack: input as both streams, streams averaged at the end. The input
-    is made a leaf that requires grad (minREV's comes from the patch embedding): autograd calls a
-    Function's backward only when an input requires grad."""
+    """The minREV-style reversible stack: `revkernels.reference`'s couplings in its one autograd
+    Function (the forward without a graph, saving only the outputs; the backward rebuilding each
+    block's input while recomputing G(y1) and F(x2), the parameter grads accumulated into .grad),
+    the input as both streams, the streams averaged at the end. The input is made a leaf that
+    requires grad (minREV's comes from the patch embedding): autograd calls a Function's backward
+    only when an input requires grad."""
 
     def __init__(self, blocks):
         super().__init__()
@@ -184,7 +137,7 @@ class PlainReversibleStack(nn.Module):
     def forward(self, x):
         if not x.requires_grad:
             x = x.detach().requires_grad_()
-        y1, y2 = _PlainReversibleFunction.apply(x, x, tuple(self.blocks))
+        y1, y2 = ReversibleFunction.apply(x, x, tuple(self.blocks))
         return (y1 + y2) * 0.5
 
 
@@ -225,7 +178,7 @@ def build(variant, depth, dim, heads):
     if variant == "standard_compile":
         return torch.compile(StandardStack(depth, dim, heads))
     if variant == "reversible_plain":
-        return PlainReversibleStack([PlainBlock(AttentionBranch(dim, heads), MlpBranch(dim, 4 * dim))
+        return PlainReversibleStack([Coupling(AttentionBranch(dim, heads), MlpBranch(dim, 4 * dim))
                                      for _ in range(depth)])
     if variant == UNSAFE_STANCE:
         return UnsafeStanceStack([RevViTBlock(dim, heads) for _ in range(depth)], "compiled")
