@@ -24,8 +24,6 @@ import math
 import numbers
 import os
 
-import numpy
-
 import torch
 from torch.autograd import forward_ad
 
@@ -155,8 +153,9 @@ def entry_point(name, checked, check_scalars=None):
 
 def check_eps(eps):
     """TypeError unless `eps` is a real number (a Python or NumPy float or int; a bool would reach
-    the kernel as 1.0 or 0.0), ValueError unless it is finite and non-negative."""
-    if isinstance(eps, (bool, numpy.bool_)) or not isinstance(eps, numbers.Real):
+    the kernel as 1.0 or 0.0, and a NumPy bool is no `numbers.Real`), ValueError unless it is finite
+    and non-negative."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"revkernels: eps must be a real number (a float), got {type(eps).__name__} {eps!r}")
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"revkernels: eps must be finite and non-negative, got {eps!r}")
