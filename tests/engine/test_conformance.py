@@ -32,14 +32,12 @@ from torch._dynamo.backends.registry import lookup_backend
 
 import revkernels as rk
 from revkernels.models.revnet import BasicResidual, ReversibleStage
-from revkernels.nn import DropPath
 from tests.helpers import assert_close_rel, loss_of, perturb_parameters, residual_fn
 
 WIDTH, HEADS, TOKENS, BATCH = 16, 2, 5, 3
 CHANNELS, SIDE = 8, 4  # the RevNet stage's feature maps: (BATCH, CHANNELS, SIDE, SIDE)
 
 ENGINES = ["autograd", "sequential", "pareprop", "graphs", "compiled", "auto", "torch.compile"]
-MEMORY_SAVING = [e for e in ENGINES if e != "autograd"]
 KINDS = ["generic", "half", "revvit", "revtransformer", "revnet"]
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])]
@@ -99,12 +97,13 @@ class Conditioned(nn.Module):
 
 
 class Case:
-    """A run of `depth` blocks of one kind with its input shape, dtype, context and coupling."""
+    """A run of blocks (parameters perturbed) with its streams' shape and dtype, its context and its
+    coupling (`half`: the half coupling with a swap; else the full one)."""
 
     def __init__(self, blocks, shape, dtype=torch.float32, context=None, half=False, device="cpu"):
         self.seq = perturb_parameters(rk.nn.ReversibleSequential(*blocks)).to(device=device, dtype=dtype)
         self.shape, self.dtype, self.half, self.device = shape, dtype, half, device
-        self.context = {k: v.to(device) for k, v in (context or {}).items()}
+        self.context = {k: v.detach().to(device).requires_grad_(v.requires_grad) for k, v in (context or {}).items()}
 
     def randn(self, requires_grad=False):
         return torch.randn(*self.shape, dtype=self.dtype, device=self.device, requires_grad=requires_grad)
@@ -123,65 +122,43 @@ def _padding_mask():
 
 
 def make_case(kind, depth, device="cpu", random=None):
-    """A `Case` of `kind` (see `_make_case`) whose ``key`` names its run's structure."""
-    case = _make_case(kind, depth, device, random)
+    """A run of `depth` blocks of `kind`: one of KINDS (the RevTransformerBlock's residual dropout
+    and drop-path are part of its kind; `random=False` turns them off), a random source of
+    RANDOM_SOURCES, a BatchNorm kind of BN_KINDS or a context kind of CONTEXT_KINDS. Its ``key``
+    names the run's structure."""
+    w, tokens, rows = WIDTH, (BATCH, TOKENS, WIDTH), (BATCH * TOKENS, WIDTH)
+    full, half = rk.nn.ReversibleBlock, rk.nn.HalfCouplingBlock
+    rate = 0.0 if random is False else 0.2
+    masked = {"context": {"attn_mask": _padding_mask()}}
+    # a context tensor that requires grad (cond) and one that does not (keep)
+    conditioned = {"context": {"cond": torch.randn(BATCH, 1, w, requires_grad=True),
+                               "keep": (torch.rand(BATCH, TOKENS, 1) > 0.2).float()}}
+    kinds = {  # kind: (a block, shape, Case keywords)
+        "generic": (lambda: full(residual_fn(w), residual_fn(w)), tokens, {}),
+        "half": (lambda: half(residual_fn(w)), tokens, {"half": True}),
+        "revvit": (lambda: rk.nn.RevViTBlock(w, HEADS), tokens, {}),
+        "revtransformer": (lambda: rk.nn.RevTransformerBlock(w, HEADS, causal=True, dropout=rate, drop_path=rate),
+                           tokens, masked),
+        "revnet": (lambda: ReversibleStage(BasicResidual(CHANNELS)), (BATCH, CHANNELS, SIDE, SIDE),
+                   {"half": True, "dtype": torch.float64}),
+        # random sources
+        "dropout": (lambda: full(residual_fn(w, dropout=0.2), residual_fn(w, dropout=0.2)), tokens, {}),
+        "mha_dropout": (lambda: full(Attention(w, 0.2), residual_fn(w)), tokens, {}),
+        "declared": (lambda: full(Noise(w), residual_fn(w)), tokens, {}),
+        "drop_path": (lambda: full(residual_fn(w, drop_path=0.4), residual_fn(w, drop_path=0.4)), tokens, {}),
+        "half_dropout": (lambda: half(residual_fn(w, dropout=0.2)), tokens, {"half": True}),
+        "revvit_drop_path": (lambda: rk.nn.RevViTBlock(w, HEADS, drop_path=0.4), tokens, {}),
+        # BatchNorm kinds (running statistics), on rows of WIDTH features
+        "generic_bn": (lambda: full(residual_fn(w, norm="batch"), residual_fn(w, norm="batch")), rows, {}),
+        "half_bn": (lambda: half(residual_fn(w, norm="batch")), rows, {"half": True}),
+        # context kinds
+        "generic_context": (lambda: full(Conditioned(w), Conditioned(w)), tokens, conditioned),
+        "half_context": (lambda: half(Conditioned(w)), tokens, {"half": True, **conditioned}),
+    }
+    block, shape, keywords = kinds[kind]
+    case = Case([block() for _ in range(depth)], shape, device=device, **keywords)
     case.key = (kind, depth, device, random)
     return case
-
-
-def _make_case(kind, depth, device, random):
-    """`kind`: one of KINDS (the RevTransformerBlock's residual dropout and drop-path are part of its
-    kind; `random=False` turns them off), a random source of RANDOM_SOURCES, a BatchNorm kind of
-    BN_KINDS or a context kind of CONTEXT_KINDS."""
-    tokens = (BATCH, TOKENS, WIDTH)
-    w = WIDTH
-    if kind == "generic":
-        return Case([rk.nn.ReversibleBlock(residual_fn(w), residual_fn(w)) for _ in range(depth)], tokens, device=device)
-    if kind == "half":
-        return Case([rk.nn.HalfCouplingBlock(residual_fn(w)) for _ in range(depth)], tokens, half=True, device=device)
-    if kind == "revvit":
-        return Case([rk.nn.RevViTBlock(w, HEADS) for _ in range(depth)], tokens, device=device)
-    if kind == "revtransformer":
-        rate = 0.0 if random is False else 0.2
-        return Case([rk.nn.RevTransformerBlock(w, HEADS, causal=True, dropout=rate, drop_path=rate) for _ in range(depth)],
-                    tokens, context={"attn_mask": _padding_mask()}, device=device)
-    if kind == "revnet":
-        return Case([ReversibleStage(BasicResidual(CHANNELS)) for _ in range(depth)], (BATCH, CHANNELS, SIDE, SIDE),
-                    dtype=torch.float64, half=True, device=device)
-    # random sources
-    if kind == "dropout":
-        return Case([rk.nn.ReversibleBlock(residual_fn(w, dropout=0.2), residual_fn(w, dropout=0.2))
-                     for _ in range(depth)], tokens, device=device)
-    if kind == "mha_dropout":
-        return Case([rk.nn.ReversibleBlock(Attention(w, 0.2), residual_fn(w)) for _ in range(depth)], tokens,
-                    device=device)
-    if kind == "declared":
-        return Case([rk.nn.ReversibleBlock(Noise(w), residual_fn(w)) for _ in range(depth)], tokens, device=device)
-    if kind == "drop_path":
-        return Case([rk.nn.ReversibleBlock(residual_fn(w, drop_path=0.4), residual_fn(w, drop_path=0.4))
-                     for _ in range(depth)], tokens, device=device)
-    if kind == "half_dropout":
-        return Case([rk.nn.HalfCouplingBlock(residual_fn(w, dropout=0.2)) for _ in range(depth)], tokens, half=True,
-                    device=device)
-    if kind == "revvit_drop_path":
-        return Case([rk.nn.RevViTBlock(w, HEADS, drop_path=0.4) for _ in range(depth)], tokens, device=device)
-    # BatchNorm kinds (running statistics); rows of WIDTH features
-    rows = (BATCH * TOKENS, WIDTH)
-    if kind == "generic_bn":
-        return Case([rk.nn.ReversibleBlock(residual_fn(w, norm="batch"), residual_fn(w, norm="batch"))
-                     for _ in range(depth)], rows, device=device)
-    if kind == "half_bn":
-        return Case([rk.nn.HalfCouplingBlock(residual_fn(w, norm="batch")) for _ in range(depth)], rows, half=True,
-                    device=device)
-    # context kinds: a context tensor that requires grad (cond) and one that does not (keep)
-    context = {"cond": torch.randn(BATCH, 1, w, requires_grad=True), "keep": (torch.rand(BATCH, TOKENS, 1) > 0.2).float()}
-    if kind == "generic_context":
-        return Case([rk.nn.ReversibleBlock(Conditioned(w), Conditioned(w)) for _ in range(depth)], tokens,
-                    context=context, device=device)
-    if kind == "half_context":
-        return Case([rk.nn.HalfCouplingBlock(Conditioned(w)) for _ in range(depth)], tokens, context=context,
-                    half=True, device=device)
-    raise AssertionError(kind)
 
 
 RANDOM_SOURCES = ["dropout", "mha_dropout", "declared", "drop_path", "half_dropout", "revvit_drop_path",
@@ -291,7 +268,7 @@ def step(engine, case, seq, data, seed=0):
         compiled_calls = CountingAotEager.calls - compiled_calls
         assert compiled_calls >= 2 * len(seq.blocks), f"{compiled_calls} compiled step calls: eager steps ran"
     out = {"y1": y1.detach().clone(), "y2": y2.detach().clone(), "dx1": a1.grad, "dx2": a2.grad,
-           "rng after": torch.rand(8, device=case.device)}
+           "rng after": torch.cat([torch.rand(8), torch.rand(8, device=case.device).cpu()])}  # (CPU, device)
     out.update({f"grad {k}": v.grad for k, v in context.items() if v.requires_grad})
     out.update({f"grad {n}": None if p.grad is None else p.grad.clone() for n, p in seq.named_parameters()})
     return out
