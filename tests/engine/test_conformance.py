@@ -317,15 +317,11 @@ def test_randomness_is_replayed(engine, source, device):
     assert_plain_autograds(engine, make_case(source, 3, device))
 
 
-RANDOM_KINDS = {"generic": "dropout", "half": "half_dropout", "revvit": "revvit_drop_path",
-                "revtransformer": "revtransformer", "revnet": "revnet"}  # (the RevNet stage draws nothing)
-
-
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", RANDOM_SOURCES + ["generic", "revnet"])  # (and two that draw nothing)
 @pytest.mark.parametrize("engine", ENGINES)
 def test_global_rng_stream_after_a_step_is_plain_autograds(engine, kind, device):
-    case = make_case(RANDOM_KINDS[kind], 3, device)
+    case = make_case(kind, 3, device)
     data = case.data()
     reference = copy.deepcopy(case.seq)
     got = step(engine, case, case.seq, data, seed=1)["rng after"]
@@ -387,10 +383,11 @@ def _fingerprint(t):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ["generic_context"])
 @pytest.mark.parametrize("engine", ENGINES)
 def test_caller_tensors_are_untouched(engine, kind, device):
-    # One leaf feeds both streams; the output grads and the context tensors are the caller's too.
+    # One leaf feeds both streams; the output grads and the context tensors (the transformer's mask,
+    # a conditioning tensor that requires grad) are the caller's too.
     case = make_case(kind, 2, device)
     x, dy1, dy2 = case.randn(requires_grad=True), case.randn(), case.randn()
     reference = copy.deepcopy(case.seq)
