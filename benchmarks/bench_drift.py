@@ -19,16 +19,13 @@ streams and compute in bf16). Results: CSV with provenance under --out (drift_<d
 import argparse
 import os
 import statistics
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import revkernels as rk  # noqa: E402
-from revkernels.bench.helptext import description  # noqa: E402
-from revkernels.bench.report import provenance, write_csv  # noqa: E402
-from revkernels.nn.revvit import RevViTBlock  # noqa: E402
+import revkernels as rk
+from revkernels.bench.helptext import description
+from revkernels.bench.report import provenance, write_csv
+from revkernels.nn.revvit import RevViTBlock
 
 MODES = ("fp32", "autocast_bf16", "autocast_fp16", "bf16_streams")
 

@@ -8,9 +8,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
 
-from revkernels.bench.kernels import main  # noqa: E402
+from revkernels.bench.kernels import main
 
 if __name__ == "__main__":
     sys.exit(main(default_out=os.path.join(HERE, "results")))

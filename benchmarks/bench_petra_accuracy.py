@@ -38,14 +38,11 @@ import json
 import multiprocessing
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from revkernels.bench.helptext import description  # noqa: E402
-from revkernels.bench.report import provenance, write_csv  # noqa: E402
+from revkernels.bench.helptext import description
+from revkernels.bench.report import provenance, write_csv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = ("backprop", "petra", "delayed")

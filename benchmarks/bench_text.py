@@ -28,11 +28,9 @@ from torch import nn
 from tqdm import tqdm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-
-import revkernels as rk  # noqa: E402
-from revkernels.bench.helptext import description  # noqa: E402
-from revkernels.bench.report import provenance, pyplot, save_figure, write_csv  # noqa: E402
+import revkernels as rk
+from revkernels.bench.helptext import description
+from revkernels.bench.report import provenance, pyplot, save_figure, write_csv
 
 # A fixed subset of the standard library (top-level modules present in Python 3.9-3.13).
 CORPUS_FILES = ("abc.py", "argparse.py", "base64.py", "bisect.py", "calendar.py", "contextlib.py", "copy.py",

@@ -8,17 +8,14 @@ CPU) time and by device time: a step whose wall time is far above its GPU-busy t
 launch overhead, and the host ranking says which calls cost it.
 """
 import argparse
-import os
 import sys
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from revkernels.bench.helptext import description  # noqa: E402
-from revkernels.bench.train import MODELS, TOKENS, all_variants, build, compile_as_measured  # noqa: E402
+from revkernels.bench.helptext import description
+from revkernels.bench.train import MODELS, TOKENS, all_variants, build, compile_as_measured
 
 
 def main(argv=None):

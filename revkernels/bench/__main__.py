@@ -24,11 +24,8 @@ measures CPU processes; overhead, the host-cost study, runs its CPU shapes under
 memory and kernels with their full CUDA defaults, train with a selection that fits the suite's
 time: ViT-B at batch 32 and 128, CIFAR RevNet-18 at 256 and ImageNet RevNet-50 at 64, the depth sweep
 12/24/48, and a time budget: once the suite has run 360 s, train starts no new configuration (its
-first, ViT-B at batch 32 with every variant, always runs). Estimate for an H200 (not yet measured):
-memory ~40 s; kernels ~3 min (72 timings of ~1.3 s each: do_bench, then 10 CUDA-graph replays of
-100 ms; 18 torch.compile builds); train up to the budget plus the configuration in flight (~1 min);
-about 7 to 7.5 minutes in all. --quick: kernels keeps the CUDA sizes with fewer repetitions, about 3
-minutes in all.
+first, ViT-B at batch 32 with every variant, always runs), so the suite ends within about 8 minutes.
+--quick: kernels keeps the CUDA sizes with fewer repetitions.
 """
 import argparse
 import importlib
@@ -63,7 +60,7 @@ def _parse(argv):
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"folder for CSV and PNG (default: ./{DEFAULT_OUT})")
     parser.add_argument("--memory-depths", type=int, nargs="+", metavar="DEPTH",
                         help="stack depths of the memory part (its --depths; default: the part's own: 4 8 16 "
-                        "on CPU, 2 4 with --quick; 12 24 48 on CUDA, 12 24 with --quick). On CPU each depth "
+                        "on CPU, 4 8 with --quick; 12 24 48 on CUDA, 12 24 with --quick). On CPU each depth "
                         "costs two fresh processes (the peak-memory measurement), so a smoke run may name one")
     args = parser.parse_args(argv)
     check_out_folder(parser, args.out)

@@ -2,6 +2,11 @@
 the `autograd` engine (stores activations) against the `sequential` engine (rebuilds them), at
 several depths: median step time, activation memory saved for backward, and peak memory.
 
+The step's peak holds the parameters' grads as well as the activations: the saving shows in the peak
+where activations outweigh the parameters, as in training with batch x tokens far above the width.
+The CPU defaults (width 256, 1024 rows, depths 4 8 16) and the quick run's (width 64, 2048 rows,
+depths 4 8) are such problems; on CUDA, width 768 and 32 x 197 rows (ViT-B at batch 32).
+
     python -m revkernels.bench.memory [--quick] [--device cpu|cuda] [--depths ...] [--out DIR]
     python -m revkernels.bench --parts memory      # as a part of the benchmark suite
 
@@ -26,7 +31,8 @@ def parse_args(argv=None, default_out=DEFAULT_OUT):
     parser = argparse.ArgumentParser(prog="python -m revkernels.bench.memory", description=description(__doc__))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device to run on (default: cuda if available, else cpu)")
-    parser.add_argument("--quick", action="store_true", help="fewer depths, rows and steps (about 20 s on a 2-core CPU)")
+    parser.add_argument("--quick", action="store_true", help="a smaller problem, fewer depths and steps (on CPU: width "
+                        "64, 2048 rows, depths 4 8; about 20 s on a 2-core CPU)")
     parser.add_argument("--depths", type=int, nargs="+", help="stack depths (default: 4 8 16 on CPU, 12 24 48 on CUDA)")
     parser.add_argument("--width", type=int, help="model width (default: 256 on CPU, 768 on CUDA)")
     parser.add_argument("--rows", type=int, help="batch x tokens per step (default: 1024 on CPU, 32*197 on CUDA)")
@@ -35,9 +41,9 @@ def parse_args(argv=None, default_out=DEFAULT_OUT):
     args = parser.parse_args(argv)
     check_out_folder(parser, args.out)
     cuda = check_device(parser, args.device).type == "cuda"
-    args.depths = args.depths or ([12, 24] if args.quick else [12, 24, 48]) if cuda else args.depths or ([2, 4] if args.quick else [4, 8, 16])
-    args.width = args.width or (768 if cuda else 256)
-    args.rows = args.rows or (32 * 197 if cuda else (256 if args.quick else 1024))
+    args.depths = args.depths or ([12, 24] if args.quick else [12, 24, 48]) if cuda else args.depths or ([4, 8] if args.quick else [4, 8, 16])
+    args.width = args.width or (768 if cuda else (64 if args.quick else 256))
+    args.rows = args.rows or (32 * 197 if cuda else (2048 if args.quick else 1024))
     args.steps = args.steps or (3 if args.quick else 10)
     for name in ("width", "rows", "steps"):
         if getattr(args, name) <= 0:

@@ -18,9 +18,8 @@ created in the same order in every variant, so they hold the same weights):
 
     standard                     pre-norm blocks x + F(x), x + G(x), eager autograd
     standard_compile             standard under torch.compile (inductor's defaults); not in --quick runs
-                                 unless named with --variants (its first step compiled for 28.7 s
-                                 (host_bound) and 15.4 s (compute_bound) on 2 CPU cores:
-                                 compile_s in benchmarks/results/overhead_cpu.csv)
+                                 unless named with --variants (its first step compiles for tens of
+                                 seconds on a few CPU cores: compile_s in the CSV)
     checkpoint                   standard with per-block torch.utils.checkpoint (use_reentrant=False)
     reversible_plain             the minREV-style reversible stack (PlainReversibleStack over
                                  `revkernels.reference`): one autograd Function over the plain F and
@@ -28,11 +27,6 @@ created in the same order in every variant, so they hold the same weights):
     revkernels_<engine>          RevViTBlock (fused rebuild and grads), for each engine in
                                  revkernels.engine.ENGINES (an engine added there is picked up)
     revkernels_generic_<engine>  ReversibleBlock(AttentionBranch, MlpBranch), for each engine
-    revkernels_compiled_unsafe_stance
-                                 revkernels_compiled with every step after its first under
-                                 torch.compiler.set_stance(skip_guard_eval_unsafe=True): the compiled
-                                 steps check only their entries' differentiating guards (README,
-                                 "Compiled runs")
 
 The reversible variants take the input as both streams. Each variant first runs its warm-up steps
 (the first one timed alone: first_step_ms; for an engine that compiles, such as "compiled",
@@ -45,10 +39,7 @@ caches (code, weights, allocator) as a training loop repeating that step leaves 
 previous variant left them. step_ms is the median over the rounds; the vs_* columns are speed
 ratios against a baseline of the same run (baseline ms / variant ms: > 1 is faster), and
 vs_<baseline>_q1 / _q3 the first and third quartiles of the per-round ratios (a round's baseline
-step over its variant step): how far the ratio moves through the run. On CPU the step table is
-followed by the issues' CPU step targets (`revkernels.bench.targets`), each with its ratio,
-quartiles and whether it is met. Before
-timing, reversible_plain's grads are checked against those of revkernels' autograd engine (plain
+step over its variant step): how far the ratio moves through the run. Before timing, reversible_plain's grads are checked against those of revkernels' autograd engine (plain
 autograd through the same reversible blocks) on the same weights: the part fails if they differ.
 
 Op table: each fused op (torch.ops.revkernels.*) against what it replaces (the composition in the
@@ -78,7 +69,6 @@ overhead_compile_<device>.csv (compile time), all with commit, device and versio
 overhead_<device>.png (step time per variant).
 """
 import argparse
-import contextlib
 import ctypes
 import json
 import math
@@ -97,7 +87,6 @@ from tqdm import tqdm
 import revkernels as rk
 from revkernels.bench.report import (DEFAULT_OUT, check_device, check_out_folder, provenance, pyplot, save_figure,
                                      synchronize, write_csv)
-from revkernels.bench.targets import format_ratio, format_spread, target_rows
 from revkernels.bench.train import ReversibleStack, StandardStack
 from revkernels.nn.revvit import AttentionBranch, MlpBranch, RevViTBlock
 from revkernels.reference import Coupling, ReversibleFunction
@@ -147,28 +136,7 @@ def variants(engines=None):
     """Every variant name, the engines from revkernels.engine.ENGINES (or `engines`)."""
     engines = list(rk.engine.ENGINES) if engines is None else list(engines)
     return (["standard", "standard_compile", "checkpoint", "reversible_plain"] + [f"revkernels_{e}" for e in engines]
-            + [f"revkernels_generic_{e}" for e in engines] + [UNSAFE_STANCE] * ("compiled" in engines))
-
-
-UNSAFE_STANCE = "revkernels_compiled_unsafe_stance"
-
-
-class UnsafeStanceStack(ReversibleStack):
-    """A `ReversibleStack` whose train steps after the first run under
-    ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (see `stance_of`; `train_step` sets
-    `warmed_up` after a step)."""
-
-    def __init__(self, blocks, engine):
-        super().__init__(blocks, engine)
-        self.warmed_up = False
-
-
-def stance_of(model):
-    """The compiler stance of a train step of `model`: for an `UnsafeStanceStack` past its first step
-    skip_guard_eval_unsafe (the first compiles its steps under the default stance), else unchanged."""
-    if isinstance(model, UnsafeStanceStack) and model.warmed_up:
-        return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
-    return contextlib.nullcontext()
+            + [f"revkernels_generic_{e}" for e in engines])
 
 
 def build(variant, depth, dim, heads):
@@ -180,8 +148,6 @@ def build(variant, depth, dim, heads):
     if variant == "reversible_plain":
         return PlainReversibleStack([Coupling(AttentionBranch(dim, heads), MlpBranch(dim, 4 * dim))
                                      for _ in range(depth)])
-    if variant == UNSAFE_STANCE:
-        return UnsafeStanceStack([RevViTBlock(dim, heads) for _ in range(depth)], "compiled")
     if variant.startswith("revkernels_generic_"):
         return ReversibleStack([rk.nn.ReversibleBlock(AttentionBranch(dim, heads), MlpBranch(dim, 4 * dim))
                                 for _ in range(depth)], variant.removeprefix("revkernels_generic_"))
@@ -192,8 +158,6 @@ def build(variant, depth, dim, heads):
 
 def engine_of(variant):
     """The revkernels engine a variant runs, or None."""
-    if variant == UNSAFE_STANCE:
-        return "compiled"
     for prefix in ("revkernels_generic_", "revkernels_"):
         if variant.startswith(prefix):
             return variant.removeprefix(prefix)
@@ -223,12 +187,9 @@ def loss_of(y):
 def train_step(model, x, device, autocast=True):
     """forward + backward of the benchmark's loss (grads accumulate into .grad); bf16 autocast on
     CUDA unless autocast=False."""
-    with stance_of(model):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast and device.type == "cuda"):
-            y = model(x)
-        loss_of(y).backward()
-    if isinstance(model, UnsafeStanceStack):
-        model.warmed_up = True
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast and device.type == "cuda"):
+        y = model(x)
+    loss_of(y).backward()
 
 
 def check_plain_grads(cfg, device):
@@ -255,12 +216,14 @@ def _error_line(error):
     return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
 
 
-def measure_config(name, cfg, names, device, warmup, rounds, progress=None):
+def measure_config(name, cfg, names, device, warmup, rounds, progress=None, build_model=None, step=None):
     """Step rows of one configuration: warm-up per variant (the first step timed alone), then
     `rounds` rounds of one timed step per variant; a variant that fails is printed and gets nan.
     Dynamo's caches are reset first: the compiling variants compile this configuration afresh, as a
     training process of these shapes would, not as a recompile of the previous configuration's
-    graphs (which Dynamo would make dynamic in the sizes that changed)."""
+    graphs (which Dynamo would make dynamic in the sizes that changed). `build_model` and `step`
+    replace `make_model` and `train_step` (a study of variants of its own reuses the loop)."""
+    build_model, step = build_model or make_model, step or train_step
     torch._dynamo.reset()
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(cfg["threads"])
@@ -274,7 +237,7 @@ def measure_config(name, cfg, names, device, warmup, rounds, progress=None):
                 p.grad = None
             synchronize(device)
             start = time.perf_counter()
-            train_step(model, x, device)
+            step(model, x, device)
             synchronize(device)
             return (time.perf_counter() - start) * 1e3
 
@@ -282,7 +245,7 @@ def measure_config(name, cfg, names, device, warmup, rounds, progress=None):
             if progress is not None:
                 progress.set_postfix_str(f"{name} {variant} warm-up")
             try:
-                models[variant] = make_model(variant, cfg, device)
+                models[variant] = build_model(variant, cfg, device)
                 first_ms[variant] = timed_step(variant)
                 for _ in range(warmup - 1):
                     timed_step(variant)
@@ -631,8 +594,6 @@ def run(args):
     progress.close()
 
     _print_steps(step_rows)
-    if tag == "cpu":  # the targets are CPU ones
-        _print_targets(step_rows)
     _print_ops(op_rows)
     _print_compile(compile_rows)
     written = []
@@ -648,17 +609,6 @@ def run(args):
     print("\nwrote " + ", ".join(written) if written else "\nnothing measured (no --configs, --ops or "
           "--compile-variants selected): nothing written", flush=True)
     return step_rows + op_rows + compile_rows
-
-
-def _print_targets(rows):
-    targets = target_rows(rows)
-    if not targets:
-        return
-    print("\nthe issues' CPU step targets (speed = baseline ms / variant ms, medians; q1-q3: quartiles of the "
-          "per-round ratios)")
-    for t in targets:
-        print(f"{t['config']:<14} {t['variant']:<30} vs {t['baseline']:<17} {format_ratio(t['speed']):>7} "
-              f"(q1-q3 {format_spread(t['q1'], t['q3'])})  target >= {t['target']}: {t['status']}")
 
 
 def _print_steps(rows):

@@ -92,35 +92,6 @@ def test_variants_follow_the_engine_registry(monkeypatch):
     assert overhead.compiles("standard_compile")
 
 
-@pytest.mark.usefixtures("fresh_dynamo")
-def test_the_unsafe_stance_variant_runs_its_later_steps_under_the_stance():
-    """revkernels_compiled_unsafe_stance: the compiled engine on RevViTBlocks, its first train step
-    (forward and backward) under the default stance, the later ones under skip_guard_eval_unsafe,
-    and the stance put back after each; its grads are revkernels_compiled's."""
-    cpu = torch.device("cpu")
-    assert overhead.engine_of(overhead.UNSAFE_STANCE) == "compiled" and overhead.compiles(overhead.UNSAFE_STANCE)
-    models = {v: overhead.make_model(v, SMALL, cpu) for v in (overhead.UNSAFE_STANCE, "revkernels_compiled")}
-    stances = {"forward": [], "backward": []}
-
-    def unsafe():
-        return torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe
-
-    unsafe_model = models[overhead.UNSAFE_STANCE]
-    unsafe_model.register_forward_hook(lambda *_: stances["forward"].append(unsafe()))
-    next(unsafe_model.parameters()).register_hook(lambda g: stances["backward"].append(unsafe()))
-    x = overhead.make_input(SMALL, cpu)
-    for model in models.values():
-        model.seq.compile_options = {"backend": "aot_eager"}
-        for _ in range(3):
-            for p in model.parameters():
-                p.grad = None
-            overhead.train_step(model, x, cpu)
-            assert not unsafe()
-    assert stances == {"forward": [False, True, True], "backward": [False, True, True]}
-    for p, q in zip(*(m.parameters() for m in models.values()), strict=True):
-        assert (p.grad - q.grad).abs().max() <= 1e-5 * q.grad.abs().max()
-
-
 def test_standard_compile_is_left_to_full_runs_unless_named():
     select = lambda *argv: overhead.selected_variants(overhead.parse_args(list(argv)))  # noqa: E731
     assert select() == overhead.variants() and "standard_compile" in select()
@@ -324,18 +295,6 @@ def test_ratio_quartiles_come_from_the_rounds(monkeypatch):
     assert ck["vs_standard"] == round(medians[0] / medians[1], 4)
     assert by["standard"]["vs_standard_q1"] == by["standard"]["vs_standard_q3"] == 1.0
     assert math.isnan(ck["vs_reversible_plain_q1"]) and math.isnan(ck["vs_reversible_plain_q3"])
-
-
-def test_targets_are_printed_after_the_step_table_on_cpu(capsys):
-    """run() prints the CPU targets (revkernels.bench.targets) that its rows measured."""
-    rows = [{"config": "host_bound", "variant": "reversible_plain", "step_ms": 10.0},
-            {"config": "host_bound", "variant": "revkernels_sequential", "step_ms": 9.0, "vs_reversible_plain_q1": 1.05,
-             "vs_reversible_plain_q3": 1.3}]
-    overhead._print_targets(rows)
-    out = capsys.readouterr().out
-    assert "revkernels_sequential" in out and "1.111x (q1-q3 1.05-1.30)  target >= 1.2: missed" in out
-    overhead._print_targets(rows[:1])
-    assert capsys.readouterr().out == ""  # nothing measured: no table
 
 
 def test_step_table_prints_an_unmeasured_baseline_as_n_a_in_its_column(capsys):

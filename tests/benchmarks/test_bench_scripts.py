@@ -1,7 +1,9 @@
 """The benchmark scripts run end to end (CPU smoke runs of the same code the GPU check runs).
 
-The implementations are `revkernels.bench.kernels` / `.train` / `.petra` / `.overhead`; `benchmarks/bench_*.py`
-are thin entry points over them (same flags, results under benchmarks/results by default)."""
+The suite's parts are `revkernels.bench.kernels` / `.train` / `.petra` / `.overhead`;
+`benchmarks/bench_{kernels,train,petra,overhead}.py` are thin entry points over them (same flags,
+results under benchmarks/results by default). Diagnostics and experiments are scripts of
+`benchmarks/` only, which reach the package through its installed import path."""
 import csv
 import importlib
 import importlib.util
@@ -52,7 +54,7 @@ def test_script_writes_its_csv_and_plot(tmp_path, script, csv_name, kinds):
         assert {"ms", "call_ms", "timing", "gb_per_s", "call_gb_per_s", "pct_of_copy", "copy_gb_per_s"} <= set(rows[0])
         assert all(r["timing"] == "perf_counter" and r["ms"] == r["call_ms"] for r in rows)
         assert all((r["gb_per_s"] == "") == (r["op"] == "linear_sub") for r in rows)
-        assert "of copy" in result.stdout and "target >= 85%" in result.stdout and "target >= 70%" in result.stdout
+        assert "of copy" in result.stdout and "target" not in result.stdout  # against baselines only
 
 
 def _bench_kernels_module():
@@ -61,14 +63,13 @@ def _bench_kernels_module():
     return revkernels.bench.kernels
 
 
-@pytest.mark.parametrize("part", ["kernels", "train", "petra", "overhead", "attention"])
+@pytest.mark.parametrize("part", ["kernels", "train", "petra", "overhead"])
 def test_script_is_a_thin_entry_point(part, monkeypatch, capsys):
     """benchmarks/bench_<part>.py takes the flags of `python -m revkernels.bench.<part>` (it runs the
     package's main), with benchmarks/results as the default --out. Both run in this process, as
     `python <script>` and `python -m` run them (runpy), to spare two interpreter starts per part."""
     def options(run):
         monkeypatch.setattr(sys, "argv", ["prog", "--help"])
-        monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the checkout first
         with pytest.raises(SystemExit) as exit, warnings.catch_warnings():
             # runpy notes that the module was imported before it ran as __main__; harmless here.
             warnings.filterwarnings("ignore", category=RuntimeWarning, module="runpy")
@@ -165,9 +166,9 @@ def test_kernels_cuda_summary(capsys):
     out = capsys.readouterr().out
     assert "CUDA-graph replay" in out and "per-call time" in out and "2.00x / 1.50x" in out
     assert "1.5000 ms*" in out  # the compile row that could not be captured
-    assert "coupling_sub         3000 GB/s = 85.7% of copy (triton)  target >= 85%: met" in out
-    assert "layer_norm_bwd_add   4000 GB/s = 114.3% of copy (triton)  target >= 70%: met" in out
-    assert "linear_sub           1.0 TFLOP/s" in out
+    assert "coupling_sub         3000 GB/s = 85.7% of copy (triton)\n" in out
+    assert "layer_norm_bwd_add   4000 GB/s = 114.3% of copy (triton)\n" in out
+    assert "linear_sub           1.0 TFLOP/s (triton; a GEMM: compute-bound)" in out and "target" not in out
 
 
 def test_config_sweep_needs_a_gpu_and_says_so():
@@ -179,9 +180,10 @@ def test_config_sweep_needs_a_gpu_and_says_so():
 
 
 HELP_ENTRY_POINTS = [f"revkernels.bench.{part}" for part in
-                     ("memory", "kernels", "train", "petra", "overhead", "attention", "host_profile", "__main__")] + [
+                     ("memory", "kernels", "train", "petra", "overhead", "__main__")] + [
     f"benchmarks/{script}.py" for script in
-    ("bench_drift", "bench_text", "profile_train", "readme_tables", "bench_petra_accuracy")]
+    ("bench_drift", "bench_text", "profile_train", "readme_tables", "bench_petra_accuracy", "bench_attention",
+     "profile_overhead", "profile_engine_floor", "profile_step_layers", "bench_compiler_stance", "overhead_targets")]
 
 
 def _entry_point(name):
@@ -206,6 +208,16 @@ def test_help_description_is_the_docstrings_first_paragraph(name, monkeypatch, c
     paragraph = " ".join(module.__doc__.strip().split("\n\n")[0].split())
     assert shown == paragraph
     assert shown.endswith("."), shown
+
+
+def test_the_package_ships_the_suite_and_the_scripts_use_the_installed_package():
+    """revkernels.bench holds the suite's parts and what they share, no diagnostics; no script of
+    benchmarks/ puts the checkout on sys.path (the package is installed, editable in a checkout)."""
+    shipped = {path.stem for path in (ROOT / "revkernels" / "bench").glob("*.py")}
+    assert shipped == {"__init__", "__main__", "helptext", "report", "memory", "train_step", "kernels", "train",
+                       "overhead", "petra"}
+    for script in (ROOT / "benchmarks").glob("*.py"):
+        assert "sys.path" not in script.read_text(), script.name
 
 
 def test_every_mutation_pattern_occurs_once_in_the_library():

@@ -1,7 +1,11 @@
-"""revkernels.bench.targets: the issues' CPU step targets checked against the overhead part's rows."""
+"""benchmarks/overhead_targets.py: the project's CPU step targets checked against the overhead part's
+rows (its CSV)."""
+import csv
 import math
 
-from revkernels.bench import targets
+from tests.benchmarks import load_script
+
+targets = load_script("overhead_targets")
 
 
 def _row(config, variant, ms, **quartiles):
@@ -50,3 +54,22 @@ def test_formats():
     assert targets.format_ratio(1.23456) == "1.235x" and targets.format_ratio(float("nan")) == "n/a"
     assert targets.format_ratio("") == "n/a"
     assert targets.format_spread(0.7449, 0.78) == "0.74-0.78" and targets.format_spread(float("nan"), 1.0) == "n/a"
+
+
+def test_cli_reads_the_overhead_csv(tmp_path, capsys):
+    rows = [_row("host_bound", "reversible_plain", 10.0),
+            _row("host_bound", "revkernels_sequential", 9.0, vs_reversible_plain_q1=1.05, vs_reversible_plain_q3=1.3)]
+    path = tmp_path / "overhead_cpu.csv"
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[1]))
+        writer.writeheader()
+        writer.writerows(rows)
+    assert targets.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "revkernels_sequential" in out and "1.111x (q1-q3 1.05-1.30)  target >= 1.2: missed" in out
+    with open(path, "w", newline="") as handle:  # a baseline alone: no target measured
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerow(rows[0])
+    assert targets.main([str(path)]) == 1
+    assert "no target" in capsys.readouterr().out

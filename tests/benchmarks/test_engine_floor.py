@@ -1,13 +1,15 @@
-"""The engine-floor comparison (revkernels/bench/engine_floor.py): the floor Function's grads
+"""The engine-floor comparison (benchmarks/profile_engine_floor.py): the floor Function's grads
 against plain autograd, the part's own grad check, and a CPU run of its CSV."""
 import csv
 
 import pytest
 import torch
 
-from revkernels.bench import engine_floor as ef
 from revkernels.bench import overhead as ov
+from tests.benchmarks import load_script
 from tests.helpers import assert_close_rel
+
+ef = load_script("profile_engine_floor")
 
 TINY = dict(depth=3, dim=16, heads=2, tokens=4, batch=2, threads=1)
 

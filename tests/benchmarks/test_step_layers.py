@@ -1,4 +1,4 @@
-"""The compiled step's host-time layers (revkernels/bench/step_layers.py): each layer computes what
+"""The compiled step's host-time layers (benchmarks/profile_step_layers.py): each layer computes what
 the step computes, and a CPU run writes its CSV."""
 import csv
 
@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from revkernels.bench import overhead as ov
-from revkernels.bench import step_layers as sl
+from tests.benchmarks import load_script
+
+sl = load_script("profile_step_layers")
 
 TINY = dict(depth=3, dim=16, heads=2, tokens=4, batch=2, threads=1)
 

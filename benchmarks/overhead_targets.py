@@ -1,10 +1,22 @@
-"""The CPU step targets of the fast-eager-path and compiled-runs issues, checked against the
-overhead part's step rows (`revkernels.bench.overhead`, ``overhead_cpu.csv``).
+"""The project's CPU step targets (the fast-eager-path and compiled-runs issues) checked against an
+overhead run's step rows.
 
-Standard library only: `benchmarks/readme_tables.py` loads this file by path to write the README's
-target table without importing torch.
+    python benchmarks/overhead_targets.py                              # benchmarks/results/overhead_cpu.csv
+    python benchmarks/overhead_targets.py revkernels-bench/overhead_cpu.csv
+
+Reads the CSV the overhead part writes (`python -m revkernels.bench.overhead`, or the `overhead` part
+of `python -m revkernels.bench`) and prints each target whose variant and baseline it measured: the
+speed (baseline ms / variant ms, medians), the quartiles of the per-round ratios, the target and
+whether it is met. Development targets, kept out of the benchmark's own output, which compares
+against baselines only. Standard library only.
 """
+import argparse
+import csv
 import math
+import os
+import sys
+
+RESULTS_CSV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "overhead_cpu.csv")
 
 # (configuration, variant, baseline, least speed = baseline ms / variant ms), each a ratio of the
 # medians of one run
@@ -57,3 +69,29 @@ def _as_float(value):
         return float(value)
     except (TypeError, ValueError):
         return float("nan")
+
+
+def report(rows):
+    """The target table's lines for `rows` (none when no target was measured)."""
+    return [f"{t['config']:<14} {t['variant']:<30} vs {t['baseline']:<17} {format_ratio(t['speed']):>7} "
+            f"(q1-q3 {format_spread(t['q1'], t['q3'])})  target >= {t['target']}: {t['status']}"
+            for t in target_rows(rows)]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python benchmarks/overhead_targets.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("csv", nargs="?", default=RESULTS_CSV, help=f"the overhead part's step CSV (default: {RESULTS_CSV})")
+    args = parser.parse_args(argv)
+    with open(args.csv, newline="") as handle:
+        lines = report(list(csv.DictReader(handle)))
+    if not lines:
+        print(f"{args.csv}: no target's variant and baseline measured")
+        return 1
+    print(f"CPU step targets against {args.csv} (speed = baseline ms / variant ms, medians; q1-q3: quartiles of "
+          "the per-round ratios)")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
