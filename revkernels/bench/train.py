@@ -361,7 +361,7 @@ def run(args):
                     **timing(variant, ms, first), "images_per_s": "", "peak_mib": peak, "transient_mib": transient},
                    f"depth {depth} batch {batch} {variant}")
 
-    # The issues' target points first (ViT-B 32/128, ViT-L 32, the RevNets, the depth sweep), the
+    # The headline points first (ViT-B 32/128, ViT-L 32, the RevNets, the depth sweep), the
     # small batches last, so a run stopped by a time limit has measured what matters most.
     transformers = [(transformer, (name, batch)) for name in models for batch in batches[name]]
     jobs = [job for job in transformers if job[1][1] >= 32] + [(revnet, (config,)) for config in revnets] + \
