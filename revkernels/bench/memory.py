@@ -10,7 +10,7 @@ depths 4 8) are such problems; on CUDA, width 768 and 32 x 197 rows (ViT-B at ba
     python -m revkernels.bench.memory [--quick] [--device cpu|cuda] [--depths ...] [--out DIR]
     python -m revkernels.bench --parts memory      # as a part of the benchmark suite
 
-Results: train_step_<device>.csv/.png under --out (the README's "Why: memory from a real run" table).
+Results: train_step_<device>.csv/.png under --out (the README's memory table comes from this CSV).
 """
 import argparse
 import os
