@@ -44,6 +44,7 @@ from revkernels.bench import overhead as ov
 from revkernels.bench.helptext import description
 from revkernels.bench.report import check_out_folder, provenance, write_csv
 from revkernels.engine.sequential import block_grads
+from revkernels.reference import Coupling
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 VARIANTS = ("reversible_plain", "floor", "floor_block_steps", "revkernels_generic_sequential")
@@ -56,8 +57,7 @@ class FloorRun(torch.autograd.Function):
     @staticmethod
     def forward(ctx, blocks, param_lists, block_steps, x1, x2, *params):
         for block in blocks:
-            x1 = x1 + block.f(x2)
-            x2 = x2 + block.g(x1)
+            x1, x2 = Coupling.forward(block, x1, x2)  # the coupling of revkernels.reference on the block's F, G
         ctx.blocks, ctx.param_lists, ctx.block_steps = blocks, param_lists, block_steps
         ctx.save_for_backward(x1, x2)
         return x1, x2
@@ -122,15 +122,14 @@ def _blocks_of(model):
 
 def check_grads(models, x, device):
     """Raises RuntimeError unless every model's parameter grads match plain autograd's through
-    its own blocks (``x1 + F(x2)``, ``x2 + G(y1)`` written out)."""
+    its own blocks (`revkernels.reference.Coupling`'s forward on each block's F and G)."""
     for variant, model in models.items():
         ours = _grads(model, lambda: ov.train_step(model, x, device))
 
         def plain():
             x1 = x2 = x.detach().requires_grad_()
             for block in _blocks_of(model):
-                x1 = x1 + block.f(x2)
-                x2 = x2 + block.g(x1)
+                x1, x2 = Coupling.forward(block, x1, x2)
             ov.loss_of((x1 + x2) * 0.5).backward()
 
         for i, (got, want) in enumerate(zip(ours, _grads(model, plain), strict=True)):
