@@ -123,12 +123,13 @@ mutation("engine_param_grads_counted_twice", SEQ,
          "param_grads[k] = grad if param_grads[k] is None else param_grads[k] + grad",
          "param_grads[k] = 2 * grad if param_grads[k] is None else param_grads[k] + grad", f"{T_SEQ} -k equal_plain")
 mutation("engine_keeps_block_activations_on_ctx", SEQ,
-         "                states.append(state)\n",
-         "                states.append(state)\n                state.kept = (x1.clone(), x2.clone())\n",
+         "        y1, y2, ctx.states, ctx.monitor = forward(seq, x1, x2, context)\n",
+         "        y1, y2, ctx.states, ctx.monitor = forward(seq, x1, x2, context)\n"
+         "        ctx.kept = [t.clone() for _ in seq.blocks for t in (x1, x2)]\n",
          "tests/engine/test_memory.py")
 mutation("engine_saves_every_block_output", SEQ,
-         "        save_with_context(ctx, context, x1, x2)\n",
-         "        save_with_context(ctx, context, x1, x2, *[torch.zeros_like(x1) for _ in states])\n",
+         "        save_with_context(ctx, context, y1, y2)\n",
+         "        save_with_context(ctx, context, y1, y2, *[torch.zeros_like(y1) for _ in ctx.states])\n",
          "tests/engine/test_memory.py")
 mutation("engine_no_rng_state_per_block", REV,
          "        rng_f = RngState(devices) if keep else None\n        fx2 = self.f(", "        rng_f = None\n        fx2 = self.f(",
@@ -284,7 +285,7 @@ mutation("direct_step_calls_start_no_generation", "revkernels/engine/compiled.py
 mutation("random_branch_steps_always_static", "revkernels/engine/compiled.py",
          "if name in any_shape and _any_shape(block)", "if False",
          "tests/engine/test_compiled.py -k take_any_shape")
-mutation("context_keyword_nobody_uses_accepted", REV,
+mutation("context_keyword_nobody_uses_accepted", STATE,
          "    if unused:\n        return (", "    if False:\n        return (",
          "tests/nn/test_revtransformer.py -k no_branch_uses")
 mutation("block_hooks_fire_without_a_graph", SEQ,
@@ -474,6 +475,21 @@ mutation("budget_measurement_draws_from_the_stream", BUDGET,
 mutation("budget_plan_ignores_training_flags", BUDGET,
          "            tuple(m.training for m in modules), ctx)", "            (), ctx)",
          T_BUDGET + " -k once_per_signature")
+mutation("reference_vjp_skips_g_path", "revkernels/reference.py", "            dy1 = dy1 + _grad_of(y1)\n",
+         "            dy1 = dy1\n", "tests/test_reference.py")
+mutation("reference_half_coupling_drops_dy1", "revkernels/reference.py", "dy2, dy1 + _grad_of(x2)", "dy2, _grad_of(x2)",
+         "tests/test_reference.py")
+mutation("reference_recompute_without_autocast", "revkernels/reference.py", "enabled=ctx.autocast)", "enabled=False)",
+         "tests/test_reference.py -k autocast")
+mutation("bench_petra_bound_from_profile", "revkernels/bench/petra.py",
+         '    bound = times["revbackprop_1thread"] / compute_s\n',
+         '    bound = times["revbackprop_1thread"] / (max(group_ms) / 1e3)\n',
+         "tests/benchmarks/test_bench_petra.py -k returns_its_rows")
+mutation("eps_bool_accepted", "revkernels/ops/_library.py",
+         "    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):", "    if not isinstance(eps, numbers.Real):",
+         "tests/test_dependencies.py")
+mutation("bench_memory_quick_hides_peak", "revkernels/bench/memory.py", "(2048 if args.quick else 1024)",
+         "(256 if args.quick else 1024)", "tests/benchmarks/test_bench_suite.py -k quick_kernels_and_memory")
 mutation("cuda_cpp_schema_without_the_public_defaults", "csrc/ops/batch_norm_cuda.cpp",
          "float eps=1e-05, bool relu=True) ", "float eps, bool relu) ",
          "tests/ops/test_dispatch.py -k cuda_cpp_ops_take")

@@ -12,7 +12,7 @@ call with a cost per call that short sequences do not amortise. Beyond the limit
 formula's lead shrinks while its scores (batch x heads x queries x keys) grow with the square of
 the length, and each call's scores may land on fresh pages (glibc returns large blocks to the
 system unless told otherwise), so longer sequences keep the flash kernel and its memory linear in
-the length. ``python -m revkernels.bench.attention`` measures both ways of a compiled forward +
+the length. ``python benchmarks/bench_attention.py`` measures both ways of a compiled forward +
 backward across sequence lengths (``benchmarks/results/attention_cpu.csv``). Eager code, and
 every other device, call ``F.scaled_dot_product_attention`` unchanged. Both ways compute the same
 function; they differ by fp32 rounding (~1e-7 relative). bf16/fp16 q, k, v (under autocast) go

@@ -218,10 +218,10 @@ def test_bad_streams_name_the_argument(entry, which, grads, bad, width, batch, e
 
 
 @fuzz(40)
-@given(engine=st.one_of(st.text(max_size=10), st.sampled_from([None, 1, "Sequential", "auto"])))
+@given(engine=st.one_of(st.text(max_size=10), st.sampled_from([None, 1, "Sequential", "Auto", "auto "])))
 def test_bad_engine_and_blocks(engine):
     block = rk.nn.ReversibleBlock(nn.Identity(), nn.Identity())
-    if engine not in rk.engine.ENGINES:
+    if engine not in rk.engine.ENGINES and engine != rk.engine.AUTO:
         with pytest.raises(ValueError, match="engine"):
             rk.nn.ReversibleSequential(block, engine=engine)
     with pytest.raises(TypeError, match=r"blocks\[1\]"):
