@@ -44,12 +44,18 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _own_dynamo_caches():
+def _own_dynamo_caches_and_one_thread():
     # The compiled engine shares its steps between runs with equal options and block signatures:
     # within this module they compile once per kind. Graphs compiled by other modules' tests must
     # not count towards a structure's recompile limit, nor ours towards theirs.
+    # One intra-op thread: the toy sizes gain nothing from two, and on a busy 2-core machine two
+    # threads wait on each other in every parallel region (the file took 4-7x longer). Every
+    # comparison here is within the process, so the reduction order is the reference's too.
+    threads = torch.get_num_threads()
     torch._dynamo.reset()
+    torch.set_num_threads(1)
     yield
+    torch.set_num_threads(threads)
     torch._dynamo.reset()
 
 
