@@ -2,8 +2,8 @@
 "What the memory-saving engines guarantee") x every engine x every block kind.
 
 Engines: "autograd" (the reference engine, checked too), "sequential", "pareprop", "graphs"
-(both run the sequential schedule eagerly on CPU), "compiled" (aot_eager steps), "auto" (the
-default) and "torch.compile" (the run under ``torch.compile(fullgraph=True)``: the opaque op
+(both run the sequential schedule eagerly on CPU), "compiled" (aot_eager steps; its rows check that
+the blocks ran compiled steps, not the eager ones it falls back to), "auto" (the default) and "torch.compile" (the run under ``torch.compile(fullgraph=True)``: the opaque op
 ``revkernels::reversible_run``, engine "sequential" inside). Block kinds: a generic
 `ReversibleBlock(F, G)` of MLP branches, a `HalfCouplingBlock(F)`, a `RevViTBlock`, a causal
 `RevTransformerBlock` with residual dropout and a padding mask (``attn_mask`` context keyword) and
