@@ -4,9 +4,35 @@ Without it every `torch.ops.revkernels.*` op still exists: `revkernels.ops` regi
 pure-PyTorch reference for the devices the library does not cover.
 """
 import importlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
 import warnings
 
 import torch  # noqa: F401  (loads libtorch/libc10, which _C links against)
+
+
+def _load_library_file(path):
+    """Imports the op library at `path` as revkernels._C (REVKERNELS_C_LIBRARY: another build of it,
+    such as scripts/sanitize.sh's). A library that will not load is an error here, not a fallback:
+    the variable asks for that build. (A revkernels._C already in sys.modules, or a None placed
+    there to hide it, is left alone.)"""
+    if "revkernels._C" in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location("revkernels._C", path)
+    if spec is None or not isinstance(spec.loader, importlib.machinery.ExtensionFileLoader):
+        raise RuntimeError(f"revkernels: REVKERNELS_C_LIBRARY={path!r} is not a shared library (*.so) to import")
+    try:
+        module = importlib.util.module_from_spec(spec)  # runs PyInit__C: registers the ops
+    except ImportError as error:
+        raise RuntimeError(f"revkernels: REVKERNELS_C_LIBRARY={path!r} could not be loaded: {error}") from error
+    sys.modules["revkernels._C"] = module
+    spec.loader.exec_module(module)
+
+
+if os.environ.get("REVKERNELS_C_LIBRARY"):
+    _load_library_file(os.environ["REVKERNELS_C_LIBRARY"])
 
 try:
     # (importing registers the C++ ops with torch; `from revkernels import _C` would blame a

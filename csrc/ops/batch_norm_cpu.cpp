@@ -15,7 +15,7 @@
 
 #include "../cpu/vec_kernels.h"
 #include "../kernels/batch_norm.h"
-#include "coupling_layout.h"  // scalar_kind
+#include "coupling_layout.h"  // scalar_kind, element_aligned
 
 namespace revkernels {
 
@@ -74,12 +74,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_op(const at::Tenso
   TORCH_CHECK_VALUE(x.device().is_cpu(), "revkernels: x must be a CPU tensor here");
 
   const auto acc_dtype = x_kind == ScalarKind::Float64 ? at::kDouble : at::kFloat;
-  const at::Tensor xl = laid_out(x);
+  const at::Tensor xl = element_aligned(laid_out(x));
   at::Tensor out = at::empty_like(xl);
   at::Tensor mean = at::empty({c}, x.options().dtype(acc_dtype));
   at::Tensor rstd = at::empty({c}, x.options().dtype(acc_dtype));
   const BnView xv = view_of(xl), ov = view_of(out);
-  const at::Tensor w = weight.to(acc_dtype).contiguous(), b = bias.to(acc_dtype).contiguous();
+  const at::Tensor w = acc_vector(weight, acc_dtype), b = acc_vector(bias, acc_dtype);
   const int64_t per_channel = std::max<int64_t>(1, xv.n * xv.s);
   const CpuKernels& kernels = cpu_kernels();
   at::parallel_for(0, c, std::max<int64_t>(1, kGrainSize / per_channel), [&](int64_t begin, int64_t end) {
@@ -111,13 +111,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_bwd_op(
   TORCH_CHECK_VALUE(x.device().is_cpu(), "revkernels: x must be a CPU tensor here");
 
   const auto acc_dtype = x_kind == ScalarKind::Float64 ? at::kDouble : at::kFloat;
-  const at::Tensor xl = laid_out(x), dl = laid_out(dout);
+  const at::Tensor xl = element_aligned(laid_out(x)), dl = element_aligned(laid_out(dout));
   at::Tensor dx = at::empty_like(xl);
   const at::Tensor dweight_acc = at::empty({c}, x.options().dtype(acc_dtype));
   const at::Tensor dbias_acc = at::empty({c}, x.options().dtype(acc_dtype));
   const BnView xv = view_of(xl), dv = view_of(dl), dxv = view_of(dx);
-  const at::Tensor w = weight.to(acc_dtype).contiguous(), b = bias.to(acc_dtype).contiguous();
-  const at::Tensor mu = mean.to(acc_dtype).contiguous(), rs = rstd.to(acc_dtype).contiguous();
+  const at::Tensor w = acc_vector(weight, acc_dtype), b = acc_vector(bias, acc_dtype);
+  const at::Tensor mu = acc_vector(mean, acc_dtype), rs = acc_vector(rstd, acc_dtype);
   const int64_t per_channel = std::max<int64_t>(1, xv.n * xv.s);
   const CpuKernels& kernels = cpu_kernels();
   at::parallel_for(0, c, std::max<int64_t>(1, kGrainSize / per_channel), [&](int64_t begin, int64_t end) {

@@ -15,7 +15,7 @@
 
 #include "../cpu/vec_kernels.h"
 #include "../kernels/bias_gelu.h"
-#include "coupling_layout.h"  // scalar_kind
+#include "coupling_layout.h"  // scalar_kind, element_aligned
 
 namespace revkernels {
 
@@ -86,8 +86,8 @@ at::Tensor bias_gelu_cpu_impl(const at::Tensor& x, const at::Tensor& bias, c10::
   const BiasGeluArgs args = bias_gelu_args(nullptr, x, bias, approximate);
   at::Tensor out = at::empty(x.sizes(), x.options());
   if (out.numel() == 0) return out;
-  const at::Tensor x2 = bias_gelu_rows_view(x, args.n);
-  const at::Tensor b = bias.contiguous();
+  const at::Tensor x2 = element_aligned(bias_gelu_rows_view(x, args.n));
+  const at::Tensor b = element_aligned(bias.contiguous());
   const CpuKernels& kernels = cpu_kernels();
   at::parallel_for(0, args.rows, grain_rows(args.n), [&](int64_t begin, int64_t end) {
     kernels.bias_gelu(out.data_ptr(), x2.const_data_ptr(), args.x_kind, x2.stride(0), b.const_data_ptr(),
@@ -106,9 +106,9 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd_cpu_impl(const at::Tensor& dy, 
   at::Tensor dbias = at::empty({args.n}, bias.options());
   if (args.n == 0) return {dx, dbias};
   if (args.rows == 0) return {dx, dbias.zero_()};
-  const at::Tensor x2 = bias_gelu_rows_view(x, args.n);
-  const at::Tensor dy2 = bias_gelu_rows_view(dy, args.n);
-  const at::Tensor b = bias.contiguous();
+  const at::Tensor x2 = element_aligned(bias_gelu_rows_view(x, args.n));
+  const at::Tensor dy2 = element_aligned(bias_gelu_rows_view(dy, args.n));
+  const at::Tensor b = element_aligned(bias.contiguous());
   const int64_t rows_per_chunk = bias_gelu_bwd_rows_per_chunk(args.rows, args.n);
   const int64_t chunks = (args.rows + rows_per_chunk - 1) / rows_per_chunk;
   dispatch_float_pair(args.x_kind, args.bias_kind, [&](auto acc_tag, auto, auto bias_tag) {

@@ -11,10 +11,11 @@ namespace {
 
 constexpr int64_t kGrainSize = 32768;
 
-at::Tensor coupling_axpy_cpu_impl(const at::Tensor& a, const char* a_name, const at::Tensor& b,
+at::Tensor coupling_axpy_cpu_impl(const at::Tensor& a_in, const char* a_name, const at::Tensor& b_in,
                                   const char* b_name, double alpha) {
-  check_coupling_args(a, a_name, b, b_name);
-  TORCH_CHECK_VALUE(a.device().is_cpu(), "revkernels: ", a_name, " must be a CPU tensor here");
+  check_coupling_args(a_in, a_name, b_in, b_name);
+  TORCH_CHECK_VALUE(a_in.device().is_cpu(), "revkernels: ", a_name, " must be a CPU tensor here");
+  const at::Tensor a = element_aligned(a_in), b = element_aligned(b_in);
   at::Tensor out = at::empty_like(a);
   if (out.numel() == 0) return out;
   CouplingLayout layout;

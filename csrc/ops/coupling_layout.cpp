@@ -1,6 +1,7 @@
 #include "coupling_layout.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <numeric>
 #include <vector>
 
@@ -21,6 +22,16 @@ ScalarKind scalar_kind(const at::Tensor& t, const char* name) {
       TORCH_CHECK_TYPE(false, "revkernels: ", name, " must be float32, float64, float16 or bfloat16, got ",
                        t.scalar_type());
   }
+}
+
+at::Tensor element_aligned(const at::Tensor& t) {
+  if (!t.defined() || t.numel() == 0) return t;
+  const auto address = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  return address % static_cast<uintptr_t>(t.element_size()) == 0 ? t : t.clone();
+}
+
+at::Tensor acc_vector(const at::Tensor& t, at::ScalarType acc_dtype) {
+  return element_aligned(t.to(acc_dtype).contiguous());
 }
 
 void check_coupling_args(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name) {

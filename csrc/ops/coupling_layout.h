@@ -14,6 +14,17 @@ void check_defined(const at::Tensor& t, const char* name);
 // The dtype of `t`; TypeError naming `name` unless it is defined and a float dtype the kernels take.
 ScalarKind scalar_kind(const at::Tensor& t, const char* name);
 
+// `t`, or a copy of it where its data pointer is not a multiple of its element size (torch allows
+// that: torch.frombuffer over a byte buffer at an odd offset, a numpy array over an unaligned
+// buffer). The CPU kernels access elements through typed pointers, which C++ requires aligned to
+// their type, so every tensor the glue hands them passes through here. The copy keeps t's strides
+// where t is dense (clone's preserve_format).
+at::Tensor element_aligned(const at::Tensor& t);
+
+// A 1-d parameter or statistic (weight, bias, mean, rstd) as the CPU kernels read it: in the
+// accumulation type `acc_dtype`, contiguous and element-aligned (t itself where it already is all three).
+at::Tensor acc_vector(const at::Tensor& t, at::ScalarType acc_dtype);
+
 // Checks the arguments of out = a + alpha * b: same shape and device, float dtypes.
 void check_coupling_args(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name);
 

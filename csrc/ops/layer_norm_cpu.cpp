@@ -19,7 +19,7 @@
 
 #include "../cpu/vec_kernels.h"
 #include "../kernels/layer_norm.h"
-#include "coupling_layout.h"  // scalar_kind
+#include "coupling_layout.h"  // scalar_kind, element_aligned
 
 namespace revkernels {
 namespace {
@@ -100,8 +100,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sub_layer_norm_op(
   const int64_t rows = y.numel() / n;
   if (rows == 0) return {x, ln, mean, rstd};
 
-  const at::Tensor y_rows = as_rows(y, rows, n), g_rows = as_rows(g, rows, n);
-  const at::Tensor w = weight.to(acc_options.dtype()).contiguous(), b = bias.to(acc_options.dtype()).contiguous();
+  const at::Tensor y_rows = element_aligned(as_rows(y, rows, n)), g_rows = element_aligned(as_rows(g, rows, n));
+  const at::Tensor w = acc_vector(weight, acc_options.dtype().toScalarType()),
+                   b = acc_vector(bias, acc_options.dtype().toScalarType());
   const CpuKernels& kernels = cpu_kernels();
   const bool stream = stream_outputs(y.numel() * (3 * y.element_size() + g.element_size()));  // y, g in; x, ln out
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrainSize / n), [&](int64_t begin, int64_t end) {
@@ -157,9 +158,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_add_op(
     return {dx, dweight, dbias};
   }
 
-  const at::Tensor dln_rows = as_rows(dln, rows, n), x_rows = as_rows(x, rows, n), dres_rows = as_rows(dres, rows, n);
-  const at::Tensor w = weight.to(acc_dtype).contiguous();
-  const at::Tensor mu = mean.to(acc_dtype).contiguous(), rs = rstd.to(acc_dtype).contiguous();
+  const at::Tensor dln_rows = element_aligned(as_rows(dln, rows, n)), x_rows = element_aligned(as_rows(x, rows, n));
+  const at::Tensor dres_rows = element_aligned(as_rows(dres, rows, n));
+  const at::Tensor w = acc_vector(weight, acc_dtype);
+  const at::Tensor mu = acc_vector(mean, acc_dtype), rs = acc_vector(rstd, acc_dtype);
   const int64_t rows_per_block = ceil_div(rows, std::min(kMaxRowBlocks, ceil_div(rows, kMinRowsPerBlock)));
   const int64_t num_blocks = ceil_div(rows, rows_per_block);
   const at::Tensor partials = at::empty({2, num_blocks, n}, x.options().dtype(acc_dtype));
