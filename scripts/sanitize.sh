@@ -19,6 +19,7 @@
 #   bash scripts/sanitize.sh            # after scripts/setup.sh (uses .venv)
 #   MAX_JOBS=4 bash scripts/sanitize.sh # build jobs (default 2)
 #   SANITIZE_ISAS="avx2" bash scripts/sanitize.sh   # steps 2-4 under these ISAs only
+#   SANITIZE_QUICK=1 bash scripts/sanitize.sh       # steps 2-3 under the widest ISA only (CI)
 #
 # Time on a 2-core machine: about 4 minutes to build from scratch (the four builds of
 # cpu/vec_kernels.cpp are most of it; -O0, see CMakeLists.txt), then about 1 minute of ctest and
@@ -66,6 +67,9 @@ for isa in ${SANITIZE_ISAS:-default avx2 avx512}; do
 done
 [ "${#isas[@]}" -gt 0 ] || { echo "sanitize.sh: none of the ISAs ${SANITIZE_ISAS:-} runs on this CPU" >&2; exit 1; }
 widest=${isas[${#isas[@]}-1]}
+# SANITIZE_QUICK=1: the widest ISA only. The others still run in step 3's test_cpu_isa.py subprocesses
+# and in test_cpu_vec_ops, which calls every build directly.
+if [ "${SANITIZE_QUICK:-0}" = 1 ]; then isas=("$widest"); fi
 
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 # Python with the sanitized library as revkernels._C; ISA in $1.
