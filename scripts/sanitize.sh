@@ -21,10 +21,11 @@
 #   SANITIZE_ISAS="avx2" bash scripts/sanitize.sh   # steps 2-4 under these ISAs only
 #   SANITIZE_QUICK=1 bash scripts/sanitize.sh       # steps 2-3 under the widest ISA only (CI)
 #
-# Time on a 2-core machine: about 4 minutes to build from scratch (the four builds of
-# cpu/vec_kernels.cpp are most of it; -O0, see CMakeLists.txt), then about 1 minute of ctest and
-# 2.5 minutes for tests/ops, plus about 1 minute for each narrower ISA; a rebuild after a change
-# compiles only what changed.
+# Time on a 2-core x86-64 machine with AVX-512: 3 minutes to build from scratch (the four builds of
+# cpu/vec_kernels.cpp are most of it; -O0, see CMakeLists.txt), then 10 s of ctest per ISA, 1.5
+# minutes for tests/ops and under 1 minute for the narrower ISAs together: 6 minutes in all (4.5
+# with SANITIZE_QUICK=1), longer where other jobs share the cores. A rebuild after a change compiles
+# only what changed.
 #
 # Python runs with LD_PRELOAD of the libasan the library links (the runtime must be loaded before
 # anything else; python itself is not instrumented) and of libstdc++ (without it ASan's
