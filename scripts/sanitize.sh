@@ -57,7 +57,9 @@ runtime() {  # the path of the shared library $1 (libasan, libstdc++) that the o
   [ -n "$path" ] || { echo "sanitize.sh: $library does not link $1" >&2; exit 1; }
   echo "$path"
 }
-preload="$(runtime libasan.so) $(runtime libstdc++.so)"
+asan=$(runtime libasan.so)  # (one per assignment: set -e stops at a failed one)
+stdcxx=$(runtime libstdc++.so)
+preload="$asan $stdcxx"
 
 # The ISAs to run: those named, else every one ATen runs on this CPU (ATEN_CPU_CAPABILITY lowers
 # ATen's choice only; a value the CPU lacks leaves the widest it has).
@@ -67,7 +69,7 @@ for isa in ${SANITIZE_ISAS:-default avx2 avx512}; do
   if [ "$got" = "$isa" ]; then isas+=("$isa"); else echo "sanitize.sh: this CPU does not run $isa (ATen picks $got): skipped"; fi
 done
 [ "${#isas[@]}" -gt 0 ] || { echo "sanitize.sh: none of the ISAs ${SANITIZE_ISAS:-} runs on this CPU" >&2; exit 1; }
-widest=${isas[${#isas[@]}-1]}
+widest=${isas[${#isas[@]}-1]}  # (the last: SANITIZE_ISAS lists them narrowest first)
 # SANITIZE_QUICK=1: the widest ISA only. The others still run in step 3's test_cpu_isa.py subprocesses
 # and in test_cpu_vec_ops, which calls every build directly.
 if [ "${SANITIZE_QUICK:-0}" = 1 ]; then isas=("$widest"); fi
