@@ -28,7 +28,7 @@ import numbers
 
 import torch
 
-from revkernels.engine.structure import LRU, buffers_kept, cached, recompute_context
+from revkernels.engine.structure import LRU, buffers_kept, cached, recompute_context, unique_params
 
 MAX_PLANS = 8  # input signatures whose plan a run keeps
 
@@ -180,3 +180,46 @@ class Plans:
             budget_bytes = int(budget * sum(block_bytes)) if isinstance(budget, float) else budget
             made = plans[budget] = plan(blocks, budget_bytes, block_bytes)
         return made
+
+
+def plan_of(seq, x1, x2, context):
+    """The `MemoryPlan` of a call of `seq` (a ReversibleSequential) with these inputs, measured once
+    per input signature (`Plans`)."""
+    return _budget_state(seq)[0].get(seq.memory_budget, seq.blocks, x1, x2, context, unique_params(seq.blocks))
+
+
+def _budget_state(seq):
+    # [Plans, {k: head run}], kept in the instance dict: out of the module tree and its state
+    state = seq.__dict__.get("_budget")
+    if state is None:
+        state = seq.__dict__["_budget"] = [Plans(), {}]
+    return state
+
+
+def _head_run(seq, k):
+    """A run of blocks[:k] (the same modules) with `seq`'s settings: the memory-saving node of a run
+    with a budget."""
+    heads = _budget_state(seq)[1]
+    head = heads.get(k)
+    if head is None:
+        head = heads[k] = seq._run_of(seq.blocks[:k])
+    head.engine, head.preserve_rng_state = seq.engine, seq.preserve_rng_state
+    head.compile_options = seq.compile_options
+    if "reconstruction_monitor" in seq.__dict__:
+        head.reconstruction_monitor = seq.reconstruction_monitor
+    return head
+
+
+def run_within_budget(seq, x1, x2, context):
+    """(y1, y2) of `seq` with the kept blocks run under plain autograd after the memory-saving node
+    of the others; None when the plan keeps no block."""
+    k = plan_of(seq, x1, x2, context).first_kept
+    if k == len(seq.blocks):
+        return None
+    if k:
+        head = _head_run(seq, k)
+        x1, x2 = head.forward(x1, x2, **context)
+        seq.engine_in_use = head.engine_in_use
+    for block in seq.blocks[k:]:
+        x1, x2 = block(x1, x2, **context)
+    return x1, x2

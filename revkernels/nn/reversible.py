@@ -358,43 +358,15 @@ class ReversibleSequential(nn.Module):
         """The `revkernels.engine.budget.MemoryPlan` a call with these inputs runs under: which
         blocks keep their activations, the bytes each would save, the budget in bytes and the
         rebuilds saved (``print`` it). Measured once per input signature, then cached."""
+        from revkernels.engine.budget import plan_of
+
         check_streams(x1, x2)
-        return self._plan(x1, x2, context)
+        return plan_of(self, x1, x2, context)
 
-    def _plan(self, x1, x2, context):
-        budget = self.__dict__.get("_budget")
-        if budget is None:
-            from revkernels.engine.budget import Plans
-
-            budget = self.__dict__["_budget"] = [Plans(), {}]  # (kept out of the module tree and state)
-        return budget[0].get(self._memory_budget, self.blocks, x1, x2, context, unique_params(self.blocks))
-
-    def _rebuilt_run(self, k):
-        """A run of blocks[:k] (the same modules) with this run's settings: the memory-saving node of
-        a run with a budget."""
-        heads = self.__dict__["_budget"][1]
-        head = heads.get(k)
-        if head is None:
-            head = heads[k] = ReversibleSequential(*self.blocks[:k])
-        head.engine, head.preserve_rng_state = self._engine_name, self.preserve_rng_state
-        head.compile_options = self.compile_options
-        if "reconstruction_monitor" in self.__dict__:
-            head.reconstruction_monitor = self.reconstruction_monitor
-        return head
-
-    def _run_within_budget(self, x1, x2, context):
-        """(y1, y2) with the kept blocks run under plain autograd after the node of the others; None
-        when the plan keeps no block."""
-        k = self._plan(x1, x2, context).first_kept
-        if k == len(self.blocks):
-            return None
-        if k:
-            head = self._rebuilt_run(k)
-            x1, x2 = head.forward(x1, x2, **context)
-            self.engine_in_use = head.engine_in_use
-        for block in self.blocks[k:]:
-            x1, x2 = block(x1, x2, **context)
-        return x1, x2
+    def _run_of(self, blocks):
+        """A plain run of `blocks` (modules of this run): the memory-saving head of a run with a
+        budget (`revkernels.engine.budget.run_within_budget` gives it this run's settings)."""
+        return ReversibleSequential(*blocks)
 
     def __len__(self):
         return len(self.blocks)
@@ -427,7 +399,9 @@ class ReversibleSequential(nn.Module):
             check_members(self.blocks)
             if context:
                 check_context(self, self.blocks, context)
-            out = self._run_within_budget(x1, x2, context)
+            from revkernels.engine.budget import run_within_budget
+
+            out = run_within_budget(self, x1, x2, context)
             if out is not None:
                 return out
         run = self._engine_fn
