@@ -5,6 +5,7 @@ grows when a whole run is rebuilt from its output (what the engines' backward do
 sequential and pareprop engines compare each rebuilt block input with a small sample of the
 forward's and warn past a threshold."""
 import contextlib
+import functools
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -24,8 +25,10 @@ def _max_abs(t):
 
 def _relative_error(rebuilt, exact):
     exact64 = exact.double()
-    scale = _max_abs(exact64).clamp_min(torch.finfo(exact.dtype).tiny)
-    return (_max_abs(rebuilt.double() - exact64) / scale).item()
+    # (exact mode's int64 streams: the difference is taken exactly, before any rounding)
+    diff = rebuilt.double() - exact64 if exact.is_floating_point() else (rebuilt - exact).double()
+    scale = _max_abs(exact64).clamp_min(torch.finfo(exact.dtype if exact.is_floating_point() else torch.float64).tiny)
+    return (_max_abs(diff) / scale).item()
 
 
 @dataclass
@@ -35,11 +38,14 @@ class ReversibilityReport:
     `block_errors[i]`: block i inverted from its own exact output (local error).
     `chained_errors[i]`: the input of block i rebuilt from the run's final output (what a
     memory-saving backward sees; errors compound through the blocks after i).
+    `exact`: a run in exact mode (its int64 streams compared: every error is 0.0 unless a branch
+    does not recompute its forward's bits).
     """
 
     dtype: torch.dtype
     block_errors: list = field(default_factory=list)
     chained_errors: list = field(default_factory=list)
+    exact: bool = False
 
     @property
     def max_error(self):
@@ -48,7 +54,8 @@ class ReversibilityReport:
         return math.nan if any(map(math.isnan, errors)) else max(errors, default=0.0)
 
     def __str__(self):
-        lines = [f"reversibility ({self.dtype}): relative max-abs error of the rebuilt input",
+        mode = ", exact mode" if self.exact else ""
+        lines = [f"reversibility ({self.dtype}{mode}): relative max-abs error of the rebuilt input",
                  f"{'block':>5}  {'local x1':>10}  {'local x2':>10}  {'chained x1':>10}  {'chained x2':>10}"]
         for i, (local, chained) in enumerate(zip(self.block_errors, self.chained_errors)):
             lines.append(f"{i:>5}  {local[0]:>10.2e}  {local[1]:>10.2e}  {chained[0]:>10.2e}  {chained[1]:>10.2e}")
@@ -61,7 +68,11 @@ def check_reversibility(module, x1, x2, **context):
     and reports the reconstruction error per block. Randomness is replayed exactly and BatchNorm
     running statistics are left untouched, and buffers a forward changes (an EMA, a counter) are
     put back, so the check changes no module state. `context`: the
-    keywords of every F and G, as in ``seq(x1, x2, **context)``."""
+    keywords of every F and G, as in ``seq(x1, x2, **context)``.
+
+    A run in exact mode (``exact=True``) is checked on its fixed-point streams: the report's
+    errors are 0.0, and a block whose error is not names a branch that does not recompute the
+    same bits from the same input (a kernel with atomics, randomness not declared)."""
     if isinstance(module, ReversibleBlock):
         blocks = [module]
     elif isinstance(module, ReversibleSequential):
@@ -73,7 +84,16 @@ def check_reversibility(module, x1, x2, **context):
     if context:
         check_context(module, blocks, context)
     with_context = {"context": context} if context else {}  # without: the steps' pre-context signature
-    report = ReversibilityReport(dtype=x1.dtype)
+    streams = module.fixed_point_streams(x1.dtype) if isinstance(module, ReversibleSequential) else None
+    report = ReversibilityReport(dtype=x1.dtype, exact=streams is not None)
+    if streams is None:
+        steps = [None] * len(blocks)
+        inverse = [functools.partial(block.inverse, **with_context) for block in blocks]
+    else:  # exact mode: the int64 streams, stepped and inverted by the exact steps
+        steps = streams.steps(blocks)
+        inverse = [functools.partial(step.inverse, context=context) for step in steps]
+        (_, x1), (_, x2) = streams.enter(x1), streams.enter(x2)
+        streams.raise_on_overflow()
     inputs, states = [], []
     rng_before = torch.get_rng_state()
     # (buffers_kept: the buffers the forwards change are put back after, the same tensors)
@@ -81,18 +101,20 @@ def check_reversibility(module, x1, x2, **context):
         for block in blocks:
             kept.enter_context(buffers_kept(block))
         with recompute_context(*blocks):
-            for block in blocks:
+            for block, step, invert in zip(blocks, steps, inverse):
                 inputs.append((x1, x2))
                 # the engines' forward step: it records the buffers the forward changes (an EMA, a
                 # counter) in the state, and the inverse rebuilds with their old values
-                y1, y2, state = forward_step(block, x1, x2, True, context)
+                y1, y2, state = forward_step(block, x1, x2, True, context, step)
                 states.append(state)
-                r1, r2 = block.inverse(y1, y2, state, **with_context)
+                r1, r2 = invert(y1, y2, state)
                 report.block_errors.append((_relative_error(r1, x1), _relative_error(r2, x2)))
                 x1, x2 = y1, y2
+            if streams is not None:
+                streams.raise_on_overflow()
             chained = []
-            for block, state, exact in zip(reversed(blocks), reversed(states), reversed(inputs)):
-                x1, x2 = block.inverse(x1, x2, state, **with_context)
+            for invert, state, exact in zip(reversed(inverse), reversed(states), reversed(inputs)):
+                x1, x2 = invert(x1, x2, state)
                 chained.append((_relative_error(x1, exact[0]), _relative_error(x2, exact[1])))
     report.chained_errors = chained[::-1]
     torch.set_rng_state(rng_before)
@@ -127,6 +149,7 @@ class ReconstructionMonitor:
             raise ValueError(f"revkernels: max_samples must be a positive int, got {max_samples!r}")
         self.threshold, self.every, self.max_samples, self.keep = float(threshold), every, max_samples, keep
         self.step = 0  # forwards seen
+        self.exact = False  # a run in exact mode was sampled: any error is a rebuild that is not exact
         self.errors = None
         self.history = []
 
@@ -147,10 +170,16 @@ class ReconstructionMonitor:
         return flat[::stride].clone()
 
     def error(self, sample, x1, x2):
-        """Relative error of a rebuilt input at the sampled positions (a 0-dim tensor, no sync)."""
+        """Relative error of a rebuilt input at the sampled positions (a 0-dim tensor, no sync).
+        Exact mode's int64 streams are compared exactly: any difference counts (`report`)."""
         errs = []
         for kept, rebuilt in zip(sample, (x1, x2)):
             kept32 = kept.float()
+            if not kept.is_floating_point():
+                self.exact = True
+                diff = _max_abs((self._take(rebuilt) - kept).float())
+                errs.append(diff / _max_abs(kept32).clamp_min(torch.finfo(torch.float32).tiny))
+                continue
             diff = _max_abs(self._take(rebuilt).float() - kept32)
             errs.append(diff / _max_abs(kept32).clamp_min(torch.finfo(torch.float32).tiny))
         return torch.maximum(errs[0], errs[1])
@@ -161,8 +190,16 @@ class ReconstructionMonitor:
         self.errors = values
         self.history.append((self.step, values))
         del self.history[:-self.keep]
-        bad = [i for i, e in enumerate(values) if not e <= self.threshold]  # NaN counts as bad
-        if bad:
+        threshold = 0.0 if self.exact else self.threshold
+        bad = [i for i, e in enumerate(values) if not e <= threshold]  # NaN counts as bad
+        if bad and self.exact:
+            first = bad[-1]
+            warnings.warn(
+                f"revkernels: reconstruction monitor: exact mode rebuilt block {first}'s input with relative error "
+                f"{values[first]:.2e} (blocks not exact: {bad[::-1]}; forward step {self.step}): its F or G does "
+                "not recompute the forward's bits from the same input (a kernel with atomics, undeclared "
+                "randomness). Check it with revkernels.check_reversibility.", UserWarning, stacklevel=2)
+        elif bad:
             first = bad[-1]  # errors compound towards block 0: the last bad block is where it starts
             worst = max(bad, key=lambda i: values[i] if values[i] == values[i] else float("inf"))
             warnings.warn(

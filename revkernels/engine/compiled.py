@@ -62,6 +62,7 @@ import sys
 import sysconfig
 import types
 import warnings
+import weakref
 
 import torch
 from torch.func import functional_call, vjp
@@ -69,8 +70,8 @@ from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
 from revkernels.engine.fsdp import block_units, run_sharded_compiled
-from revkernels.engine.sequential import (add_param_grads, block_grads, forward_step, recompute_step, run_reversible,
-                                          with_buffers)
+from revkernels.engine.sequential import (add_param_grads, block_grads, forward_step, recompute_step, reverse_blocks,
+                                          run_reversible, with_buffers)
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, BlockState, RngState, autograd_recording,
                                      check_randomness_after, cuda_devices_of, grad_tensors, maybe_replay,
                                      randomness_before, records_graph)
@@ -782,9 +783,19 @@ def compiled_steps(seq, device_type):
 
 MAX_OPTION_SETS = 16
 _SHARED = LRU(MAX_OPTION_SETS)
+_EXACT_WARNED = weakref.WeakSet()  # runs told once that exact mode runs eagerly
 
 
 def run_compiled(seq, x1, x2, context=NO_CONTEXT):
+    if seq.exact:
+        # A compiled rebuild must compute F's and G's bits as the compiled forward did; until the
+        # steps are compiled so, exact mode runs them eagerly (exact, at the sequential engine's speed)
+        if seq not in _EXACT_WARNED:
+            _EXACT_WARNED.add(seq)
+            warnings.warn("revkernels: the compiled engine runs exact mode's steps eagerly (the sequential "
+                          "engine's schedule): its compiled steps do not keep the streams in fixed point yet",
+                          UserWarning, stacklevel=3)
+        return run_reversible(seq, x1, x2, reverse_blocks, context)
     units = block_units(seq)
     if units is not None:  # blocks sharded by FSDP2 one by one: one autograd node per block
         return run_sharded_compiled(seq, x1, x2, units, context)

@@ -77,6 +77,8 @@ def eager_reason(seq, context):
     reason), or None when it can be tried. A plain function of the run, so it is tested on CPU."""
     if block_units(seq) is not None:
         return "its blocks are sharded by FSDP2 (collectives cannot be captured)"
+    if seq.exact:
+        return "exact mode is not captured (its overflow check reads the flags on the host)"
     if context:
         return f"context keywords {sorted(context)} are not captured"
     if seq.preserve_rng_state:

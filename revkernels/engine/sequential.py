@@ -78,14 +78,16 @@ def add_param_grads(param_grads, index, pairs):
         param_grads[k] = grad if param_grads[k] is None else param_grads[k] + grad
 
 
-def forward_step(block, x1, x2, preserve_rng_state, context=NO_CONTEXT):
+def forward_step(block, x1, x2, preserve_rng_state, context=NO_CONTEXT, steps=None):
     """``block.forward_with_state`` (without context: the steps' pre-context signature, so blocks
     that override them still work), under ``parametrize.cached()`` without filling its cache
     (`parametrize_cache_off`: the forward runs without grad). The buffers the forward changed go
-    into the returned state with their old values (`record_buffers`), for `recompute_step`."""
+    into the returned state with their old values (`record_buffers`), for `recompute_step`.
+    `steps`: an object whose ``forward_with_state`` runs instead of the block's (exact mode's
+    steps on fixed-point streams, ``revkernels.nn.exact.ExactSteps``)."""
     record = record_buffers(block)
     before = randomness_before(block, x1, x2) if preserve_rng_state else None
-    out = _uncached_forward_with_state(block, x1, x2, preserve_rng_state, context)
+    out = _uncached_forward_with_state(block, block if steps is None else steps, x1, x2, preserve_rng_state, context)
     if before is not None:
         check_randomness_after(block, before)
     if record is None:
@@ -94,11 +96,11 @@ def forward_step(block, x1, x2, preserve_rng_state, context=NO_CONTEXT):
     return x1, x2, with_buffers(state, record.changed(lambda: type(block).__name__))
 
 
-def _uncached_forward_with_state(block, x1, x2, preserve_rng_state, context):
+def _uncached_forward_with_state(block, steps, x1, x2, preserve_rng_state, context):
     if parametrize._cache_enabled:
         with parametrize_cache_off(block):
-            return _forward_with_state(block, x1, x2, preserve_rng_state, context)
-    return _forward_with_state(block, x1, x2, preserve_rng_state, context)
+            return _forward_with_state(steps, x1, x2, preserve_rng_state, context)
+    return _forward_with_state(steps, x1, x2, preserve_rng_state, context)
 
 
 def _forward_with_state(block, x1, x2, preserve_rng_state, context):
@@ -176,12 +178,13 @@ def save_forward_state(ctx, seq, all_params):
     ctx.param_versions = param_versions(all_params)
 
 
-def output_grads(blocks, y1, y2, dy1, dy2):
+def output_grads(blocks, y1, y2, dy1, dy2, dtype=None):
     """``(dy1, dy2, unused)``: the run's output grads (the engines' Functions leave one the loss did
-    not use None): zeros for dy1, None kept for dy2 (see `block_grads`), and the ids of the
-    parameters that then get no grad at all (`revkernels.engine.structure.y2_only_params`)."""
+    not use None): zeros for dy1 (in `dtype`, by default y1's), None kept for dy2 (see
+    `block_grads`), and the ids of the parameters that then get no grad at all
+    (`revkernels.engine.structure.y2_only_params`)."""
     unused = y2_only_params(blocks) if dy2 is None else frozenset()
-    return (torch.zeros_like(y1) if dy1 is None else dy1), dy2, unused
+    return (torch.zeros_like(y1, dtype=dtype) if dy1 is None else dy1), dy2, unused
 
 
 def block_grads(block, rec, y1, y2, dy1, dy2):
@@ -244,19 +247,21 @@ def saved_with_context(ctx, count):
     return saved[:count], context, leaves
 
 
-def eager_forward(seq, x1, x2, context):
-    """Runs `seq`'s blocks forward without autograd through their own steps (`forward_step`):
-    ``(y1, y2, states, monitor)``, `monitor` the reconstruction monitor and its samples on a
-    sampled step (None otherwise; see `revkernels.check.monitor_reconstruction`)."""
+def eager_forward(seq, x1, x2, context, steps=None):
+    """Runs `seq`'s blocks forward without autograd through their own steps (`forward_step`; or
+    `steps`, one per block, in exact mode): ``(y1, y2, states, monitor)``, `monitor` the
+    reconstruction monitor and its samples on a sampled step (None otherwise; see
+    `revkernels.check.monitor_reconstruction`)."""
     states, samples = [], []
     monitor = getattr(seq, "reconstruction_monitor", None)
     if monitor is not None and (seq.engine_in_use == "graphs" or not monitor.begin_forward()):
         monitor = None  # not a sampled step (graphs: replayed graphs cannot host-sync)
     with torch.no_grad():
-        for block in seq.blocks:
+        for i, block in enumerate(seq.blocks):
             if monitor is not None:
                 samples.append(monitor.sample(x1, x2))
-            x1, x2, state = forward_step(block, x1, x2, seq.preserve_rng_state, context)
+            x1, x2, state = forward_step(block, x1, x2, seq.preserve_rng_state, context,
+                                         None if steps is None else steps[i])
             states.append(state)
     return x1, x2, states, None if monitor is None else (monitor, samples)
 
@@ -265,32 +270,42 @@ class ReversibleRun(torch.autograd.Function):
     """One autograd node for a run of reversible blocks, whatever steps them: `forward` runs the
     blocks without autograd (`eager_forward`'s signature: the blocks' own steps, or the compiled
     engine's), `walker` walks them backwards (`reverse_blocks`' signature: sequential, two streams
-    in pareprop, the compiled engine's steps)."""
+    in pareprop, the compiled engine's steps). In exact mode (`streams`, a
+    ``revkernels.nn.exact.FixedPointStreams``) the blocks step on int64 streams through the exact
+    steps: the node rounds its float input onto the grid, saves the last int64 streams and returns
+    their float views; its input grads are the walker's (straight-through)."""
 
     @staticmethod
     def forward(ctx, seq, params, all_params, schedule, context, x1, x2, *tensors):
         # tensors: the parameters, then the context tensors that require grad; all_params: the
         # run's `unique_params`, of which `params` are those that require grad
         context = NO_CONTEXT if context is None else context
-        forward, ctx.walker = schedule
-        y1, y2, ctx.states, ctx.monitor = forward(seq, x1, x2, context)
+        forward, ctx.walker, ctx.streams = schedule
         ctx.blocks = list(seq.blocks)
+        if ctx.streams is None:
+            y1, y2, ctx.states, ctx.monitor = forward(seq, x1, x2, context)
+            outputs = y1, y2
+        else:
+            y1, y2, ctx.states, ctx.monitor = exact_forward(seq, x1, x2, context, ctx.streams)
+            outputs = ctx.streams.view(y1), ctx.streams.view(y2)
+            ctx.streams.forget_views()  # (the backward converts again rather than keep floats)
         save_forward_state(ctx, seq, all_params)
         ctx.params = params
         ctx.autocast_state = AutocastState.capture(x1.device.type)
         save_with_context(ctx, context, y1, y2)
         ctx.set_materialize_grads(False)  # see output_grads
-        return y1, y2
+        return outputs
 
     @staticmethod
     @differentiated_once
     def backward(ctx, dy1, dy2):
         (y1, y2), context, leaves = saved_with_context(ctx, 2)
+        streams = ctx.streams
         with as_in_the_forward(ctx):
-            dy1, dy2, unused = output_grads(ctx.blocks, y1, y2, dy1, dy2)
+            dy1, dy2, unused = output_grads(ctx.blocks, y1, y2, dy1, dy2, None if streams is None else streams.dtype)
             _, _, dx1, dx2, grads = ctx.walker(
-                ctx.blocks, ctx.states, y1, y2, dy1, dy2, ctx.params + leaves, ctx.autocast_state,
-                monitor=ctx.monitor, context=context
+                ctx.blocks if streams is None else streams.steps(ctx.blocks), ctx.states, y1, y2, dy1, dy2,
+                ctx.params + leaves, ctx.autocast_state, monitor=ctx.monitor, context=context
             )
         grads = without_unused(ctx.params, grads, unused)
         # The states stay: a second backward (retain_graph=True) replays the same randomness.
@@ -298,14 +313,29 @@ class ReversibleRun(torch.autograd.Function):
         return (None, None, None, None, None, dx1, dx2, *grads)
 
 
+def exact_forward(seq, x1, x2, context, streams):
+    """`eager_forward` in exact mode: the float input rounded onto `streams`' grid, the blocks'
+    exact steps, and the overflow flags read once at the end (raising, naming the block)."""
+    _, x1 = streams.enter(x1)
+    _, x2 = streams.enter(x2)
+    y1, y2, states, monitor = eager_forward(seq, x1, x2, context, streams.steps(seq.blocks))
+    streams.raise_on_overflow()
+    return y1, y2, states, monitor
+
+
 def run_reversible(seq, x1, x2, walker, context=NO_CONTEXT, param_inputs=None, forward=eager_forward):
     """Runs `seq`'s blocks as one `ReversibleRun` stepped forward by `forward` and backwards by
-    `walker`. `param_inputs`: tensors that stand for the parameters that require grad as the node's
+    `walker` (in exact mode, ``seq.exact``, on fixed-point streams: see `ReversibleRun`).
+    `param_inputs`: tensors that stand for the parameters that require grad as the node's
     inputs (detached aliases: their grads then reach them instead of the parameters, whose hooks do
     not fire). Without anything to differentiate, the blocks' plain forward (the compiled engine
     runs its compiled forward instead: `run_compiled`)."""
+    streams = seq.fixed_point_streams(x1.dtype)
     units = block_units(seq)
     if units is not None:  # blocks sharded by FSDP2 one by one: one autograd node per block
+        if streams is not None:
+            raise NotImplementedError("revkernels: exact mode does not run blocks sharded one by one by FSDP2 yet "
+                                      "(shard the ReversibleSequential as a whole, or use exact=False)")
         return run_sharded(seq, x1, x2, units, reverse_blocks, forward_step, context)
     all_params = unique_params(seq.blocks)
     params = [p for p in all_params if p.requires_grad]
@@ -313,11 +343,15 @@ def run_reversible(seq, x1, x2, walker, context=NO_CONTEXT, param_inputs=None, f
     if not records_graph(x1, x2, params, grad_context):
         # Nothing to differentiate: a plain forward that keeps nothing. (`forward`, not the module
         # call: a hook on a block itself never fires in a memory-saving run, with grad or without)
+        if streams is not None:
+            with torch.no_grad():
+                y1, y2, _, _ = exact_forward(seq, x1, x2, context, streams)
+            return streams.view(y1), streams.view(y2)
         for block in seq.blocks:
             x1, x2 = block.forward(x1, x2, **context)
         return x1, x2
     inputs = params if param_inputs is None else param_inputs
-    return ReversibleRun.apply(seq, params, all_params, (forward, walker), context or None, x1, x2, *inputs,
+    return ReversibleRun.apply(seq, params, all_params, (forward, walker, streams), context or None, x1, x2, *inputs,
                                *grad_context)
 
 

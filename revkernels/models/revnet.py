@@ -213,6 +213,8 @@ class RevNet(StagedModel, nn.Module):
         conv_bias: give every convolution a bias (the authors' code; inert before BatchNorm).
         recompute_nonreversible: with a memory-saving engine, the stem and downsampling stages keep
             only their input and recompute in the backward (`revkernels.engine.recompute`).
+        exact: every reversible run in exact mode (fixed-point streams; see
+            `revkernels.nn.ReversibleSequential`).
 
     Attributes:
         segments: the modules the forward runs, in order: the stem, `ReversibleSequential` runs,
@@ -221,7 +223,7 @@ class RevNet(StagedModel, nn.Module):
     """
 
     def __init__(self, block="basic", layers=(2, 2, 2, 2), num_classes=1000, stem="imagenet",
-                 engine="auto", conv_bias=False, recompute_nonreversible=True):
+                 engine="auto", conv_bias=False, recompute_nonreversible=True, exact=False):
         super().__init__()
         self.recompute_nonreversible = bool(recompute_nonreversible)
         if block not in ("basic", "bottleneck"):
@@ -256,7 +258,7 @@ class RevNet(StagedModel, nn.Module):
                 run.append(stage)
                 continue
             if run:
-                segments.append(ReversibleSequential(*run, engine=engine))
+                segments.append(ReversibleSequential(*run, engine=engine, exact=exact))
                 run = []
             segments.append(stage)
         self.segments = nn.ModuleList(segments)
@@ -287,16 +289,16 @@ class RevNet(StagedModel, nn.Module):
         return out
 
 
-def revnet18(num_classes=1000, stem="imagenet", engine="auto", conv_bias=False):
+def revnet18(num_classes=1000, stem="imagenet", engine="auto", conv_bias=False, exact=False):
     """RevNet18: ``S r r D r D r D r H``; 12,211,048 parameters (ImageNet, 1000 classes)."""
-    return RevNet("basic", (2, 2, 2, 2), num_classes, stem, engine, conv_bias)
+    return RevNet("basic", (2, 2, 2, 2), num_classes, stem, engine, conv_bias, exact=exact)
 
 
-def revnet34(num_classes=1000, stem="imagenet", engine="auto", conv_bias=False):
+def revnet34(num_classes=1000, stem="imagenet", engine="auto", conv_bias=False, exact=False):
     """RevNet34: ``S rrr D rrr D rrrrr D rr H``; 22,319,208 parameters (ImageNet, 1000 classes)."""
-    return RevNet("basic", (3, 4, 6, 3), num_classes, stem, engine, conv_bias)
+    return RevNet("basic", (3, 4, 6, 3), num_classes, stem, engine, conv_bias, exact=exact)
 
 
-def revnet50(num_classes=1000, stem="imagenet", engine="auto", conv_bias=False):
+def revnet50(num_classes=1000, stem="imagenet", engine="auto", conv_bias=False, exact=False):
     """RevNet50: ``S D rr D rrr D rrrrr D rr H``; 30,391,144 parameters (ImageNet, 1000 classes)."""
-    return RevNet("bottleneck", (3, 4, 6, 3), num_classes, stem, engine, conv_bias)
+    return RevNet("bottleneck", (3, 4, 6, 3), num_classes, stem, engine, conv_bias, exact=exact)

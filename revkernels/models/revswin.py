@@ -233,6 +233,8 @@ class RevSwin(StagedModel, nn.Module):
         drop_path_rate: stochastic depth of the last block; it grows linearly from 0 over all blocks.
         engine: engine of every reversible run ("auto", the default, "sequential", "autograd", ...); see
             `set_engine`.
+        exact: every reversible run in exact mode (fixed-point streams; see
+            `revkernels.nn.ReversibleSequential`).
 
     Attributes:
         segments: the modules the forward runs, in order: stem, `ReversibleSequential` runs,
@@ -242,7 +244,7 @@ class RevSwin(StagedModel, nn.Module):
 
     def __init__(self, embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), num_classes=1000, img_size=224,
                  patch_size=PATCH, window_size=7, mlp_ratio=4.0, drop_path_rate=0.1, in_chans=3, qkv_bias=True,
-                 engine="auto"):
+                 engine="auto", exact=False):
         super().__init__()
         for value, name in ((embed_dim, "embed_dim"), (num_classes, "num_classes"), (img_size, "img_size"),
                             (patch_size, "patch_size"), (window_size, "window_size"), (in_chans, "in_chans")):
@@ -280,7 +282,7 @@ class RevSwin(StagedModel, nn.Module):
                 p = rates[sum(depths[:i]) + j]
                 f = WindowAttention(dim, (grid, grid), heads, window, shift if j % 2 else 0, p, qkv_bias)
                 blocks.append(ReversibleBlock(f, MlpBranch(dim, int(dim * mlp_ratio), p, eps=1e-5)))
-            segments.append(ReversibleSequential(*blocks, engine=engine))
+            segments.append(ReversibleSequential(*blocks, engine=engine, exact=exact))
             if i < len(depths) - 1:
                 segments.append(PatchMerging(dim, (grid, grid)))
         segments.append(Head(embed_dim * 2 ** (len(depths) - 1), num_classes))
@@ -310,11 +312,11 @@ class RevSwin(StagedModel, nn.Module):
         return out
 
 
-def revswin(name, num_classes=1000, img_size=224, window_size=7, drop_path_rate=0.1, engine="auto",
+def revswin(name, num_classes=1000, img_size=224, window_size=7, drop_path_rate=0.1, engine="auto", exact=False,
             **overrides):
     """`RevSwin` of size `name` in {"swin_t", "swin_s", "swin_b"}; `overrides` replace any other
     `RevSwin` argument (e.g. ``embed_dim``, ``depths``, ``num_heads`` for small test models)."""
     if name not in CONFIGS:
         raise ValueError(f"revkernels: name must be one of {sorted(CONFIGS)}, got {name!r}")
     return RevSwin(**{**CONFIGS[name], **overrides}, num_classes=num_classes, img_size=img_size,
-                   window_size=window_size, drop_path_rate=drop_path_rate, engine=engine)
+                   window_size=window_size, drop_path_rate=drop_path_rate, engine=engine, exact=exact)

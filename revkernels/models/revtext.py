@@ -39,7 +39,7 @@ class RevText(OneRunModel, nn.Module):
     mask, 0 for real tokens, would be read inverted)."""
 
     def __init__(self, vocab_size, max_len, dim, depth, heads, causal, lm_head, embed_norm, mlp_ratio=4.0,
-                 dropout=0.1, drop_path_rate=0.0, eps=1e-5, approximate="none", engine="auto"):
+                 dropout=0.1, drop_path_rate=0.0, eps=1e-5, approximate="none", engine="auto", exact=False):
         super().__init__()
         check_drop_probability(drop_path_rate, "drop_path_rate")
         check_positive_int(vocab_size, "vocab_size")
@@ -54,7 +54,7 @@ class RevText(OneRunModel, nn.Module):
         rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
         self.blocks = ReversibleSequential(
             *[RevTransformerBlock(dim, heads, mlp_ratio, causal=causal, drop_path=r, eps=eps, approximate=approximate,
-                                  dropout=dropout) for r in rates], engine=engine)
+                                  dropout=dropout) for r in rates], engine=engine, exact=exact)
         self.norm = nn.LayerNorm(dim, eps=eps)
 
     def forward(self, tokens, attention_mask=None):
@@ -91,10 +91,11 @@ class RevText(OneRunModel, nn.Module):
 
 def revtext(name, vocab_size, max_len, **overrides):
     """`RevText` `name` in {"gpt2_small", "roberta_base"} for `vocab_size` tokens and `max_len`
-    positions. `overrides`: depth, dim, heads, dropout, mlp_ratio, drop_path_rate, eps, engine."""
+    positions. `overrides`: depth, dim, heads, dropout, mlp_ratio, drop_path_rate, eps, engine, exact
+    (fixed-point streams: `revkernels.nn.ReversibleSequential`'s exact mode)."""
     if name not in CONFIGS:
         raise ValueError(f"revkernels: name must be one of {sorted(CONFIGS)}, got {name!r}")
-    allowed = {"depth", "dim", "heads", "dropout", "mlp_ratio", "drop_path_rate", "eps", "engine"}
+    allowed = {"depth", "dim", "heads", "dropout", "mlp_ratio", "drop_path_rate", "eps", "engine", "exact"}
     unknown = sorted(set(overrides) - allowed)
     if unknown:
         raise TypeError(f"revkernels: revtext got unknown overrides {unknown}; allowed: {sorted(allowed)}")

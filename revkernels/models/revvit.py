@@ -26,7 +26,7 @@ PATCH = 16
 
 class RevViT(OneRunModel, nn.Module):
     def __init__(self, dim, depth, heads, num_classes=1000, img_size=224, patch_size=PATCH, in_chans=3,
-                 mlp_ratio=4.0, drop_path_rate=0.0, engine="auto"):
+                 mlp_ratio=4.0, drop_path_rate=0.0, engine="auto", exact=False):
         super().__init__()
         check_drop_probability(drop_path_rate, "drop_path_rate")
         check_positive_int(num_classes, "num_classes")
@@ -37,7 +37,7 @@ class RevViT(OneRunModel, nn.Module):
         self.pos_embed = nn.Parameter(torch.randn(1, (img_size // patch_size) ** 2, dim) * 0.02)
         rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
         self.blocks = ReversibleSequential(*[RevViTBlock(dim, heads, mlp_ratio, drop_path=r) for r in rates],
-                                           engine=engine)
+                                           engine=engine, exact=exact)
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.head = nn.Linear(dim, num_classes)
 
@@ -48,9 +48,10 @@ class RevViT(OneRunModel, nn.Module):
         return self.head(self.norm((y1 + y2) * 0.5).mean(dim=1))
 
 
-def revvit(name, num_classes=1000, img_size=224, drop_path_rate=0.0, engine="auto"):
-    """`RevViT` of size `name` in {"vit_s16", "vit_b16", "vit_l16"}."""
+def revvit(name, num_classes=1000, img_size=224, drop_path_rate=0.0, engine="auto", exact=False):
+    """`RevViT` of size `name` in {"vit_s16", "vit_b16", "vit_l16"}; `exact`: fixed-point streams
+    (`revkernels.nn.ReversibleSequential`'s exact mode)."""
     if name not in CONFIGS:
         raise ValueError(f"revkernels: name must be one of {sorted(CONFIGS)}, got {name!r}")
     return RevViT(**CONFIGS[name], num_classes=num_classes, img_size=img_size, drop_path_rate=drop_path_rate,
-                  engine=engine)
+                  engine=engine, exact=exact)

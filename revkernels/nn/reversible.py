@@ -289,6 +289,11 @@ class ReversibleSequential(nn.Module):
             fraction in [0, 1] of what plain autograd would save, a number of bytes, or "auto"
             (CUDA's free memory). The last blocks that fit keep theirs and skip their rebuild;
             ``seq.memory_plan(x1, x2)`` shows the plan (see `revkernels.engine.budget`).
+        exact: keep the streams between blocks in fixed point (int64 with ``seq.exact_bits``
+            fraction bits, 32 by default: values below 2^30 in magnitude), so that the backward
+            rebuilds every block's input bit for bit, in any precision and at any depth. The run
+            still takes and returns float tensors; see `revkernels.nn.exact` for what it
+            guarantees and costs.
 
     ``seq(x1, x2, **context)``: keywords passed to every F and G (``f(x2, **context)``,
     ``g(y1, **context)``): tensors (an attention mask, a conditioning vector, rotary tables)
@@ -304,8 +309,10 @@ class ReversibleSequential(nn.Module):
     # engine="compiled": torch.compile keywords for its steps (a dict; None: inductor's defaults),
     # see `revkernels.engine.compiled.compiled_steps`
     compile_options = None
+    # exact=True: fraction bits of the fixed-point streams (grid 2^-exact_bits, |x| < 2^(62-exact_bits))
+    exact_bits = 32
 
-    def __init__(self, *blocks, engine="auto", preserve_rng_state=True, memory_budget=0):
+    def __init__(self, *blocks, engine="auto", preserve_rng_state=True, memory_budget=0, exact=False):
         super().__init__()
         if len(blocks) == 1 and isinstance(blocks[0], (list, tuple, nn.ModuleList)):
             blocks = tuple(blocks[0])
@@ -318,6 +325,14 @@ class ReversibleSequential(nn.Module):
         self.engine = engine
         self.preserve_rng_state = bool(preserve_rng_state)
         self.memory_budget = memory_budget
+        if not isinstance(exact, bool):
+            raise TypeError(f"revkernels: exact must be a bool, got {type(exact).__name__}")
+        self.exact = exact
+        if exact:
+            from revkernels.nn.exact import check_exact_block
+
+            for i, block in enumerate(self.blocks):
+                check_exact_block(block, i)
         self._opaque_handle = _new_handle(self)
 
     def __setstate__(self, state):
@@ -326,6 +341,7 @@ class ReversibleSequential(nn.Module):
         state.pop("_budget", None)  # (plans and the head run are remade for the copy)
         super().__setstate__(state)
         self._opaque_handle = _new_handle(self)
+        self.__dict__.setdefault("exact", False)  # (pickled before exact mode existed)
         if "engine_in_use" not in self.__dict__:  # (pickled before engine="auto" existed)
             self.engine_in_use = None if self._engine_name == "auto" else self._engine_name
 
@@ -363,6 +379,17 @@ class ReversibleSequential(nn.Module):
         check_streams(x1, x2)
         return plan_of(self, x1, x2, context)
 
+    def fixed_point_streams(self, dtype):
+        """A new `revkernels.nn.exact.FixedPointStreams` for a call with `dtype` inputs in exact
+        mode; None otherwise."""
+        if not self.__dict__.get("exact"):
+            return None
+        from revkernels.nn.exact import FixedPointStreams
+        from revkernels.ops.fixed_point import check_bits
+
+        check_bits(self.exact_bits)
+        return FixedPointStreams(self.exact_bits, dtype)
+
     def _run_of(self, blocks):
         """A plain run of `blocks` (modules of this run): the memory-saving head of a run with a
         budget (`revkernels.engine.budget.run_within_budget` gives it this run's settings)."""
@@ -393,7 +420,14 @@ class ReversibleSequential(nn.Module):
             # (revkernels.engine.opaque, which also checks the context keywords, at trace time).
             from revkernels.engine.opaque import run_opaque
 
+            if self.exact:
+                raise NotImplementedError("revkernels: exact mode does not run under torch.compile yet: compile "
+                                          "the blocks' steps with engine='compiled', or use exact=False")
+
             return run_opaque(self, x1, x2, context)
+        if self._memory_budget and self.exact:
+            raise NotImplementedError("revkernels: exact mode does not take a memory budget yet (use "
+                                      "memory_budget=0 or exact=False)")
         if (self._memory_budget and self._engine_name != "autograd"
                 and records_graph(x1, x2, unique_grad_params(self.blocks), grad_tensors(context))):
             check_members(self.blocks)
@@ -435,6 +469,13 @@ class ReversibleSequential(nn.Module):
         check_members(self.blocks)
         if context:
             check_context(self, self.blocks, context)
+        streams = self.fixed_point_streams(y1.dtype)
+        if streams is not None:  # exact mode: the float outputs onto the grid, then the exact steps
+            (_, y1), (_, y2) = streams.enter(y1, "y1"), streams.enter(y2, "y2")
+            streams.raise_on_overflow()
+            for step in reversed(streams.steps(self.blocks)):
+                y1, y2 = step.inverse(y1, y2, context=context)
+            return streams.view(y1), streams.view(y2)
         for block in reversed(self.blocks):
             y1, y2 = block.inverse(y1, y2, context=context) if context else block.inverse(y1, y2)
         return y1, y2
@@ -459,6 +500,9 @@ class ReversibleSequential(nn.Module):
         the forward's keywords (or None). What a PETRA stage whose block draws random numbers calls."""
         from revkernels.engine.sequential import reverse_blocks
 
+        if self.exact:
+            raise NotImplementedError("revkernels: reverse() works on float streams; exact mode keeps its int64 "
+                                      "streams inside the engines (use exact=False for a pipeline stage)")
         if context is not None and not isinstance(context, dict):
             raise TypeError(f"revkernels: context must be a dict of the forward's keywords or None, got "
                             f"{type(context).__name__}")

@@ -1,0 +1,295 @@
+"""Exact mode (ReversibleSequential(exact=True)): fixed-point streams, a bit-exact rebuild.
+
+The references here are written in the test: the fixed-point network as plain PyTorch (round to
+the grid, integer adds, float views, straight-through gradients through a test-local Function), and
+the rebuilt block inputs compared with the forward's int64 streams element by element."""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import revkernels as rk
+from revkernels.check import monitor_reconstruction
+from revkernels.models import revnet18, revswin, revtext, revvit
+from revkernels.nn import HalfCouplingBlock, ReversibleBlock, ReversibleSequential
+from revkernels.nn.revvit import RevTransformerBlock, RevViTBlock
+from tests.helpers import assert_close_rel, residual_fn
+
+BITS = 32
+MEMORY_SAVING = ["sequential", "pareprop", "compiled", "auto"]  # (pareprop and auto run the sequential walker on CPU)
+
+
+# -- an independent fixed-point network ------------------------------------------------------
+
+
+class _ValueWithGrad(torch.autograd.Function):
+    """`value` forward, the gradient of `like` backward (straight-through)."""
+
+    @staticmethod
+    def forward(ctx, like, value):
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _grid(t):
+    return torch.round(t.detach().double() * 2.0 ** BITS).long() if t.dtype == torch.float64 else \
+        torch.round(t.detach().float() * 2.0 ** BITS).long()
+
+
+def _view(fixed, dtype):
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    return (fixed.to(wide) * 2.0 ** -BITS).to(dtype)
+
+
+def reference_run(blocks, x1, x2, context=None):
+    """The fixed-point network by hand: returns the outputs' views and every block input's int streams."""
+    context = context or {}
+    dtype = x1.dtype
+    s1, s2 = _grid(x1), _grid(x2)
+    v1, v2 = _ValueWithGrad.apply(x1, _view(s1, dtype)), _ValueWithGrad.apply(x2, _view(s2, dtype))
+    inputs = []
+    for block in blocks:
+        inputs.append((s1, s2))
+        f = block.f(v2, **context)
+        n1 = s1 + _grid(f)
+        nv1 = _ValueWithGrad.apply(v1 + f.to(dtype), _view(n1, dtype))
+        if isinstance(block, HalfCouplingBlock):
+            (s1, v1), (s2, v2) = (s2, v2), (n1, nv1)
+            continue
+        g = block.g(nv1, **context)
+        n2 = s2 + _grid(g)
+        (s1, v1), (s2, v2) = (n1, nv1), (n2, _ValueWithGrad.apply(v2 + g.to(dtype), _view(n2, dtype)))
+    return v1, v2, inputs
+
+
+def _generic(width, dropout=0.1):
+    return ReversibleBlock(residual_fn(width, dropout=dropout), residual_fn(width, dropout=dropout))
+
+
+def _loss(y1, y2, w1, w2):
+    return (y1.float() * w1).sum() + (y2.float() * w2).sum()
+
+
+def _run(seq, x1, x2, w, seed, **context):
+    """Output and grads (inputs, then parameters) of one step with randomness seeded by `seed`."""
+    a1, a2 = x1.clone().requires_grad_(), x2.clone().requires_grad_()
+    torch.manual_seed(seed)
+    y1, y2 = seq(a1, a2, **context)
+    _loss(y1, y2, *w).backward()
+    grads = [a1.grad, a2.grad] + [p.grad.clone() for p in seq.parameters() if p.grad is not None]
+    seq.zero_grad(set_to_none=True)
+    return y1.detach(), y2.detach(), grads
+
+
+# -- the rebuild is bit-exact ------------------------------------------------------------------
+
+
+def _exact_rebuild_checked(seq, x1, x2, autocast=None, **context):
+    """One training step of `seq` with every rebuilt block input compared, element by element, with
+    the forward's (the monitor samples every element): the per-block errors (all 0.0 when exact)."""
+    numel = x1.numel()
+    with monitor_reconstruction(seq, threshold=1e-30, max_samples=numel) as monitor:
+        a1, a2 = x1.clone().requires_grad_(), x2.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=autocast) if autocast else torch.autocast("cpu", enabled=False):
+            y1, y2 = seq(a1, a2, **context)
+        (y1.float().square().sum() + y2.float().sum()).backward()
+        return monitor.errors
+
+
+@pytest.mark.parametrize("engine", MEMORY_SAVING)
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("depth", [1, 8, 96])
+def test_every_rebuilt_input_equals_the_forwards_bit_for_bit(engine, autocast, depth):
+    seq = ReversibleSequential(*[_generic(16) for _ in range(depth)], engine=engine, exact=True)
+    x1, x2 = torch.randn(3, 16), torch.randn(3, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the compiled engine says once that it runs exact steps eagerly)
+        errors = _exact_rebuild_checked(seq, x1, x2, autocast)
+    assert errors == [0.0] * depth
+
+
+def test_float_streams_do_not_rebuild_exactly_where_exact_ones_do():
+    # The contrast the exact mode exists for (bf16 autocast, depth 64): the monitor would pass a
+    # float run that happened to rebuild exactly
+    blocks = [_generic(16, dropout=0.0) for _ in range(64)]
+    x1, x2 = torch.randn(3, 16), torch.randn(3, 16)
+    float_errors = _exact_rebuild_checked(ReversibleSequential(*blocks), x1, x2, torch.bfloat16)
+    exact_errors = _exact_rebuild_checked(ReversibleSequential(*blocks, exact=True), x1, x2, torch.bfloat16)
+    assert max(float_errors) > 0 and exact_errors == [0.0] * 64
+
+
+@pytest.mark.parametrize("block", ["revvit", "revtransformer_causal", "half"])
+def test_fused_and_half_blocks_rebuild_exactly(block):
+    if block == "revvit":
+        blocks, shape, context = [RevViTBlock(32, 4, drop_path=0.1) for _ in range(4)], (2, 9, 32), {}
+    elif block == "revtransformer_causal":
+        blocks = [RevTransformerBlock(32, 4, causal=True, dropout=0.1, drop_path=0.1) for _ in range(4)]
+        mask = torch.ones(2, 9, dtype=torch.bool)
+        mask[1, 6:] = False
+        shape, context = (2, 9, 32), {"attn_mask": mask}
+    else:
+        blocks, shape, context = [HalfCouplingBlock(residual_fn(32, dropout=0.1)) for _ in range(5)], (4, 32), {}
+    seq = ReversibleSequential(*blocks, engine="sequential", exact=True)
+    x1, x2 = torch.randn(shape), torch.randn(shape)
+    for autocast in (None, torch.bfloat16):
+        assert _exact_rebuild_checked(seq, x1, x2, autocast, **context) == [0.0] * len(blocks)
+
+
+def test_check_reversibility_reports_zero_for_an_exact_run():
+    blocks = [RevViTBlock(32, 4) for _ in range(12)]
+    x1, x2 = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        exact = rk.check_reversibility(ReversibleSequential(*blocks, exact=True), x1, x2)
+        floating = rk.check_reversibility(ReversibleSequential(*blocks), x1, x2)
+    assert exact.exact and exact.max_error == 0.0 and "exact mode" in str(exact)
+    assert floating.max_error > 0
+
+
+# -- forward values and gradients --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_exact_autograd_engine_is_the_fixed_point_network(dtype):
+    blocks = [_generic(16) for _ in range(6)] + [HalfCouplingBlock(residual_fn(16)) for _ in range(2)]
+    seq = ReversibleSequential(*blocks, engine="autograd", exact=True).to(dtype)
+    x1, x2 = torch.randn(4, 16, dtype=dtype), torch.randn(4, 16, dtype=dtype)
+    w = torch.randn(4, 16), torch.randn(4, 16)
+    y1, y2, grads = _run(seq, x1, x2, w, seed=5)
+
+    a1, a2 = x1.clone().requires_grad_(), x2.clone().requires_grad_()
+    torch.manual_seed(5)
+    r1, r2, _ = reference_run(list(seq.blocks), a1, a2)
+    _loss(r1, r2, *w).backward()
+    expected = [a1.grad, a2.grad] + [p.grad for p in seq.parameters() if p.grad is not None]
+    assert torch.equal(y1, r1.detach()) and torch.equal(y2, r2.detach())
+    assert len(grads) == len(expected)
+    for i, (got, want) in enumerate(zip(grads, expected)):
+        assert_close_rel(got, want, 1e-6, what=f"grad {i}")
+
+
+@pytest.mark.parametrize("engine", MEMORY_SAVING)
+def test_memory_saving_engines_give_the_exact_autograd_engines_outputs_and_grads(engine):
+    blocks = [_generic(16) for _ in range(5)]
+    x1, x2 = torch.randn(4, 16), torch.randn(4, 16)
+    w = torch.randn(4, 16), torch.randn(4, 16)
+    ref = _run(ReversibleSequential(*blocks, engine="autograd", exact=True), x1, x2, w, seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = _run(ReversibleSequential(*blocks, engine=engine, exact=True), x1, x2, w, seed=3)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    for i, (a, b) in enumerate(zip(got[2], ref[2])):
+        assert_close_rel(a, b, 1e-6, what=f"grad {i}")
+    with torch.no_grad():  # inference gives the same bits
+        torch.manual_seed(3)
+        y1, y2 = ReversibleSequential(*blocks, engine=engine, exact=True)(x1, x2)
+    assert torch.equal(y1, ref[0]) and torch.equal(y2, ref[1])
+
+
+def test_gpt2_small_grads_match_the_exact_autograd_engine():
+    # The case float streams get 5.9e-5 wrong (std-0.02 embeddings under branches adding values near 1)
+    torch.manual_seed(0)
+    model = revtext("gpt2_small", vocab_size=1000, max_len=64, exact=True)
+    tokens = torch.randint(0, 1000, (1, 32))
+    grads = {}
+    for engine in ("autograd", "sequential"):
+        model.engine = engine
+        torch.manual_seed(1)
+        model(tokens).square().mean().backward()
+        grads[engine] = [p.grad.clone() for p in model.blocks.blocks[0].parameters()]
+        model.zero_grad(set_to_none=True)
+    for i, (a, b) in enumerate(zip(grads["sequential"], grads["autograd"])):
+        assert_close_rel(a, b, 1e-6, what=f"block 0 grad {i}")
+
+
+def test_models_take_exact():
+    images = torch.randn(2, 3, 32, 32)
+    for model in (revvit("vit_s16", num_classes=10, img_size=32, exact=True),
+                  revnet18(num_classes=10, stem="cifar", exact=True),
+                  revswin("swin_t", num_classes=10, img_size=32, window_size=4, embed_dim=16, depths=(2, 2),
+                          num_heads=(2, 4), exact=True)):
+        runs = [m for m in model.modules() if isinstance(m, ReversibleSequential)]
+        assert runs and all(run.exact for run in runs)
+        model(images).sum().backward()
+    assert revtext("gpt2_small", vocab_size=50, max_len=8, depth=2, dim=32, heads=2, exact=True).blocks.exact
+
+
+# -- overflow, bad blocks and bad arguments --------------------------------------------------
+
+
+def test_overflow_raises_naming_the_block():
+    seq = ReversibleSequential(*[_generic(8, dropout=0.0) for _ in range(3)], exact=True)
+    with torch.no_grad():
+        seq.blocks[1].g[-1].weight.mul_(1e12)
+    x1, x2 = torch.randn(2, 8), torch.randn(2, 8)
+    for engine in ("autograd", "sequential"):
+        seq.engine = engine
+        with pytest.raises(OverflowError, match=r"blocks\[1\] \(ReversibleBlock\)"):
+            seq(x1.requires_grad_(), x2)
+    with pytest.raises(OverflowError, match="the run's input"):
+        seq(torch.full((2, 8), 2.0 ** 31), x2)
+    with torch.no_grad():
+        seq.blocks[1].g[-1].weight.fill_(float("nan"))
+    with pytest.raises(OverflowError, match=r"blocks\[1\]"):
+        seq(x1, x2)
+
+
+def test_a_block_that_does_not_recompute_its_bits_is_named():
+    class Drifting(nn.Module):  # its output changes with each call: never the same bits twice
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            self.calls += 1
+            return self.lin(x) * (1 + 1e-3 * self.calls)
+
+    blocks = [_generic(8, dropout=0.0), ReversibleBlock(Drifting(), residual_fn(8)), _generic(8, dropout=0.0)]
+    seq = ReversibleSequential(*blocks, exact=True)
+    x1, x2 = torch.randn(2, 8), torch.randn(2, 8)
+    report = rk.check_reversibility(seq, x1, x2)
+    assert report.block_errors[1][0] > 0 and report.block_errors[0] == (0.0, 0.0) and report.block_errors[2] == (0.0, 0.0)
+    with pytest.warns(UserWarning, match=r"exact mode rebuilt block 1's input"):
+        with monitor_reconstruction(seq):
+            y1, y2 = seq(x1.requires_grad_(), x2)
+            (y1 + y2).sum().backward()
+
+
+def test_bad_arguments_and_unsupported_combinations_raise_clearly():
+    blocks = [_generic(8) for _ in range(2)]
+    with pytest.raises(TypeError, match="exact must be a bool"):
+        ReversibleSequential(*blocks, exact=1)
+
+    class OwnSteps(ReversibleBlock):
+        coupling = None
+
+        def forward_with_state(self, x1, x2, preserve_rng_state=True, context=None):
+            return super().forward_with_state(x1, x2, preserve_rng_state)
+
+    with pytest.raises(TypeError, match=r"blocks\[1\] \(OwnSteps\).*declares no coupling"):
+        ReversibleSequential(blocks[0], OwnSteps(residual_fn(8), residual_fn(8)), exact=True)
+    seq = ReversibleSequential(*blocks, exact=True)
+    x = torch.randn(2, 8)
+    seq.exact_bits = 61
+    with pytest.raises(ValueError, match="bits must be in"):
+        seq(x, x)
+    seq.exact_bits = 32
+    with pytest.raises(NotImplementedError, match="memory budget"):
+        ReversibleSequential(*blocks, exact=True, memory_budget=0.5)(x.requires_grad_(), x)
+    with pytest.raises(NotImplementedError, match="reverse"):
+        seq.reverse(x, x, x, x)
+
+
+def test_the_callers_tensors_are_left_alone_and_inverse_rebuilds_from_float_outputs():
+    seq = ReversibleSequential(*[_generic(8, dropout=0.0) for _ in range(4)], exact=True).eval()
+    x1, x2 = torch.randn(3, 8), torch.randn(3, 8)
+    kept = x1.clone(), x2.clone()
+    y1, y2 = seq(x1, x2)
+    assert torch.equal(x1, kept[0]) and torch.equal(x2, kept[1])
+    r1, r2 = seq.inverse(y1, y2)
+    # The float outputs are views of the streams (rounded to fp32): the inverse is exact up to that
+    assert_close_rel(r1, x1, 1e-5) and assert_close_rel(r2, x2, 1e-5)
