@@ -288,15 +288,18 @@ def drift_table(rows):
     from the run's output, worst (median) over the seeds, per precision and depth."""
     r = rows[0]
     depths = list(dict.fromkeys(r["depth"] for r in rows))
-    by = {(r["mode"], r["depth"]): r for r in rows}
+    # (streams: "float", or "exact" for exact mode's fixed-point streams; older files have float only)
+    by = {(r["mode"], r.get("streams", "float"), r["depth"]): r for r in rows}
     lines = [f"Relative max-abs error of a block input rebuilt from the run's output, `RevViTBlock(dim {r['dim']}, "
              f"heads {r['heads']})` stacks, {r['tokens']} tokens, batch {r['batch']}, worst (median) of {r['seeds']} "
              f"seeds ({_provenance(rows)}):", "",
-             "| precision | " + " | ".join(f"depth {d}" for d in depths) + " |", "|---" * (1 + len(depths)) + "|"]
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        cells = [f"{_num(by[mode, d]['chained_max']):.1e} ({_num(by[mode, d]['chained_median']):.1e})"
-                 if (mode, d) in by else "" for d in depths]
-        lines.append(f"| {DRIFT_MODES.get(mode, mode)} | " + " | ".join(cells) + " |")
+             "| precision | streams | " + " | ".join(f"depth {d}" for d in depths) + " |",
+             "|---" * (2 + len(depths)) + "|"]
+    for mode, streams in dict.fromkeys((r["mode"], r.get("streams", "float")) for r in rows):
+        cells = [f"{_num(by[mode, streams, d]['chained_max']):.1e} ({_num(by[mode, streams, d]['chained_median']):.1e})"
+                 if (mode, streams, d) in by else "" for d in depths]
+        label = "exact (int64)" if streams == "exact" else "float"
+        lines.append(f"| {DRIFT_MODES.get(mode, mode)} | {label} | " + " | ".join(cells) + " |")
     return lines
 
 

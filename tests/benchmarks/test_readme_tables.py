@@ -202,12 +202,16 @@ def test_gpu_train_table_has_one_row_per_variant(tmp_path, readme_tables):
 
 
 def test_drift_text_and_attention_tables(tmp_path, readme_tables):
-    drift = {"dim": 64, "heads": 4, "tokens": 17, "batch": 4, "seeds": 5, "local_max": 0.0}
+    drift = {"dim": 64, "heads": 4, "tokens": 17, "batch": 4, "seeds": 5, "local_max": 0.0, "streams": "float"}
     _write(tmp_path / "drift_cpu.csv", [dict(drift, mode="fp32", depth=1, chained_max=6.7e-8, chained_median=6.3e-8),
-                                        dict(drift, mode="bf16_streams", depth=64, chained_max=0.05, chained_median=0.046)])
+                                        dict(drift, mode="bf16_streams", depth=64, chained_max=0.05, chained_median=0.046),
+                                        dict(drift, mode="fp32", streams="exact", depth=1, chained_max=0.0,
+                                             chained_median=0.0)])
     text = readme_tables.table("drift", str(tmp_path))
-    assert "| precision | depth 1 | depth 64 |" in text
-    assert "| fp32 | 6.7e-08 (6.3e-08) |  |" in text and "| bf16 streams and weights |  | 5.0e-02 (4.6e-02) |" in text
+    assert "| precision | streams | depth 1 | depth 64 |" in text
+    assert "| fp32 | float | 6.7e-08 (6.3e-08) |  |" in text
+    assert "| bf16 streams and weights | float |  | 5.0e-02 (4.6e-02) |" in text
+    assert "| fp32 | exact (int64) | 0.0e+00 (0.0e+00) |  |" in text
     lm = {"depth": 2, "dim": 64, "heads": 4, "tokens": 64, "batch": 8, "steps": 30, "dropout": 0.1, "tokens_per_s": 29317.0,
           "saved_mib": 1.137, "val_loss": 3.20971}
     _write(tmp_path / "text_cpu.csv", [dict(lm, model="sequential", max_abs_loss_diff_vs_autograd=4.77e-7),
