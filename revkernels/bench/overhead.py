@@ -27,6 +27,10 @@ created in the same order in every variant, so they hold the same weights):
     revkernels_<engine>          RevViTBlock (fused rebuild and grads), for each engine in
                                  revkernels.engine.ENGINES (an engine added there is picked up)
     revkernels_generic_<engine>  ReversibleBlock(AttentionBranch, MlpBranch), for each engine
+    revkernels_exact_sequential, revkernels_generic_exact_sequential
+                                 the same two on the sequential engine in exact mode (exact=True:
+                                 fixed-point streams); their vs_float_streams column is the speed
+                                 ratio against the same variant with float streams (> 1: faster)
 
 The reversible variants take the input as both streams. Each variant first runs its warm-up steps
 (the first one timed alone: first_step_ms; for an engine that compiles, such as "compiled",
@@ -132,15 +136,34 @@ class PlainReversibleStack(nn.Module):
 
 # --- variants ---------------------------------------------------------------------------------------
 
+EXACT_ENGINES = ("sequential",)  # engines timed in exact mode too
+EXACT_PREFIXES = {"revkernels_generic_exact_": "revkernels_generic_", "revkernels_exact_": "revkernels_"}
+
+
 def variants(engines=None):
     """Every variant name, the engines from revkernels.engine.ENGINES (or `engines`)."""
     engines = list(rk.engine.ENGINES) if engines is None else list(engines)
+    exact = [e for e in EXACT_ENGINES if e in engines]
     return (["standard", "standard_compile", "checkpoint", "reversible_plain"] + [f"revkernels_{e}" for e in engines]
-            + [f"revkernels_generic_{e}" for e in engines])
+            + [f"revkernels_generic_{e}" for e in engines] + [f"revkernels_exact_{e}" for e in exact]
+            + [f"revkernels_generic_exact_{e}" for e in exact])
+
+
+def float_streams_variant(variant):
+    """The variant with float streams of an exact-mode variant; None for the others."""
+    for prefix, plain in EXACT_PREFIXES.items():
+        if variant.startswith(prefix):
+            return plain + variant.removeprefix(prefix)
+    return None
 
 
 def build(variant, depth, dim, heads):
     """The model of `variant`; F then G of each block are created in the same order in every variant."""
+    plain = float_streams_variant(variant)
+    if plain is not None:
+        model = build(plain, depth, dim, heads)
+        model.seq.exact = True
+        return model
     if variant in ("standard", "checkpoint"):
         return StandardStack(depth, dim, heads, use_checkpoint=variant == "checkpoint")
     if variant == "standard_compile":
@@ -158,6 +181,7 @@ def build(variant, depth, dim, heads):
 
 def engine_of(variant):
     """The revkernels engine a variant runs, or None."""
+    variant = float_streams_variant(variant) or variant
     for prefix in ("revkernels_generic_", "revkernels_"):
         if variant.startswith(prefix):
             return variant.removeprefix(prefix)
@@ -287,6 +311,8 @@ def measure_config(name, cfg, names, device, warmup, rounds, progress=None, buil
         for base in BASELINES:
             row[f"vs_{base}_q1"], row[f"vs_{base}_q3"] = round_ratio_quartiles(
                 times.get(base, []) if base not in failed else [], times[variant] if variant not in failed else [])
+        plain = float_streams_variant(variant)
+        row["vs_float_streams"] = "" if plain is None else _ratio_value(step_ms.get(plain, nan), ms)
         rows.append({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
     return rows
 
@@ -666,6 +692,9 @@ def summary(rows):
         cells = [f"{v} {_fmt(mine[v]['step_ms'], '.2f')} ms (speed vs reversible_plain "
                  f"{_fmt(mine[v]['vs_reversible_plain'], '.2f')}x, vs standard {_fmt(mine[v]['vs_standard'], '.2f')}x)"
                  for v in ("revkernels_sequential", "revkernels_generic_sequential") if v in mine]
+        cells += [f"{v} {_fmt(mine[v]['step_ms'], '.2f')} ms (speed vs float streams "
+                  f"{_fmt(mine[v]['vs_float_streams'], '.2f')}x)"
+                  for v in ("revkernels_exact_sequential",) if v in mine]
         if cells:
             lines.append(f"{name}: " + "; ".join(cells))
     compile_rows = [r for r in rows if r.get("config") == COMPILE_CONFIG_NAME]

@@ -325,14 +325,7 @@ class ReversibleSequential(nn.Module):
         self.engine = engine
         self.preserve_rng_state = bool(preserve_rng_state)
         self.memory_budget = memory_budget
-        if not isinstance(exact, bool):
-            raise TypeError(f"revkernels: exact must be a bool, got {type(exact).__name__}")
         self.exact = exact
-        if exact:
-            from revkernels.nn.exact import check_exact_block
-
-            for i, block in enumerate(self.blocks):
-                check_exact_block(block, i)
         self._opaque_handle = _new_handle(self)
 
     def __setstate__(self, state):
@@ -341,7 +334,6 @@ class ReversibleSequential(nn.Module):
         state.pop("_budget", None)  # (plans and the head run are remade for the copy)
         super().__setstate__(state)
         self._opaque_handle = _new_handle(self)
-        self.__dict__.setdefault("exact", False)  # (pickled before exact mode existed)
         if "engine_in_use" not in self.__dict__:  # (pickled before engine="auto" existed)
             self.engine_in_use = None if self._engine_name == "auto" else self._engine_name
 
@@ -379,10 +371,26 @@ class ReversibleSequential(nn.Module):
         check_streams(x1, x2)
         return plan_of(self, x1, x2, context)
 
+    @property
+    def exact(self):
+        """Whether the streams between blocks are fixed point (see `revkernels.nn.exact`); settable."""
+        return self.__dict__.get("_exact", False)
+
+    @exact.setter
+    def exact(self, exact):
+        if not isinstance(exact, bool):
+            raise TypeError(f"revkernels: exact must be a bool, got {type(exact).__name__}")
+        if exact:
+            from revkernels.nn.exact import check_exact_block
+
+            for i, block in enumerate(self.blocks):
+                check_exact_block(block, i)
+        self.__dict__["_exact"] = exact
+
     def fixed_point_streams(self, dtype):
         """A new `revkernels.nn.exact.FixedPointStreams` for a call with `dtype` inputs in exact
         mode; None otherwise."""
-        if not self.__dict__.get("exact"):
+        if not self.exact:
             return None
         from revkernels.nn.exact import FixedPointStreams
         from revkernels.ops.fixed_point import check_bits

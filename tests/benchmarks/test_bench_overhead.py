@@ -82,6 +82,17 @@ def test_check_plain_grads_passes_and_all_variants_share_weights():
         assert all(torch.equal(p, q) for p, q in zip(first, model.parameters(), strict=True))
 
 
+def test_exact_variants_are_their_float_variants_with_fixed_point_streams():
+    cpu = torch.device("cpu")
+    for variant, plain in (("revkernels_exact_sequential", "revkernels_sequential"),
+                           ("revkernels_generic_exact_sequential", "revkernels_generic_sequential")):
+        assert overhead.float_streams_variant(variant) == plain and overhead.engine_of(variant) == "sequential"
+        exact, floating = overhead.make_model(variant, SMALL, cpu), overhead.make_model(plain, SMALL, cpu)
+        assert exact.seq.exact and not floating.seq.exact
+        assert [type(b) for b in exact.seq.blocks] == [type(b) for b in floating.seq.blocks]
+    assert overhead.float_streams_variant("revkernels_sequential") is None
+
+
 def test_variants_follow_the_engine_registry(monkeypatch):
     monkeypatch.setitem(rk.engine.ENGINES, "compiled", rk.engine.run_sequential)
     names = overhead.variants()
@@ -234,11 +245,15 @@ def test_run_writes_both_csvs_and_the_plot(tmp_path, monkeypatch):
                                 "--compile-variants", "revkernels_compiled"])
     rows = overhead.run(args)
     steps = list(csv.DictReader(open(tmp_path / "overhead_cpu.csv")))
-    assert list(steps[0])[:29] == [
+    assert list(steps[0])[:30] == [
         "config", "depth", "dim", "heads", "tokens", "batch", "threads", "dtype", "variant", "engine", "step_ms",
         "first_step_ms", "compile_s", "steps", "warmup", "vs_standard", "vs_reversible_plain", "vs_checkpoint",
         "vs_standard_compile", "vs_standard_q1", "vs_standard_q3", "vs_reversible_plain_q1", "vs_reversible_plain_q3",
-        "vs_checkpoint_q1", "vs_checkpoint_q3", "vs_standard_compile_q1", "vs_standard_compile_q3", "commit", "device"]
+        "vs_checkpoint_q1", "vs_checkpoint_q3", "vs_standard_compile_q1", "vs_standard_compile_q3",
+        "vs_float_streams", "commit", "device"]
+    exact = {r["variant"]: r for r in steps if r["vs_float_streams"]}
+    assert set(exact) == {"revkernels_exact_sequential", "revkernels_generic_exact_sequential"}
+    assert all(r["engine"] == "sequential" and math.isfinite(float(r["vs_float_streams"])) for r in exact.values())
     assert [r["variant"] for r in steps] == [v for v in overhead.variants() if v != "standard_compile"]  # --quick
     for engine in rk.engine.ENGINES:
         assert {f"revkernels_{engine}", f"revkernels_generic_{engine}"} <= {r["variant"] for r in steps}
