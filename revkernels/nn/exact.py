@@ -22,7 +22,8 @@ reads the flags once after its forward and raises `OverflowError` naming the fir
 overflowed, so no wrapped integer is ever returned.
 
 A block runs in exact mode through its F and G (``block.f``, ``block.g``) and the coupling it
-declares (``coupling = "full"`` or ``"half"``): the generic steps below, not a fused block's own.
+declares (``coupling = "full"`` or ``"half"``): the generic steps below, or steps of its own on the
+fixed-point streams (`RevTransformerBlock`'s fused ones; see `ExactSteps`).
 """
 from dataclasses import dataclass
 
@@ -54,6 +55,11 @@ class FixedPointStreams:
             self._flags.append((label, flag))
         self._views = [*self._views[-3:], (stream, view)]
         return view, stream
+
+    def remember(self, view, stream):
+        """Keeps `view` as `stream`'s (a reshaped pair the next step reads); returns `stream`."""
+        self._views = [*self._views[-3:], (stream, view)]
+        return stream
 
     def enter(self, x, label=_INPUT):
         """``(view, stream)`` of a float input rounded onto the grid."""
@@ -132,9 +138,19 @@ class ExactSteps:
         self.block, self.streams, self.index = block, streams, index
         self.kind = check_exact_block(block, index)
         self.label = f"blocks[{index}] ({type(block).__name__})"
+        # A block may step the fixed-point streams itself: ``forward_with_state_exact(x1, x2,
+        # preserve_rng_state, context, streams, label)`` and ``recompute_exact(y1, y2, state,
+        # context, streams)`` (whose recompute its ``grads`` takes), each returning None where it
+        # does not apply
+        self.fused_forward = getattr(block, "forward_with_state_exact", None)
+        self.fused_recompute = getattr(block, "recompute_exact", None)
 
     def forward_with_state(self, x1, x2, preserve_rng_state=True, context=NO_CONTEXT):
         block, streams = self.block, self.streams
+        if self.fused_forward is not None:  # a block's own exact steps (RevTransformerBlock's fused ones)
+            out = self.fused_forward(x1, x2, preserve_rng_state, context, streams, self.label)
+            if out is not None:
+                return out
         keep = preserve_rng_state and block.draws_random()
         devices = cuda_devices_of(x1, x2) if keep else ()
         rng_f = RngState(devices) if keep else None
@@ -159,6 +175,10 @@ class ExactSteps:
 
     def recompute(self, y1, y2, state=None, context=NO_CONTEXT, grad=True):
         block, streams = self.block, self.streams
+        if self.fused_recompute is not None:
+            rec = self.fused_recompute(y1, y2, state, context, streams)
+            if rec is not None:
+                return rec
         with torch.set_grad_enabled(grad), recompute_context(block):
             if self.kind == "half":  # (x1, x2) = (Y2 - q(F(view(Y1))), Y1)
                 x2_leaf = streams.view(y1).detach().requires_grad_()
@@ -184,6 +204,8 @@ class ExactSteps:
         # walker's zeros of the int64 stream: float zeros instead.)
         if not dy1.is_floating_point():
             dy1 = torch.zeros(dy1.shape, dtype=self.streams.dtype, device=dy1.device)
+        if not isinstance(rec, ExactRecompute):  # the block's own exact recompute: its own grads
+            return self.block.grads(rec, dy1, dy2)
         generic = HalfCouplingBlock.grads if self.kind == "half" else ReversibleBlock.grads
         return generic(self.block, rec.local, dy1, dy2)
 

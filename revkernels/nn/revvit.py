@@ -261,22 +261,40 @@ class RevTransformerBlock(ReversibleBlock):
         if not m.fused or submodule_hooked(self):
             # (a forward hook could observe F's or G's submodules: run them as modules)
             return super().forward_with_state(x1, x2, preserve_rng_state, context)
+        return self._fused_forward(x1, x2, preserve_rng_state, context)
+
+    def forward_with_state_exact(self, x1, x2, preserve_rng_state, context, streams, label):
+        """`forward_with_state` on exact mode's int64 streams (``streams``, a
+        `revkernels.nn.exact.FixedPointStreams`; `label` names the block in an overflow): the fused
+        steps, or None where they do not apply (the generic exact steps run then)."""
+        if not self._parts().fused or submodule_hooked(self):
+            return None
+        return self._fused_forward(x1, x2, preserve_rng_state, context, streams, label)
+
+    def _fused_forward(self, x1, x2, preserve_rng_state, context, streams=None, label=None):
         # AttentionBranch.forward and MlpBranch.forward with the same ops on the parameters
-        # directly (bitwise the module composition, without its per-module call overhead).
+        # directly (bitwise the module composition, without its per-module call overhead). With
+        # `streams` the couplings are exact mode's integer adds, F and G reading the float views.
+        m = self._parts()
         P = self._params()
-        _check_tokens(x2, P["f.qkv.weight"].shape[1])
         keep = preserve_rng_state and self.draws_random()
         devices = cuda_devices_of(x1, x2) if keep else ()
         rng_f = RngState(devices) if keep else None
-        dim = x2.shape[-1]
-        h = F.layer_norm(x2, (dim,), P["f.norm.weight"], P["f.norm.bias"], m.f_norm.eps)
+        v2 = x2 if streams is None else streams.view(x2)
+        _check_tokens(v2, P["f.qkv.weight"].shape[1])
+        dim = v2.shape[-1]
+        h = F.layer_norm(v2, (dim,), P["f.norm.weight"], P["f.norm.bias"], m.f_norm.eps)
         o = m.f.attend(F.linear(h, P["f.qkv.weight"], P.get("f.qkv.bias")), context.get("attn_mask"))
-        f_out = F.linear(o, P["f.proj.weight"], P["f.proj.bias"])
-        y1 = x1 + m.f_drop_path(m.f_dropout.sample(f_out)[0])
+        f_out = m.f_drop_path(m.f_dropout.sample(F.linear(o, P["f.proj.weight"], P["f.proj.bias"]))[0])
+        if streams is None:
+            y1 = v1 = x1 + f_out
+        else:
+            v1, y1 = streams.add(x1, f_out, label)
         rng_g = RngState(devices) if keep else None
-        h = F.layer_norm(y1, (dim,), P["g.norm.weight"], P["g.norm.bias"], m.g_norm.eps)
+        h = F.layer_norm(v1, (dim,), P["g.norm.weight"], P["g.norm.bias"], m.g_norm.eps)
         h = F.gelu(F.linear(h, P["g.fc1.weight"], P["g.fc1.bias"]), approximate=m.g.approximate)
-        y2 = x2 + m.g_drop_path(m.g_dropout.sample(F.linear(h, P["g.fc2.weight"], P["g.fc2.bias"]))[0])
+        g_out = m.g_drop_path(m.g_dropout.sample(F.linear(h, P["g.fc2.weight"], P["g.fc2.bias"]))[0])
+        y2 = x2 + g_out if streams is None else streams.add(x2, g_out, label)[1]
         return y1, y2, BlockState(rng_f, rng_g) if keep else None
 
     def recompute(self, y1, y2, state=None, context=NO_CONTEXT):
@@ -285,7 +303,21 @@ class RevTransformerBlock(ReversibleBlock):
             # Hooks below the block (a forward hook may change a submodule's output, a pre-hook
             # compute a pruned weight) run in the rebuild as in the forward: the modules' own steps
             return super().recompute(y1, y2, state, context)
+        return self._fused_recompute(y1, y2, state, context)
+
+    def recompute_exact(self, y1, y2, state, context, streams):
+        """`recompute` on exact mode's int64 streams (see `forward_with_state_exact`): the fused
+        steps, whose `grads` then apply unchanged, or None where they do not apply."""
+        if not self._parts().fused or submodule_hooked(self, backward=True):
+            return None
+        return self._fused_recompute(y1, y2, state, context, streams)
+
+    def _fused_recompute(self, y1, y2, state, context, streams=None):
+        m = self._parts()
         P = self._params()
+        stream1 = y1
+        if streams is not None:  # exact mode: F and G read the float views, the streams stay int64
+            y1 = streams.view(y1)
         shape = y1.shape
         batch, tokens, dim = shape
         # The steps work on (batch * tokens, dim) rows: F.linear runs the same addmm/mm on them as on
@@ -300,7 +332,14 @@ class RevTransformerBlock(ReversibleBlock):
                 hidden = F.gelu(pre, approximate=m.g.approximate)
                 g_out, g_keep, g_scale = _residual_noise(
                     m.g_dropout, m.g_drop_path, F.linear(hidden, P["g.fc2.weight"], P["g.fc2.bias"]), shape)
-            x2, ln1, mean1, rstd1 = sub_layer_norm(y2, g_out, P["f.norm.weight"], P["f.norm.bias"], m.f_norm.eps)
+            if streams is None:
+                x2, ln1, mean1, rstd1 = sub_layer_norm(y2, g_out, P["f.norm.weight"], P["f.norm.bias"], m.f_norm.eps)
+                x2_stream = x2
+            else:  # (the LayerNorm of F's input as the forward's F.layer_norm computed it)
+                x2, x2_stream = streams.sub(y2, g_out)
+                ln1, mean1, rstd1 = torch.native_layer_norm(x2, [dim], P["f.norm.weight"], P["f.norm.bias"],
+                                                            m.f_norm.eps)
+                mean1, rstd1 = mean1.view(-1), rstd1.view(-1)
             with maybe_replay(None if state is None else state.rng_f):
                 # AttentionBranch.forward's ops, attention with what its backward needs kept.
                 q, k, v = m.f.heads(F.linear(ln1, P["f.qkv.weight"], P.get("f.qkv.bias")).view(batch, tokens, 3 * dim))
@@ -308,8 +347,12 @@ class RevTransformerBlock(ReversibleBlock):
                 o = out.transpose(1, 2).reshape(-1, dim)
                 f_out, f_keep, f_scale = _residual_noise(
                     m.f_dropout, m.f_drop_path, F.linear(o, P["f.proj.weight"], P["f.proj.bias"]), shape)
-            x1 = coupling_sub(y1, f_out)
-        return _RevViTRecompute(x1=x1.view(shape), x2=x2.view(shape), y1=y1, x2_rows=x2, ln1=ln1, ln2=ln2,
+            if streams is None:
+                x1 = coupling_sub(y1, f_out).view(shape)
+            else:
+                v1, x1 = streams.sub(stream1.reshape(-1, dim), f_out)
+                x1 = streams.remember(v1.view(shape), x1.view(shape))  # (the next recompute reads its view)
+        return _RevViTRecompute(x1=x1, x2=x2_stream.view(shape), y1=y1, x2_rows=x2, ln1=ln1, ln2=ln2,
                                 mean1=mean1, rstd1=rstd1, mean2=mean2.view(-1), rstd2=rstd2.view(-1), o=o,
                                 attention=attention, pre=pre, hidden=hidden, g_scale=g_scale, f_scale=f_scale,
                                 g_keep=g_keep, f_keep=f_keep)

@@ -171,22 +171,48 @@ def test_the_exact_autograd_engine_is_the_fixed_point_network(dtype):
         assert_close_rel(got, want, 1e-6, what=f"grad {i}")
 
 
+def _blocks(kind):
+    """(blocks, stream shape, context) of a run of `kind`."""
+    if kind == "generic":
+        return [_generic(16) for _ in range(5)], (4, 16), {}
+    if kind == "revvit":
+        return [RevViTBlock(16, 2, drop_path=0.2) for _ in range(3)], (2, 5, 16), {}
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[0, 3:] = False
+    return [RevTransformerBlock(16, 2, causal=True, dropout=0.2, drop_path=0.1) for _ in range(3)], (2, 5, 16), \
+        {"attn_mask": mask}
+
+
+@pytest.mark.parametrize("kind", ["generic", "revvit", "revtransformer_causal"])
 @pytest.mark.parametrize("engine", MEMORY_SAVING)
-def test_memory_saving_engines_give_the_exact_autograd_engines_outputs_and_grads(engine):
-    blocks = [_generic(16) for _ in range(5)]
-    x1, x2 = torch.randn(4, 16), torch.randn(4, 16)
-    w = torch.randn(4, 16), torch.randn(4, 16)
-    ref = _run(ReversibleSequential(*blocks, engine="autograd", exact=True), x1, x2, w, seed=3)
+def test_memory_saving_engines_give_the_exact_autograd_engines_outputs_and_grads(engine, kind):
+    blocks, shape, context = _blocks(kind)
+    x1, x2 = torch.randn(shape), torch.randn(shape)
+    w = torch.randn(shape), torch.randn(shape)
+    ref = _run(ReversibleSequential(*blocks, engine="autograd", exact=True), x1, x2, w, seed=3, **context)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        got = _run(ReversibleSequential(*blocks, engine=engine, exact=True), x1, x2, w, seed=3)
+        got = _run(ReversibleSequential(*blocks, engine=engine, exact=True), x1, x2, w, seed=3, **context)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert len(got[2]) == len(ref[2])
     for i, (a, b) in enumerate(zip(got[2], ref[2])):
         assert_close_rel(a, b, 1e-6, what=f"grad {i}")
     with torch.no_grad():  # inference gives the same bits
         torch.manual_seed(3)
-        y1, y2 = ReversibleSequential(*blocks, engine=engine, exact=True)(x1, x2)
+        y1, y2 = ReversibleSequential(*blocks, engine=engine, exact=True)(x1, x2, **context)
     assert torch.equal(y1, ref[0]) and torch.equal(y2, ref[1])
+
+
+def test_fused_blocks_step_the_fixed_point_streams_with_their_own_steps(monkeypatch):
+    calls = []
+    for name in ("forward_with_state_exact", "recompute_exact"):
+        original = getattr(RevTransformerBlock, name)
+        monkeypatch.setattr(RevTransformerBlock, name,
+                            lambda self, *a, _f=original, _n=name: calls.append(_n) or _f(self, *a))
+    blocks, shape, context = _blocks("revvit")
+    seq = ReversibleSequential(*blocks, engine="sequential", exact=True)
+    assert _exact_rebuild_checked(seq, torch.randn(shape), torch.randn(shape)) == [0.0] * 3
+    assert calls.count("forward_with_state_exact") == 3 and calls.count("recompute_exact") == 3
 
 
 def test_gpt2_small_grads_match_the_exact_autograd_engine():
