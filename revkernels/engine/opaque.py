@@ -38,7 +38,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from revkernels.engine import compiled
-from revkernels.engine.sequential import forward_step, with_buffers
+from revkernels.engine.sequential import exact_forward, forward_step, reverse_blocks, with_buffers
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, BlockState, RngState, autograd_recording,
                                      block_modes, check_context, cuda_devices_of, in_mode, run_modes)
 from revkernels.engine.structure import LRU, branch_count
@@ -234,22 +234,31 @@ def _outputs(outputs, layouts, inputs):
 @torch.library.custom_op("revkernels::reversible_run", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def reversible_run(handle: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, params: list[torch.Tensor],
                    context: int, context_tensors: list[torch.Tensor], context_numbers: Sequence[int | float | bool],
-                   autocast_dtype: torch.dtype | None, rng_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The run's forward without autograd: ``(y1, y2, generator states)``. `handle`: the run's
-    `new_handle`. `context`: a `context_handle` (its tensors and numbers: `context_tensors`,
-    `context_numbers`). `rng_rows`: the rows of the generator states (`_random_rows` of the run
-    when traced, for the fake kernel; Dynamo guards on what it read to count them)."""
+                   autocast_dtype: torch.dtype | None, rng_rows: int, exact: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The run's forward without autograd: ``(y1, y2, generator states, fixed-point streams)``.
+    `handle`: the run's `new_handle`. `context`: a `context_handle` (its tensors and numbers:
+    `context_tensors`, `context_numbers`). `rng_rows`: the rows of the generator states
+    (`_random_rows` of the run when traced, for the fake kernel; Dynamo guards on what it read to
+    count them). `exact`: the run is in exact mode: y1, y2 are the views of its last int64 streams,
+    returned too (what the backward rebuilds from); else the last output is empty."""
     seq = _run(handle)
     devices = cuda_devices_of(x1, x2)
     inputs = (x1, x2)
     context, _ = _context(context, context_tensors, context_numbers)
     if context:
         check_context(seq, seq.blocks, context)
+    fixed = []
     # autograd_recording: the dispatch keys of an eager call, so that compiled steps called here and
     # eagerly share their graphs (the keys are guarded on); nothing records under no_grad
     with autograd_recording(), _autocast(x1.device.type, autocast_dtype):
         steps = _steps(seq, x1.device.type)
-        if steps is None:
+        if exact:  # (the exact steps, eagerly, whatever the engine: see revkernels.nn.exact)
+            streams = seq.fixed_point_streams(x1.dtype)
+            with torch.no_grad():
+                s1, s2, states, _ = exact_forward(seq, x1, x2, context, streams)
+            x1, x2, fixed = streams.view(s1), streams.view(s2), [s1, s2]
+        elif steps is None:
             states = []
             with torch.no_grad():
                 for block in seq.blocks:
@@ -258,28 +267,31 @@ def reversible_run(handle: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, par
         else:
             x1, x2, states = compiled.forward_blocks(list(seq.blocks), x1, x2, steps, seq.preserve_rng_state, context)
     y1, y2 = _outputs((x1, x2), inputs, inputs)
+    fixed = _outputs(fixed, inputs, (*inputs, y1, y2)) if fixed else fixed
     changed = [getattr(state, "buffers", ()) for state in states]
     # (`params`: the module's parameters themselves, which a scan of the modules would rebuild per call)
     _keep_forward(handle, y1, _Forward(run_modes(seq.blocks), list(params),
                                        changed if any(changed) else ()))
-    return y1, y2, _pack(states, devices)
+    return y1, y2, _pack(states, devices), fixed
 
 
 @reversible_run.register_fake
-def _(handle, x1, x2, params, context, context_tensors, context_numbers, autocast_dtype, rng_rows):
+def _(handle, x1, x2, params, context, context_tensors, context_numbers, autocast_dtype, rng_rows, exact):
+    fixed = [torch.empty_like(x1, dtype=torch.int64), torch.empty_like(x2, dtype=torch.int64)] if exact else []
     return torch.empty_like(x1), torch.empty_like(x2), \
-        torch.empty(rng_rows, _state_bytes(cuda_devices_of(x1, x2)), dtype=torch.uint8)
+        torch.empty(rng_rows, _state_bytes(cuda_devices_of(x1, x2)), dtype=torch.uint8), fixed
 
 
 @torch.library.custom_op("revkernels::reversible_run_backward", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def reversible_run_backward(handle: torch.Tensor, y1: torch.Tensor, y2: torch.Tensor, dy1: torch.Tensor, dy2: torch.Tensor,
                             rng: torch.Tensor, params: list[torch.Tensor], context: int,
                             context_tensors: list[torch.Tensor], context_numbers: Sequence[int | float | bool],
-                            autocast_dtype: torch.dtype | None
+                            autocast_dtype: torch.dtype | None, fixed: list[torch.Tensor]
                             ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """``(dx1, dx2, param grads, context grads)`` of the run from its outputs and their grads
     (zeros for a parameter or context tensor no block used); context grads for the context
-    tensors that require grad, in order."""
+    tensors that require grad, in order. `fixed`: an exact run's int64 output streams (the
+    rebuild starts from them, through the exact steps), or empty."""
     seq = _run(handle)
     blocks = list(seq.blocks)
     forward = _kept_forward(handle, y1)  # (kept while y1, saved for this backward, lives)
@@ -292,8 +304,14 @@ def reversible_run_backward(handle: torch.Tensor, y1: torch.Tensor, y2: torch.Te
         for i, changed in enumerate(forward.buffers):
             states[i] = with_buffers(states[i], changed)
         with autograd_recording():  # as in the forward kernel
-            _, _, dx1, dx2, grads = compiled.backward_blocks(blocks, states, y1, y2, dy1, dy2, forward.params + leaves,
-                                                             _steps(seq, y1.device.type), autocast_state, context)
+            if fixed:
+                steps = seq.fixed_point_streams(y1.dtype).steps(blocks)
+                _, _, dx1, dx2, grads = reverse_blocks(steps, states, *fixed, dy1, dy2, forward.params + leaves,
+                                                       autocast_state, context=context)
+            else:
+                _, _, dx1, dx2, grads = compiled.backward_blocks(blocks, states, y1, y2, dy1, dy2,
+                                                                 forward.params + leaves, _steps(seq, y1.device.type),
+                                                                 autocast_state, context)
     inputs = (y1, y2, dy1, dy2, *params, *context_tensors)
     grad_tensors = [torch.zeros_like(t) if g is None else g for t, g in zip(params + leaves, grads, strict=True)]
     dx1, dx2, *grad_tensors = _outputs((dx1, dx2, *grad_tensors), (y1, y2, *params, *leaves), inputs)
@@ -301,31 +319,33 @@ def reversible_run_backward(handle: torch.Tensor, y1: torch.Tensor, y2: torch.Te
 
 
 @reversible_run_backward.register_fake
-def _(handle, y1, y2, dy1, dy2, rng, params, context, context_tensors, context_numbers, autocast_dtype):
+def _(handle, y1, y2, dy1, dy2, rng, params, context, context_tensors, context_numbers, autocast_dtype, fixed):
     requires_grad = context_spec(context)[1]
     return torch.empty_like(y1), torch.empty_like(y2), [torch.empty_like(p) for p in params], \
         [torch.empty_like(t) for t, grad in zip(context_tensors, requires_grad) if grad]
 
 
 def _setup_context(ctx, inputs, output):
-    handle, _, _, params, context, context_tensors, context_numbers, autocast_dtype, _ = inputs
-    y1, y2, rng = output
+    handle, _, _, params, context, context_tensors, context_numbers, autocast_dtype, _, _ = inputs
+    y1, y2, rng, fixed = output
     ctx.context, ctx.autocast_dtype, ctx.num_params = context, autocast_dtype, len(params)
-    ctx.context_numbers = context_numbers
-    ctx.save_for_backward(handle, y1, y2, rng, *params, *context_tensors)
+    ctx.context_numbers, ctx.num_fixed = context_numbers, len(fixed)
+    ctx.save_for_backward(handle, y1, y2, rng, *fixed, *params, *context_tensors)
 
 
-def _backward(ctx, dy1, dy2, _drng):
+def _backward(ctx, dy1, dy2, _drng, _dfixed):
     handle, y1, y2, rng, *saved = ctx.saved_tensors
+    fixed, saved = saved[:ctx.num_fixed], saved[ctx.num_fixed:]
     params, context_tensors = saved[:ctx.num_params], saved[ctx.num_params:]
     dy1 = torch.zeros_like(y1) if dy1 is None else dy1
     dy2 = torch.zeros_like(y2) if dy2 is None else dy2
     dx1, dx2, grads, context_grads = reversible_run_backward(handle, y1, y2, dy1, dy2, rng, params, ctx.context,
-                                                             context_tensors, ctx.context_numbers, ctx.autocast_dtype)
+                                                             context_tensors, ctx.context_numbers, ctx.autocast_dtype,
+                                                             list(fixed))
     context_grads = iter(context_grads)
     requires_grad = context_spec(ctx.context)[1]
     return (None, dx1, dx2, grads, None, [next(context_grads) if grad else None for grad in requires_grad],
-            [] if not ctx.context_numbers else None, None, None)  # (an empty list counts as a tensor list)
+            [] if not ctx.context_numbers else None, None, None, None)  # (an empty list counts as a tensor list)
 
 
 reversible_run.register_autograd(_backward, setup_context=_setup_context)
@@ -344,6 +364,6 @@ def run_opaque(seq, x1, x2, context=NO_CONTEXT):
         _raise_nested_tensors(nested)
     tensors, numbers = [context[k] for k in names], [context[k] for k in number_names]
     handle = context_handle(names, tuple(t.requires_grad for t in tensors), number_names, values)
-    y1, y2, _ = reversible_run(seq._opaque_handle, x1, x2, _grad_params(seq), handle, tensors, numbers, autocast_dtype,
-                               _random_rows(seq))
+    y1, y2, _, _ = reversible_run(seq._opaque_handle, x1, x2, _grad_params(seq), handle, tensors, numbers,
+                                  autocast_dtype, _random_rows(seq), seq.exact)
     return y1, y2

@@ -415,6 +415,13 @@ class ReversibleSequential(nn.Module):
     def forward(self, x1, x2, **context):
         check_streams(x1, x2)
         if torch.compiler.is_compiling() and self._engine_name != "autograd":
+            if self.exact:  # the opaque op runs exact mode's steps, with grad or without
+                from revkernels.engine.opaque import run_opaque
+
+                if _exporting():
+                    raise NotImplementedError("revkernels: a run in exact mode cannot be exported yet (its steps "
+                                              "run inside an op of this process); export it with exact=False")
+                return run_opaque(self, x1, x2, context)
             if _exporting() or not records_graph(
                     x1, x2, [p for p in self.blocks.parameters() if p.requires_grad], grad_tensors(context)):
                 # Nothing to differentiate (inference): the blocks' forward is traced, for the
@@ -427,10 +434,6 @@ class ReversibleSequential(nn.Module):
             # inputs), so the compiled graph saves only the run's outputs and context
             # (revkernels.engine.opaque, which also checks the context keywords, at trace time).
             from revkernels.engine.opaque import run_opaque
-
-            if self.exact:
-                raise NotImplementedError("revkernels: exact mode does not run under torch.compile yet: compile "
-                                          "the blocks' steps with engine='compiled', or use exact=False")
 
             return run_opaque(self, x1, x2, context)
         if self._memory_budget and self.exact:

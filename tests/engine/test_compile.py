@@ -105,24 +105,29 @@ def _real_and_fake_layouts(op, args):
     return [(t.shape, t.stride()) for t in tree_leaves(real)], [(t.shape, t.stride()) for t in tree_leaves(fake)], real
 
 
-def test_opaque_ops_give_the_layouts_of_their_fake_kernels_and_alias_nothing():
+@pytest.mark.parametrize("exact", [False, True])
+def test_opaque_ops_give_the_layouts_of_their_fake_kernels_and_alias_nothing(exact):
     """Inductor compiles against the fake kernels' strides: a half block over a transposed x1 (and a
     transposed dy1) must return what the fakes say (streams and grads laid out like the inputs and
-    parameters they belong to), with no output sharing memory with an input or another output."""
-    seq = ReversibleSequential(HalfCouplingBlock(_AddTable()))
+    parameters they belong to; exact mode's int64 streams too), with no output sharing memory with
+    an input or another output."""
+    seq = ReversibleSequential(HalfCouplingBlock(_AddTable()), exact=exact)
     x1, x2 = torch.randn(8, 4).t(), torch.randn(4, 8)
     params = list(seq.parameters())
     handle, context = seq._opaque_handle, opaque.context_handle((), (), (), ())
-    real, fake, (y1, y2, rng) = _real_and_fake_layouts(torch.ops.revkernels.reversible_run.default,
-                                                       (handle, x1, x2, params, context, [], [], None, 0))
-    assert real == fake
+    real, fake, (y1, y2, rng, fixed) = _real_and_fake_layouts(torch.ops.revkernels.reversible_run.default,
+                                                              (handle, x1, x2, params, context, [], [], None, 0, exact))
+    assert real == fake and len(fixed) == (2 if exact else 0)
+    outputs = [t.untyped_storage().data_ptr() for t in (y1, y2, *fixed)]
+    assert len(set(outputs)) == len(outputs) and not set(outputs) & {x1.untyped_storage().data_ptr(),
+                                                                      x2.untyped_storage().data_ptr()}
     dy1, dy2 = torch.randn(8, 4).t(), torch.randn(4, 8)
     real, fake, grads = _real_and_fake_layouts(torch.ops.revkernels.reversible_run_backward.default,
-                                               (handle, y1, y2, dy1, dy2, rng, params, context, [], [], None))
+                                               (handle, y1, y2, dy1, dy2, rng, params, context, [], [], None, fixed))
     assert real == fake
     storages = [t.untyped_storage().data_ptr() for t in tree_leaves(grads)]
     assert len(set(storages)) == len(storages)
-    assert not set(storages) & {t.untyped_storage().data_ptr() for t in (y1, y2, dy1, dy2, *params)}
+    assert not set(storages) & {t.untyped_storage().data_ptr() for t in (y1, y2, dy1, dy2, *params, *fixed)}
 
 
 def test_fullgraph_compile_of_a_deep_copy_runs_the_copys_blocks():

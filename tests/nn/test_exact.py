@@ -231,6 +231,35 @@ def test_gpt2_small_grads_match_the_exact_autograd_engine():
         assert_close_rel(a, b, 1e-6, what=f"block 0 grad {i}")
 
 
+@pytest.mark.parametrize("engine", ["sequential", "compiled"])
+def test_torch_compile_runs_exact_mode_in_the_opaque_op(engine, monkeypatch, fresh_dynamo):
+    from revkernels.engine import opaque
+    from revkernels.ops.fixed_point import fixed_point_from_float
+
+    rebuilt = []
+
+    def walker(*args, **kwargs):  # the opaque backward's walk: keep the rebuilt input of block 0
+        out = reverse_blocks(*args, **kwargs)
+        rebuilt.append(out[:2])
+        return out
+
+    from revkernels.engine.sequential import reverse_blocks
+    monkeypatch.setattr(opaque, "reverse_blocks", walker)
+    blocks, shape, context = _blocks("revtransformer_causal")
+    x1, x2 = torch.randn(shape), torch.randn(shape)
+    w = torch.randn(shape), torch.randn(shape)
+    eager = _run(ReversibleSequential(*blocks, engine=engine, exact=True), x1, x2, w, seed=4, **context)
+    seq = ReversibleSequential(*blocks, engine=engine, exact=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = _run(torch.compile(seq, fullgraph=True), x1, x2, w, seed=4, **context)
+    assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
+    for i, (a, b) in enumerate(zip(got[2], eager[2])):
+        assert_close_rel(a, b, 1e-6, what=f"grad {i}")
+    (r1, r2), = rebuilt
+    assert torch.equal(r1, fixed_point_from_float(x1)[1]) and torch.equal(r2, fixed_point_from_float(x2)[1])
+
+
 def test_models_take_exact():
     images = torch.randn(2, 3, 32, 32)
     for model in (revvit("vit_s16", num_classes=10, img_size=32, exact=True),
@@ -308,6 +337,8 @@ def test_bad_arguments_and_unsupported_combinations_raise_clearly():
         ReversibleSequential(*blocks, exact=True, memory_budget=0.5)(x.requires_grad_(), x)
     with pytest.raises(NotImplementedError, match="reverse"):
         seq.reverse(x, x, x, x)
+    with pytest.raises(NotImplementedError, match="cannot be exported"):
+        torch.export.export(seq, (x, x))
 
 
 def test_the_callers_tensors_are_left_alone_and_inverse_rebuilds_from_float_outputs():
