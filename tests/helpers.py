@@ -62,6 +62,53 @@ def plain_forward(seq, x1, x2):
     return x1, x2
 
 
+FRACTION_BITS = 32  # exact mode's default grid, 2^-32
+
+
+class _ValueWithGrad(torch.autograd.Function):
+    """`value` forward, the gradient of `like` backward (a straight-through rounding)."""
+
+    @staticmethod
+    def forward(ctx, like, value):
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _grid(t):
+    # t on the grid as int64: rounded half to even after an exact scaling by a power of two
+    return torch.round((t.detach().double() if t.dtype == torch.float64 else t.detach().float())
+                       * 2.0 ** FRACTION_BITS).long()
+
+
+def _view(fixed, dtype):
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    return (fixed.to(wide) * 2.0 ** -FRACTION_BITS).to(dtype)
+
+
+def fixed_point_forward(blocks, x1, x2, context=None):
+    """Exact mode's network written out with plain autograd: int64 streams on a 2^-32 grid, every
+    block's F and G on the streams' float views, their outputs rounded onto the grid and added as
+    integers, straight-through gradients. Half-coupling blocks (`HalfCouplingBlock`) swap."""
+    context = context or {}
+    dtype = x1.dtype
+    s1, s2 = _grid(x1), _grid(x2)
+    v1, v2 = _ValueWithGrad.apply(x1, _view(s1, dtype)), _ValueWithGrad.apply(x2, _view(s2, dtype))
+    for block in blocks:
+        f = block.f(v2, **context)
+        n1 = s1 + _grid(f)
+        nv1 = _ValueWithGrad.apply(v1 + f.to(dtype), _view(n1, dtype))
+        if isinstance(block, rk.nn.HalfCouplingBlock):
+            (s1, v1), (s2, v2) = (s2, v2), (n1, nv1)
+            continue
+        g = block.g(nv1, **context)
+        n2 = s2 + _grid(g)
+        (s1, v1), (s2, v2) = (n1, nv1), (n2, _ValueWithGrad.apply(v2 + g.to(dtype), _view(n2, dtype)))
+    return v1, v2
+
+
 def loss_of(y1, y2, w1, w2):
     """A loss that gives both outputs non-trivial, different gradients."""
     return (y1 * w1).sum() + (y2.square() * w2).sum()

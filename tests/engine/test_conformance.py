@@ -8,6 +8,9 @@ the blocks ran compiled steps, not the eager ones it falls back to), "auto" (the
 `ReversibleBlock(F, G)` of MLP branches, a `HalfCouplingBlock(F)`, a `RevViTBlock`, a causal
 `RevTransformerBlock` with residual dropout and a padding mask (``attn_mask`` context keyword) and
 a RevNet stage's reversible block (`ReversibleStage(BasicResidual)`: conv + fused BatchNorm).
+Exact mode (``exact=True``: fixed-point streams) runs the invariants as a column of its own
+(``exact``), its reference the fixed-point network written out with plain autograd
+(`tests.helpers.fixed_point_forward`); its bit-exact rebuild is tested in tests/nn/test_exact.py.
 
 Every expected value comes from an independent reference: plain autograd through the same modules,
 written out here (``y1 = x1 + F(x2); y2 = x2 + G(y1)``, or the half coupling with its swap), on a
@@ -32,7 +35,7 @@ from torch._dynamo.backends.registry import lookup_backend
 
 import revkernels as rk
 from revkernels.models.revnet import BasicResidual, ReversibleStage
-from tests.helpers import assert_close_rel, loss_of, perturb_parameters, residual_fn
+from tests.helpers import assert_close_rel, fixed_point_forward, loss_of, perturb_parameters, residual_fn
 
 WIDTH, HEADS, TOKENS, BATCH = 16, 2, 5, 3
 CHANNELS, SIDE = 8, 4  # the RevNet stage's feature maps: (BATCH, CHANNELS, SIDE, SIDE)
@@ -41,6 +44,7 @@ ENGINES = ["autograd", "sequential", "pareprop", "graphs", "compiled", "auto", "
 KINDS = ["generic", "half", "revvit", "revtransformer", "revnet"]
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])]
+EXACT = [False, True]  # float streams, exact mode's fixed-point streams
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -106,9 +110,9 @@ class Case:
     """A run of blocks (parameters perturbed) with its streams' shape and dtype, its context and its
     coupling (`half`: the half coupling with a swap; else the full one)."""
 
-    def __init__(self, blocks, shape, dtype=torch.float32, context=None, half=False, device="cpu"):
-        self.seq = perturb_parameters(rk.nn.ReversibleSequential(*blocks)).to(device=device, dtype=dtype)
-        self.shape, self.dtype, self.half, self.device = shape, dtype, half, device
+    def __init__(self, blocks, shape, dtype=torch.float32, context=None, half=False, device="cpu", exact=False):
+        self.seq = perturb_parameters(rk.nn.ReversibleSequential(*blocks, exact=exact)).to(device=device, dtype=dtype)
+        self.shape, self.dtype, self.half, self.device, self.exact = shape, dtype, half, device, exact
         self.context = {k: v.detach().to(device).requires_grad_(v.requires_grad) for k, v in (context or {}).items()}
 
     def randn(self, requires_grad=False):
@@ -127,11 +131,11 @@ def _padding_mask():
     return keep
 
 
-def make_case(kind, depth, device="cpu", random=None):
+def make_case(kind, depth, device="cpu", random=None, exact=False):
     """A run of `depth` blocks of `kind`: one of KINDS (the RevTransformerBlock's residual dropout
     and drop-path are part of its kind; `random=False` turns them off), a random source of
-    RANDOM_SOURCES, a BatchNorm kind of BN_KINDS or a context kind of CONTEXT_KINDS. Its ``key``
-    names the run's structure."""
+    RANDOM_SOURCES, a BatchNorm kind of BN_KINDS or a context kind of CONTEXT_KINDS; in exact mode
+    with `exact`. Its ``key`` names the run's structure."""
     w, tokens, rows = WIDTH, (BATCH, TOKENS, WIDTH), (BATCH * TOKENS, WIDTH)
     full, half = rk.nn.ReversibleBlock, rk.nn.HalfCouplingBlock
     rate = 0.0 if random is False else 0.2
@@ -162,8 +166,8 @@ def make_case(kind, depth, device="cpu", random=None):
         "half_context": (lambda: half(Conditioned(w)), tokens, {"half": True, **conditioned}),
     }
     block, shape, keywords = kinds[kind]
-    case = Case([block() for _ in range(depth)], shape, device=device, **keywords)
-    case.key = (kind, depth, device, random)
+    case = Case([block() for _ in range(depth)], shape, device=device, exact=exact, **keywords)
+    case.key = (kind, depth, device, random, exact)
     return case
 
 
@@ -234,7 +238,10 @@ def expected_auto_pick(seq, x1, context):
 
 
 def plain_forward(case, seq, x1, x2, context):
-    """The run written out with ordinary autograd through the blocks' modules."""
+    """The run written out with ordinary autograd through the blocks' modules (in exact mode, the
+    fixed-point network: `fixed_point_forward`)."""
+    if case.exact:
+        return fixed_point_forward(seq.blocks, x1, x2, context)
     for block in seq.blocks:
         if case.half:
             x1, x2 = x2, x1 + block.f(x2, **context)
@@ -250,6 +257,8 @@ def forward(engine, case, seq, x1, x2, context):
     with warnings.catch_warnings():
         # (graphs on CUDA: its documented fall-back warnings where it cannot capture)
         warnings.filterwarnings("ignore", message="revkernels: engine='graphs' runs this call eagerly")
+        # (exact mode: the compiled engine runs the exact steps eagerly, as it warns once)
+        warnings.filterwarnings("ignore", message="revkernels: the compiled engine runs exact mode's steps eagerly")
         return engine_forward(engine, case, seq, x1, x2, context)
 
 
@@ -270,7 +279,7 @@ def step(engine, case, seq, data, seed=0):
     compiled_calls = CountingAotEager.calls
     y1, y2 = forward(engine, case, seq, a1, a2, context)
     loss_of(y1, y2, w1, w2).backward()
-    if engine == "compiled":  # a forward and a backward step per block (or per branch)
+    if engine == "compiled" and not case.exact:  # a forward and a backward step per block (or per branch)
         compiled_calls = CountingAotEager.calls - compiled_calls
         assert compiled_calls >= 2 * len(seq.blocks), f"{compiled_calls} compiled step calls: eager steps ran"
     out = {"y1": y1.detach().clone(), "y2": y2.detach().clone(), "dx1": a1.grad, "dx2": a2.grad,
@@ -299,35 +308,40 @@ def assert_plain_autograds(engine, case, seed=0):
     want = step("plain", case, reference, data, seed)
     del got["rng after"], want["rng after"]  # (test_global_rng_stream_after_a_step_is_plain_autograds)
     assert_same(got, want)
+    if case.exact:  # the fixed-point network's outputs bit for bit: the same grid, the same integer sums
+        assert torch.equal(got["y1"], want["y1"]) and torch.equal(got["y2"], want["y2"])
     return reference
 
 
 # --- the invariants ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("exact", EXACT)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("depth", [1, 2, 3, 7])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("engine", ENGINES)
-def test_grads_equal_plain_autograd(engine, kind, depth, device):
-    assert_plain_autograds(engine, make_case(kind, depth, device))
+def test_grads_equal_plain_autograd(engine, kind, depth, device, exact):
+    assert_plain_autograds(engine, make_case(kind, depth, device, exact=exact))
 
 
+@pytest.mark.parametrize("exact", EXACT)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("source", RANDOM_SOURCES)
 @pytest.mark.parametrize("engine", ENGINES)
-def test_randomness_is_replayed(engine, source, device):
+def test_randomness_is_replayed(engine, source, device, exact):
     # nn.Dropout, nn.MultiheadAttention's attention dropout, randn_like noise of a module declaring
     # draws_random, DropPath, and the fused blocks' drop-path and residual dropout: the rebuild
     # replays the forward's draws, so the grads are plain autograd's with the same seed.
-    assert_plain_autograds(engine, make_case(source, 3, device))
+    assert_plain_autograds(engine, make_case(source, 3, device, exact=exact))
 
 
+@pytest.mark.parametrize("exact", EXACT)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", RANDOM_SOURCES + ["generic", "revnet"])  # (and two that draw nothing)
 @pytest.mark.parametrize("engine", ENGINES)
-def test_global_rng_stream_after_a_step_is_plain_autograds(engine, kind, device):
-    case = make_case(kind, 3, device)
+def test_global_rng_stream_after_a_step_is_plain_autograds(engine, kind, device, exact):
+    case = make_case(kind, 3, device, exact=exact)
     data = case.data()
     reference = copy.deepcopy(case.seq)
     got = step(engine, case, case.seq, data, seed=1)["rng after"]
@@ -340,11 +354,12 @@ def running_stats(seq):
             if name.rsplit(".", 1)[-1] in ("running_mean", "running_var", "num_batches_tracked")}
 
 
+@pytest.mark.parametrize("exact", EXACT)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", BN_KINDS)
 @pytest.mark.parametrize("engine", ENGINES)
-def test_batch_norm_statistics_are_updated_once_per_step(engine, kind, device):
-    case = make_case(kind, 3, device)
+def test_batch_norm_statistics_are_updated_once_per_step(engine, kind, device, exact):
+    case = make_case(kind, 3, device, exact=exact)
     before = running_stats(case.seq)
     reference = assert_plain_autograds(engine, case)
     after, expected = running_stats(case.seq), running_stats(reference)
@@ -357,11 +372,12 @@ def test_batch_norm_statistics_are_updated_once_per_step(engine, kind, device):
             assert torch.equal(after[name], expected[name]), f"{name}: {after[name]} != {expected[name]}"
 
 
+@pytest.mark.parametrize("exact", EXACT)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("engine", ENGINES)
-def test_parameter_hooks_fire_once_per_backward_with_the_full_grad(engine, kind, device):
-    case = make_case(kind, 2, device)
+def test_parameter_hooks_fire_once_per_backward_with_the_full_grad(engine, kind, device, exact):
+    case = make_case(kind, 2, device, exact=exact)
     data = case.data()
     want = step("plain", case, copy.deepcopy(case.seq), data)
     fired = {name: [] for name, p in case.seq.named_parameters()}
@@ -375,11 +391,12 @@ def test_parameter_hooks_fire_once_per_backward_with_the_full_grad(engine, kind,
             assert_close_rel(g, want[f"grad {name}"], 1e-5, f"{name}: the grad its hook saw")
 
 
+@pytest.mark.parametrize("exact", EXACT)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", CONTEXT_KINDS)
 @pytest.mark.parametrize("engine", ENGINES)
-def test_context_grads_are_summed_over_blocks(engine, kind, device):
-    case = make_case(kind, 3, device)
+def test_context_grads_are_summed_over_blocks(engine, kind, device, exact):
+    case = make_case(kind, 3, device, exact=exact)
     assert case.context["cond"].requires_grad
     assert_plain_autograds(engine, case)  # (the grads compared include cond's)
 
@@ -388,13 +405,14 @@ def _fingerprint(t):
     return t.detach().clone(), t._version, t.data_ptr(), t.untyped_storage().nbytes(), t.shape, t.stride()
 
 
+@pytest.mark.parametrize("exact", EXACT)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", KINDS + ["generic_context"])
 @pytest.mark.parametrize("engine", ENGINES)
-def test_caller_tensors_are_untouched(engine, kind, device):
+def test_caller_tensors_are_untouched(engine, kind, device, exact):
     # One leaf feeds both streams; the output grads and the context tensors (the transformer's mask,
     # a conditioning tensor that requires grad) are the caller's too.
-    case = make_case(kind, 2, device)
+    case = make_case(kind, 2, device, exact=exact)
     x, dy1, dy2 = case.randn(requires_grad=True), case.randn(), case.randn()
     reference = copy.deepcopy(case.seq)
     caller = {"x": x, "dy1": dy1, "dy2": dy2, **case.context}
@@ -437,11 +455,12 @@ def saved_bytes(engine, case, seq):
     return total[0]
 
 
+@pytest.mark.parametrize("exact", EXACT)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("engine", ENGINES)
-def test_saved_bytes_are_flat_in_depth(engine, kind, device):
-    shallow, deep = make_case(kind, 2, device), make_case(kind, 6, device)
+def test_saved_bytes_are_flat_in_depth(engine, kind, device, exact):
+    shallow, deep = make_case(kind, 2, device, exact=exact), make_case(kind, 6, device, exact=exact)
     small, large = saved_bytes(engine, shallow, shallow.seq), saved_bytes(engine, deep, deep.seq)
     if engine == "autograd":
         assert large > small > 0  # (the reference stores every activation: the measure sees them)

@@ -1,8 +1,9 @@
 """Exact mode (ReversibleSequential(exact=True)): fixed-point streams, a bit-exact rebuild.
 
-The references here are written in the test: the fixed-point network as plain PyTorch (round to
-the grid, integer adds, float views, straight-through gradients through a test-local Function), and
-the rebuilt block inputs compared with the forward's int64 streams element by element."""
+The references are written in the tests: the fixed-point network as plain PyTorch
+(`tests.helpers.fixed_point_forward`: round to the grid, integer adds, float views, straight-through
+gradients), and the rebuilt block inputs compared with the forward's int64 streams element by
+element. tests/engine/test_conformance.py runs the design's invariants in exact mode too."""
 import warnings
 
 import pytest
@@ -14,56 +15,9 @@ from revkernels.check import monitor_reconstruction
 from revkernels.models import revnet18, revswin, revtext, revvit
 from revkernels.nn import HalfCouplingBlock, ReversibleBlock, ReversibleSequential
 from revkernels.nn.revvit import RevTransformerBlock, RevViTBlock
-from tests.helpers import assert_close_rel, residual_fn
+from tests.helpers import assert_close_rel, fixed_point_forward, residual_fn
 
-BITS = 32
 MEMORY_SAVING = ["sequential", "pareprop", "compiled", "auto"]  # (pareprop and auto run the sequential walker on CPU)
-
-
-# -- an independent fixed-point network ------------------------------------------------------
-
-
-class _ValueWithGrad(torch.autograd.Function):
-    """`value` forward, the gradient of `like` backward (straight-through)."""
-
-    @staticmethod
-    def forward(ctx, like, value):
-        return value.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def _grid(t):
-    return torch.round(t.detach().double() * 2.0 ** BITS).long() if t.dtype == torch.float64 else \
-        torch.round(t.detach().float() * 2.0 ** BITS).long()
-
-
-def _view(fixed, dtype):
-    wide = torch.float64 if dtype == torch.float64 else torch.float32
-    return (fixed.to(wide) * 2.0 ** -BITS).to(dtype)
-
-
-def reference_run(blocks, x1, x2, context=None):
-    """The fixed-point network by hand: returns the outputs' views and every block input's int streams."""
-    context = context or {}
-    dtype = x1.dtype
-    s1, s2 = _grid(x1), _grid(x2)
-    v1, v2 = _ValueWithGrad.apply(x1, _view(s1, dtype)), _ValueWithGrad.apply(x2, _view(s2, dtype))
-    inputs = []
-    for block in blocks:
-        inputs.append((s1, s2))
-        f = block.f(v2, **context)
-        n1 = s1 + _grid(f)
-        nv1 = _ValueWithGrad.apply(v1 + f.to(dtype), _view(n1, dtype))
-        if isinstance(block, HalfCouplingBlock):
-            (s1, v1), (s2, v2) = (s2, v2), (n1, nv1)
-            continue
-        g = block.g(nv1, **context)
-        n2 = s2 + _grid(g)
-        (s1, v1), (s2, v2) = (n1, nv1), (n2, _ValueWithGrad.apply(v2 + g.to(dtype), _view(n2, dtype)))
-    return v1, v2, inputs
 
 
 def _generic(width, dropout=0.1):
@@ -162,7 +116,7 @@ def test_the_exact_autograd_engine_is_the_fixed_point_network(dtype):
 
     a1, a2 = x1.clone().requires_grad_(), x2.clone().requires_grad_()
     torch.manual_seed(5)
-    r1, r2, _ = reference_run(list(seq.blocks), a1, a2)
+    r1, r2 = fixed_point_forward(list(seq.blocks), a1, a2)
     _loss(r1, r2, *w).backward()
     expected = [a1.grad, a2.grad] + [p.grad for p in seq.parameters() if p.grad is not None]
     assert torch.equal(y1, r1.detach()) and torch.equal(y2, r2.detach())
