@@ -304,3 +304,31 @@ def test_the_callers_tensors_are_left_alone_and_inverse_rebuilds_from_float_outp
     r1, r2 = seq.inverse(y1, y2)
     # The float outputs are views of the streams (rounded to fp32): the inverse is exact up to that
     assert_close_rel(r1, x1, 1e-5) and assert_close_rel(r2, x2, 1e-5)
+
+
+def _saved_bytes(seq, x):
+    """Bytes autograd saves for one step (parameters left out)."""
+    params = {id(p) for p in seq.parameters()}
+    total = [0]
+
+    def pack(t):
+        if id(t) not in params:
+            total[0] += t.numel() * t.element_size()
+        return t
+
+    a = x.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y1, y2 = seq(a, a)
+    (y1 + y2).sum().backward()
+    return total[0]
+
+
+def test_an_exact_run_saves_its_two_int64_output_streams_at_any_depth():
+    # (fp32 streams: twice the bytes the float run saves; flat in depth on every engine: the
+    # conformance table's exact column)
+    x = torch.randn(2, 5, 16)
+    for depth in (2, 6):
+        blocks = [RevViTBlock(16, 2) for _ in range(depth)]
+        exact = _saved_bytes(ReversibleSequential(*blocks, engine="sequential", exact=True), x)
+        floating = _saved_bytes(ReversibleSequential(*blocks, engine="sequential"), x)
+        assert exact == 2 * x.numel() * 8 == 2 * floating, (depth, exact, floating)
