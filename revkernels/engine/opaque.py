@@ -38,7 +38,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from revkernels.engine import compiled
-from revkernels.engine.sequential import exact_forward, forward_step, reverse_blocks, with_buffers
+from revkernels.engine.sequential import eager_forward, exact_forward, reverse_blocks, with_buffers
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, BlockState, RngState, autograd_recording,
                                      block_modes, check_context, cuda_devices_of, in_mode, run_modes)
 from revkernels.engine.structure import LRU, branch_count
@@ -255,15 +255,10 @@ def reversible_run(handle: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, par
         steps = _steps(seq, x1.device.type)
         if exact:  # (the exact steps, eagerly, whatever the engine: see revkernels.nn.exact)
             streams = seq.fixed_point_streams(x1.dtype)
-            with torch.no_grad():
-                s1, s2, states, _ = exact_forward(seq, x1, x2, context, streams)
+            s1, s2, states, _ = exact_forward(seq, x1, x2, context, streams, monitored=False)
             x1, x2, fixed = streams.view(s1), streams.view(s2), [s1, s2]
         elif steps is None:
-            states = []
-            with torch.no_grad():
-                for block in seq.blocks:
-                    x1, x2, state = forward_step(block, x1, x2, seq.preserve_rng_state, context)
-                    states.append(state)
+            x1, x2, states, _ = eager_forward(seq, x1, x2, context, monitored=False)
         else:
             x1, x2, states = compiled.forward_blocks(list(seq.blocks), x1, x2, steps, seq.preserve_rng_state, context)
     y1, y2 = _outputs((x1, x2), inputs, inputs)

@@ -247,13 +247,13 @@ def saved_with_context(ctx, count):
     return saved[:count], context, leaves
 
 
-def eager_forward(seq, x1, x2, context, steps=None):
+def eager_forward(seq, x1, x2, context, steps=None, monitored=True):
     """Runs `seq`'s blocks forward without autograd through their own steps (`forward_step`; or
     `steps`, one per block, in exact mode): ``(y1, y2, states, monitor)``, `monitor` the
-    reconstruction monitor and its samples on a sampled step (None otherwise; see
-    `revkernels.check.monitor_reconstruction`)."""
+    reconstruction monitor and its samples on a sampled step (None otherwise, and without
+    `monitored`; see `revkernels.check.monitor_reconstruction`)."""
     states, samples = [], []
-    monitor = getattr(seq, "reconstruction_monitor", None)
+    monitor = getattr(seq, "reconstruction_monitor", None) if monitored else None
     if monitor is not None and (seq.engine_in_use == "graphs" or not monitor.begin_forward()):
         monitor = None  # not a sampled step (graphs: replayed graphs cannot host-sync)
     with torch.no_grad():
@@ -313,12 +313,13 @@ class ReversibleRun(torch.autograd.Function):
         return (None, None, None, None, None, dx1, dx2, *grads)
 
 
-def exact_forward(seq, x1, x2, context, streams):
+def exact_forward(seq, x1, x2, context, streams, monitored=True):
     """`eager_forward` in exact mode: the float input rounded onto `streams`' grid, the blocks'
     exact steps, and the overflow flags read once at the end (raising, naming the block)."""
-    _, x1 = streams.enter(x1)
-    _, x2 = streams.enter(x2)
-    y1, y2, states, monitor = eager_forward(seq, x1, x2, context, streams.steps(seq.blocks))
+    with torch.no_grad():
+        _, x1 = streams.enter(x1)
+        _, x2 = streams.enter(x2)
+    y1, y2, states, monitor = eager_forward(seq, x1, x2, context, streams.steps(seq.blocks), monitored)
     streams.raise_on_overflow()
     return y1, y2, states, monitor
 
@@ -344,8 +345,7 @@ def run_reversible(seq, x1, x2, walker, context=NO_CONTEXT, param_inputs=None, f
         # Nothing to differentiate: a plain forward that keeps nothing. (`forward`, not the module
         # call: a hook on a block itself never fires in a memory-saving run, with grad or without)
         if streams is not None:
-            with torch.no_grad():
-                y1, y2, _, _ = exact_forward(seq, x1, x2, context, streams)
+            y1, y2, _, _ = exact_forward(seq, x1, x2, context, streams, monitored=False)
             return streams.view(y1), streams.view(y2)
         for block in seq.blocks:
             x1, x2 = block.forward(x1, x2, **context)
