@@ -433,7 +433,7 @@ mutation("revtext_gpt2_exact_gelu", TEXT, 'embed_norm=False, approximate="tanh"'
 mutation("revtext_gpt2_not_causal", TEXT, "heads=12, causal=True", "heads=12, causal=False", f"{T_INDEP} -k revtext")
 mutation("revtext_eps_not_passed", TEXT, "causal=causal, drop_path=r, eps=eps,", "causal=causal, drop_path=r,", f"{T_INDEP} -k revtext")
 mutation("attention_qkv_layout_interleaved", REVVIT, "qkv = qkv.reshape(batch, tokens, 3, self.num_heads, dim3 // (3 * self.num_heads))", "qkv = qkv.reshape(batch, tokens, self.num_heads, 3, dim3 // (3 * self.num_heads)).transpose(2, 3)", f"{T_INDEP} -k rev_vit_block")
-mutation("fused_forward_G_reads_x1", REVVIT, 'h = F.layer_norm(y1, (dim,), P["g.norm.weight"]', 'h = F.layer_norm(x1, (dim,), P["g.norm.weight"]', f"{T_INDEP} -k rev_vit_block")
+mutation("fused_forward_G_reads_x1", REVVIT, 'h = F.layer_norm(v1, (dim,), P["g.norm.weight"]', 'h = F.layer_norm(x1, (dim,), P["g.norm.weight"]', f"{T_INDEP} -k rev_vit_block")
 mutation("attention_branch_skips_norm", REVVIT, "out = self.proj(self.attend(self.qkv(self.norm(x)), attn_mask))", "out = self.proj(self.attend(self.qkv(x), attn_mask))", f"{T_INDEP} -k rev_transformer_block")
 mutation("mlp_branch_ignores_approximate", REVVIT, "F.gelu(self.fc1(self.norm(x)), approximate=self.approximate)", "F.gelu(self.fc1(self.norm(x)))", f"{T_INDEP} -k rev_transformer_block")
 mutation("residual_dropout_active_in_eval", REVVIT, "        return self.training and self.p > 0.0", "        return self.p > 0.0", f"{T_INDEP} -k rev_transformer_block")
@@ -499,6 +499,31 @@ mutation("auto_backend_takes_cuda_cpp_at_the_threshold", "revkernels/ops/_librar
 mutation("petra_failed_tick_not_kept", SIM,  # a tick that raised, then the trainer went on mid-tick
          '            self._failed_tick = f"tick {self.tick} ({type(error).__name__}: {first_line})"\n', "",
          f"{T_SIM} -k tick_that_raises")
+
+
+# --- exact mode: fixed-point streams (tests/nn/test_exact.py, the conformance table's exact column) ------
+EXACT = "revkernels/nn/exact.py"
+T_EXACT = "tests/nn/test_exact.py"
+mutation("exact_recompute_skips_f_replay", EXACT,
+         "            with maybe_replay(None if state is None else state.rng_f):\n"
+         "                f_out, f_aliases = _call_with_aliases(block.f, x2_leaf, context)\n"
+         "            v1, x1 = streams.sub(y1, f_out.detach())",
+         "            f_out, f_aliases = _call_with_aliases(block.f, x2_leaf, context)\n"
+         "            v1, x1 = streams.sub(y1, f_out.detach())", f"{T_EXACT} -k bit_for_bit")
+mutation("exact_straight_through_flips_the_sign", EXACT, "        return d_view, d_view.to(ctx.f_dtype), None, None, None",
+         "        return d_view, -d_view.to(ctx.f_dtype), None, None, None", f"{T_EXACT} -k fixed_point_network")
+mutation("exact_overflow_flags_never_read", EXACT, "        if not bad.any():\n            return",
+         "        if True:\n            return", f"{T_EXACT} -k overflow")
+mutation("exact_view_cache_matches_by_shape", EXACT, "            if kept is stream:", "            if kept.shape == stream.shape:",
+         f"{T_EXACT} -k view_cache")
+mutation("exact_fused_rebuild_rounds_f_to_bf16", REVVIT, "v1, x1 = streams.sub(stream1.reshape(-1, dim), f_out)",
+         "v1, x1 = streams.sub(stream1.reshape(-1, dim), f_out.bfloat16())", f"{T_EXACT} -k fused")
+mutation("exact_run_returns_y1_twice", SEQ, "outputs = ctx.streams.view(y1), ctx.streams.view(y2)",
+         "outputs = ctx.streams.view(y1), ctx.streams.view(y1)", f"{T_EXACT} -k memory_saving")
+mutation("exact_monitor_keeps_its_threshold", "revkernels/check.py", "threshold = 0.0 if self.exact else self.threshold",
+         "threshold = self.threshold", f"{T_EXACT} -k does_not_recompute")
+mutation("opaque_exact_backward_walks_float_streams", "revkernels/engine/opaque.py", "            if fixed:\n",
+         "            if False:\n", f"{T_EXACT} -k torch_compile")
 
 
 def _copy_repo(dst):

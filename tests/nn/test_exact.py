@@ -332,3 +332,16 @@ def test_an_exact_run_saves_its_two_int64_output_streams_at_any_depth():
         exact = _saved_bytes(ReversibleSequential(*blocks, engine="sequential", exact=True), x)
         floating = _saved_bytes(ReversibleSequential(*blocks, engine="sequential"), x)
         assert exact == 2 * x.numel() * 8 == 2 * floating, (depth, exact, floating)
+
+
+def test_the_view_cache_gives_each_stream_its_own_view():
+    # (a step reuses the view of a stream the previous step made; pareprop interleaves two blocks'
+    # steps, so the cache must match the stream itself, not the latest entry)
+    from revkernels.nn.exact import FixedPointStreams
+
+    streams = FixedPointStreams(32, torch.float32)
+    a_view, a = streams.enter(torch.randn(3, 4))
+    b_view, b = streams.enter(torch.randn(3, 4))
+    assert streams.view(a) is a_view and streams.view(b) is b_view
+    copy = a.clone()  # an equal stream that is not the one made: converted afresh, to the same bits
+    assert streams.view(copy) is not a_view and torch.equal(streams.view(copy), a_view)
