@@ -464,11 +464,11 @@ mutation("bnact_eval_no_relu", BNACT, "            return torch.relu(out) if sel
 BUDGET = "revkernels/engine/budget.py"
 T_BUDGET = "tests/engine/test_budget.py"
 mutation("budget_keeps_a_block_past_the_budget", BUDGET,
-         "        if used + block_bytes[i] > budget_bytes:", "        if used > budget_bytes:",
+         "            if saved > 0 and used + added <= budget_bytes:", "            if saved > 0 and used <= budget_bytes:",
          T_BUDGET + " -k within_the_budget")
 mutation("budget_measurement_counts_a_batch_norm_batch", BUDGET,
-         "            with recompute_context(block), buffers_kept(block), \\\n",
-         "            with buffers_kept(block), \\\n", T_BUDGET + " -k batch_norm")
+         "            with recompute_context(block), buffers_kept(block), probe, \\\n",
+         "            with buffers_kept(block), probe, \\\n", T_BUDGET + " -k batch_norm")
 mutation("budget_measurement_draws_from_the_stream", BUDGET,
          "    with torch.random.fork_rng(devices=devices), torch.enable_grad():",
          "    with torch.enable_grad():", T_BUDGET + " -k every_budget")
@@ -524,6 +524,36 @@ mutation("exact_monitor_keeps_its_threshold", "revkernels/check.py", "threshold 
          "threshold = self.threshold", f"{T_EXACT} -k does_not_recompute")
 mutation("opaque_exact_backward_walks_float_streams", "revkernels/engine/opaque.py", "            if fixed:\n",
          "            if False:\n", f"{T_EXACT} -k torch_compile")
+mutation("fsdp_exact_node_returns_y1_twice", "revkernels/engine/fsdp.py",
+         "        return run.streams.view(y1), run.streams.view(y2)", "        return run.streams.view(y1), run.streams.view(y1)",
+         "tests/engine/test_fsdp.py -k exact")
+
+
+# --- memory budget: rebuild / selective / keep per block, the greedy plan (tests/engine/test_budget.py) ------
+mutation("budget_selective_recompute_updates_statistics_again", BUDGET, "                t.copy_(value)\n",
+         "                pass\n", T_BUDGET + " -k batch_norm")
+mutation("budget_selective_recompute_draws_new_masks", BUDGET,
+         "use_reentrant=False, preserve_rng_state=preserve_rng_state,",
+         "use_reentrant=False, preserve_rng_state=False,", T_BUDGET + " -k dropout_masks")
+mutation("budget_selective_block_runs_plain", BUDGET, '        if option == "selective":', "        if False:",
+         T_BUDGET + " -k within_the_budget")
+mutation("budget_policy_recomputes_matmuls", BUDGET,
+         "CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else", "CheckpointPolicy.PREFER_RECOMPUTE if op in SAVED_OPS else",
+         T_BUDGET + " -k no_matrix_product")
+mutation("budget_selective_bytes_without_the_inputs", BUDGET, "sum({**inputs, **probe.saved}.values())",
+         "sum(probe.saved.values())", T_BUDGET + " -k within_the_budget")
+mutation("budget_node_outputs_not_counted", BUDGET,
+         "    return costs[k].input_bytes if 0 < k < len(options)", "    return 0 if 0 < k < len(options)",
+         T_BUDGET + " -k greedy_plan")
+mutation("budget_ties_go_to_the_earlier_block", BUDGET, "if best is None or (rate, i) > best[:2]:",
+         "if best is None or (rate, -i) > (best[0], -best[1]):", T_BUDGET + " -k greedy_plan")
+mutation("budget_selective_cost_without_dispatch", BUDGET, "        return self.recompute_ms + 2 * self.ops * overhead_ms",
+         "        return self.recompute_ms", T_BUDGET + " -k greedy_plan")
+mutation("budget_recompute_sees_the_changed_buffers", BUDGET,
+         "        with buffers_as_before(tuple(changed)), sac:", "        with sac:", T_BUDGET + " -k sees_and_leaves")
+mutation("budget_selective_offered_to_spectral_norm", BUDGET,
+         "    return not spectral_norms(block) and", "    return True or not spectral_norms(block) and",
+         T_BUDGET + " -k measurement_times")
 
 
 def _copy_repo(dst):

@@ -106,10 +106,14 @@ class ShardedRun:
     """What the `BlockStep` nodes of one run share."""
 
     __slots__ = ("blocks", "forward_step", "walker", "preserve_rng_state", "autocast_state", "monitor", "samples",
-                 "errors", "handed")
+                 "errors", "handed", "streams", "steps", "fixed")
 
-    def __init__(self, seq, forward_step, walker, device_type):
+    def __init__(self, seq, forward_step, walker, device_type, streams=None):
         self.blocks = list(seq.blocks)
+        # Exact mode: the blocks' exact steps, and the int64 streams the forward hands from node to
+        # node (the nodes' differentiable outputs are their float views)
+        self.streams, self.steps = streams, None if streams is None else streams.steps(self.blocks)
+        self.fixed = None
         self.forward_step, self.walker = forward_step, walker
         self.preserve_rng_state = seq.preserve_rng_state
         self.autocast_state = AutocastState.capture(device_type)
@@ -141,15 +145,22 @@ class BlockStep(torch.autograd.Function):
         from revkernels.engine.sequential import save_with_context  # (sequential imports this module)
 
         block = run.blocks[index]
+        if run.streams is not None:  # exact mode: the int64 streams the previous node made
+            x1, x2 = run.fixed
         if run.monitor is not None:
             run.samples[index] = run.monitor.sample(x1, x2)
-        y1, y2, ctx.state = run.forward_step(block, x1, x2, run.preserve_rng_state, context)
+        y1, y2, ctx.state = run.forward_step(block, x1, x2, run.preserve_rng_state, context, **_steps_of(run, index))
         ctx.run, ctx.index, ctx.params = run, index, list(tensors[:n_params])
         ctx.modes = module_modes(block)  # (the backward rebuilds the block in them: `in_mode`)
         ctx.last = index == len(run.blocks) - 1
         save_with_context(ctx, context, *((y1, y2) if ctx.last else ()))
         ctx.set_materialize_grads(False)  # see revkernels.engine.sequential.output_grads
-        return y1, y2
+        if run.streams is None:
+            return y1, y2
+        run.fixed = (y1, y2)
+        if ctx.last:
+            run.streams.raise_on_overflow()
+        return run.streams.view(y1), run.streams.view(y2)
 
     @staticmethod
     @differentiated_once
@@ -160,11 +171,12 @@ class BlockStep(torch.autograd.Function):
         outputs, context, leaves = saved_with_context(ctx, 2 if ctx.last else 0)
         y1, y2 = outputs if ctx.last else run.take(index)
         block = run.blocks[index]
-        dy1, dy2, unused = output_grads([block], y1, y2, dy1, dy2)
+        dy1, dy2, unused = output_grads([block], y1, y2, dy1, dy2, None if run.streams is None else run.streams.dtype)
         param_slots(block)  # the current (unsharded) parameters, for steps that read them from their cache
         with in_mode(block, ctx.modes):
-            x1, x2, dx1, dx2, grads = run.walker([block], [ctx.state], y1, y2, dy1, dy2, ctx.params + leaves,
-                                                 run.autocast_state, context=context)
+            x1, x2, dx1, dx2, grads = run.walker([block if run.steps is None else run.steps[index]], [ctx.state],
+                                                 y1, y2, dy1, dy2, ctx.params + leaves, run.autocast_state,
+                                                 context=context)
         grads = without_unused(ctx.params, grads, unused)
         if run.monitor is not None:
             run.errors[index] = run.monitor.error(run.samples[index], x1, x2)
@@ -175,8 +187,13 @@ class BlockStep(torch.autograd.Function):
         return (None, None, None, None, dx1, dx2, *grads)
 
 
-def _plain_step(forward_step, block, x1, x2, context):
-    return forward_step(block, x1, x2, False, context)[:2]
+def _steps_of(run, index):
+    """The `forward_step` keyword of block `index`'s exact steps (none outside exact mode)."""
+    return {} if run.steps is None else {"steps": run.steps[index]}
+
+
+def _plain_step(forward_step, block, x1, x2, context, steps=None):
+    return forward_step(block, x1, x2, False, context, **({} if steps is None else {"steps": steps}))[:2]
 
 
 def _step_node(run, index, x1, x2, context):
@@ -185,16 +202,28 @@ def _step_node(run, index, x1, x2, context):
     return BlockStep.apply(run, index, context, len(params), x1, x2, *params, *grad_tensors(context))
 
 
-def run_sharded(seq, x1, x2, units, walker, forward_step, context=NO_CONTEXT):
+def run_sharded(seq, x1, x2, units, walker, forward_step, context=NO_CONTEXT, streams=None):
     """Runs `seq`, whose blocks hold the FSDP `units` (from `block_units`), one `BlockStep` node
     per block. `forward_step(block, x1, x2, preserve_rng_state, context) -> (y1, y2, state)` and
-    `walker` (`reverse_blocks`' signature, called with one block) are the engine's steps."""
+    `walker` (`reverse_blocks`' signature, called with one block) are the engine's steps. In exact
+    mode (`streams`) the nodes step the int64 streams by the blocks' exact steps (`ShardedRun`)."""
+    fixed = None
+    if streams is not None:
+        with torch.no_grad():
+            fixed = (streams.enter(x1)[1], streams.enter(x2)[1])
     if not records_graph(x1, x2, unique_grad_params(seq.blocks), grad_tensors(context)):
         # a plain forward that keeps nothing
+        if streams is not None:
+            for block, step, unit_list in zip(seq.blocks, streams.steps(seq.blocks), units):
+                fixed = enter(unit_list, functools.partial(_plain_step, forward_step, block, steps=step), *fixed,
+                              context)
+            streams.raise_on_overflow()
+            return streams.view(fixed[0]), streams.view(fixed[1])
         for block, unit_list in zip(seq.blocks, units):
             x1, x2 = enter(unit_list, functools.partial(_plain_step, forward_step, block), x1, x2, context)
         return x1, x2
-    run = ShardedRun(seq, forward_step, walker, x1.device.type)
+    run = ShardedRun(seq, forward_step, walker, x1.device.type, streams)
+    run.fixed = fixed
     for index, unit_list in enumerate(units):
         x1, x2 = enter(unit_list, functools.partial(_step_node, run, index), x1, x2, context)
     return x1, x2

@@ -334,10 +334,7 @@ def run_reversible(seq, x1, x2, walker, context=NO_CONTEXT, param_inputs=None, f
     streams = seq.fixed_point_streams(x1.dtype)
     units = block_units(seq)
     if units is not None:  # blocks sharded by FSDP2 one by one: one autograd node per block
-        if streams is not None:
-            raise NotImplementedError("revkernels: exact mode does not run blocks sharded one by one by FSDP2 yet "
-                                      "(shard the ReversibleSequential as a whole, or use exact=False)")
-        return run_sharded(seq, x1, x2, units, reverse_blocks, forward_step, context)
+        return run_sharded(seq, x1, x2, units, reverse_blocks, forward_step, context, streams)
     all_params = unique_params(seq.blocks)
     params = [p for p in all_params if p.requires_grad]
     grad_context = grad_tensors(context)

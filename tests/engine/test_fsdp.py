@@ -58,6 +58,8 @@ CASES = {
     "mlp-block-bf16-autograd": ("mlp", "block", True, "autograd", True),
     "generic-block-y1": ("generic", "block", True, "sequential", False),  # a loss of y1 only: G's of the last block get no grad
     "dropout-block-retain": ("dropout", "block", True, "sequential", False),  # backward(retain_graph=True) twice
+    "exact-block-raf": ("exact", "block", True, "sequential", False),  # exact mode: int64 streams node to node
+    "exact-fg-keep": ("exact", "fg", False, "sequential", False),
     "dropout-block-switch": ("dropout", "block", True, "sequential", False),  # eval() or new rates before backward
 }
 SLOW_CASES = {"revnet18-stage-raf": ("revnet18", "block", True, "sequential", False),
@@ -125,14 +127,14 @@ def _model(kind, engine="autograd"):
     (the steps traced as for inductor, in seconds instead of a minute)."""
     if kind == "staged":
         return _Staged(engine)
-    if kind in ("generic", "mlp", "vit", "context", "dropout"):
-        blocks = {"generic": lambda: make_seq(DEPTH, WIDTH).blocks,
+    if kind in ("generic", "mlp", "vit", "context", "dropout", "exact"):
+        blocks = {"generic": lambda: make_seq(DEPTH, WIDTH).blocks, "exact": lambda: make_seq(DEPTH, WIDTH).blocks,
                   "mlp": lambda: [rk.nn.ReversibleBlock(_mlp(), _mlp()) for _ in range(DEPTH)],
                   "dropout": lambda: [rk.nn.ReversibleBlock(nn.Sequential(_mlp(), nn.Dropout(0.5)),
                                                             nn.Sequential(_mlp(), nn.Dropout(0.5))) for _ in range(DEPTH)],
                   "vit": lambda: [rk.nn.RevViTBlock(WIDTH, 2, mlp_ratio=2.0) for _ in range(2)],
                   "context": lambda: [rk.nn.ReversibleBlock(_Film(), _Film()) for _ in range(2)]}[kind]()
-        seq = rk.nn.ReversibleSequential(*blocks)
+        seq = rk.nn.ReversibleSequential(*blocks, exact=kind == "exact")  # (the reference: exact autograd)
         seq.engine = engine.removesuffix("-dynamo")
         if engine.endswith("-dynamo"):
             seq.compile_options = {"backend": "eager"}
@@ -246,7 +248,7 @@ def _run_case(name, case, data, shard):
     observed, after_forward = [], None
     if name == "generic-block-raf":
         _watch_backward(model, observed)
-    monitor = monitor_reconstruction(model) if name == "generic-block-keep" else None
+    monitor = monitor_reconstruction(model) if name in ("generic-block-keep", "exact-fg-keep") else None
     for step, batch in enumerate(data["batches"]):
         if name.endswith("-nosync"):
             model.set_requires_gradient_sync(step == len(data["batches"]) - 1)
@@ -269,7 +271,7 @@ def _run_case(name, case, data, shard):
         "after_forward": after_forward, "observed": observed,
         "monitored": None if monitor is None else monitor.errors,
     }
-    if name in ("generic-block-raf", "vit-block-keep"):  # what a forward saves for the backward
+    if name in ("generic-block-raf", "vit-block-keep", "exact-block-raf"):  # what a forward saves for the backward
         x1, x2 = (t[shard].detach().requires_grad_() for t in data["batches"][0][:2])
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
@@ -346,6 +348,8 @@ def _check_case(name, case, data, result):
         assert result["saved"] == result["outputs"], (name, result["saved"], result["outputs"])
     if result["monitored"] is not None:  # the reconstruction monitor sees every block's rebuild
         assert len(result["monitored"]) == DEPTH and max(result["monitored"]) < 1e-5, result["monitored"]
+        if case[0] == "exact":  # every block input rebuilt bit for bit
+            assert result["monitored"] == [0.0] * DEPTH, result["monitored"]
     if result["after_forward"] is not None:
         raf = case[2]
         assert result["after_forward"] == [raf] * len(result["after_forward"]), f"{name}: sharded after forward"
