@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from revkernels.bench import overhead as ov
 from revkernels.bench.helptext import description
-from revkernels.bench.report import check_out_folder, provenance, write_csv
+from revkernels.bench.report import parse_checked, provenance, write_csv
 from revkernels.engine.sequential import block_grads
 from revkernels.reference import Coupling
 
@@ -194,10 +194,7 @@ def main(argv=None, default_out=RESULTS):
     parser.add_argument("--config", default="host_bound", choices=list(ov.CONFIGS))
     parser.add_argument("--rounds", type=int, default=40, help="timed rounds, one step per variant each (default: 40)")
     parser.add_argument("--out", default=default_out, help=f"results folder (default: {default_out})")
-    args = parser.parse_args(argv)
-    check_out_folder(parser, args.out)
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
+    args = parse_checked(parser, argv, ["rounds"])
     ov.keep_freed_memory()
     meta = provenance("cpu")
     with tqdm(total=args.rounds, desc=f"engine floor {args.config}", unit="round", file=sys.stderr, leave=False) as bar:

@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from revkernels.bench import overhead as ov
 from revkernels.bench.helptext import description
-from revkernels.bench.report import check_device, check_out_folder, provenance, synchronize, write_csv
+from revkernels.bench.report import check_device, parse_checked, provenance, synchronize, write_csv
 from revkernels.engine.compiled import GUARDS_EVENT
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")  # the default --out
@@ -187,10 +187,7 @@ def main(argv=None, default_out=RESULTS):
     parser.add_argument("--steps", type=int, default=20, help="profiled steps per variant (default: 20)")
     parser.add_argument("--rows", type=int, default=15, help="events listed per variant (default: 15)")
     parser.add_argument("--out", default=default_out, help=f"results folder (default: {default_out})")
-    args = parser.parse_args(argv)
-    check_out_folder(parser, args.out)
-    if args.steps < 1:
-        parser.error("--steps must be at least 1")
+    args = parse_checked(parser, argv, ["steps"])
     device = check_device(parser, args.device)
     ov.keep_freed_memory()
     meta = provenance(args.device)

@@ -89,7 +89,8 @@ import torch
 from tqdm import tqdm
 
 from revkernels.bench.helptext import description
-from revkernels.bench.report import DEFAULT_OUT, check_device, check_out_folder, provenance, synchronize, write_csv
+from revkernels.bench.report import (DEFAULT_OUT, check_device, check_out_folder, plotted, provenance, synchronize,
+                                     write_csv, write_results)
 from revkernels.petra import Trainer, balanced_sizes, stage_costs
 from revkernels.petra.distributed import PipelineRank, init, launch
 from revkernels.petra.partition import BALANCES, count_sizes
@@ -439,14 +440,10 @@ def project(stages, backprop_ms, link_gb_s, latency_us):
     return rows
 
 
-def plot_projection(path, rows, meta):
-    """Speed-up over single-device reversible backprop against J, one line per configuration."""
-    from revkernels.bench.report import pyplot, save_figure
-
-    plt = pyplot()
-    if plt is None:
-        return None
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+@plotted((6.5, 4.5))
+def plot_projection(fig, ax, rows, meta):
+    """Speed-up over single-device reversible backprop against J, one line per configuration
+    (``plot_projection(path, rows, meta)`` writes it: `plotted`)."""
     configs = sorted({(r["model"], r["stem"], r["image_size"]) for r in rows})
     top = 1
     for cfg in configs:
@@ -462,7 +459,6 @@ def plot_projection(path, rows, meta):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.suptitle(f"{meta['device']} | torch {meta['torch']} | commit {meta['commit']}", fontsize=8)
-    return save_figure(fig, path)
 
 
 def run_projection(args):
@@ -500,10 +496,9 @@ def run_projection(args):
                       f"  {r['groups']}", flush=True)
             rows += [{"model": name, "stem": stem, "image_size": size, "batch": batch, **r} for r in proj]
     dev = device.type
-    path = write_csv(os.path.join(args.out, f"petra_projection_{dev}.csv"), rows, meta)
     write_csv(os.path.join(args.out, f"petra_projection_stages_{dev}.csv"), stage_rows, meta)
-    png = plot_projection(os.path.join(args.out, f"petra_projection_{dev}.png"), rows, meta)
-    print(f"wrote {path}" + (f" and {png}" if png else ""), flush=True)
+    write_results(os.path.join(args.out, f"petra_projection_{dev}.csv"), rows, meta,
+                  lambda png: plot_projection(png, rows, meta))
     return rows
 
 

@@ -1,12 +1,19 @@
-"""Writing benchmark results: CSV with the run's provenance beside every figure, and PNG plots; and
-the device synchronisation every timed region starts and ends with."""
+"""Writing benchmark results: CSV with the run's provenance beside every figure, and PNG plots; the
+device synchronisation every timed region starts and ends with, the timed calls themselves and the
+memory a forward keeps for its backward."""
 import csv
 import datetime
+import functools
+import gc
 import os
 import platform
 import subprocess
+import time
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 DEFAULT_OUT = "revkernels-bench"  # results folder of `python -m revkernels.bench` and its parts, under the cwd
 
@@ -34,6 +41,70 @@ def synchronize(device):
     """Waits for `device`'s queued work (CUDA); nothing to wait for on CPU."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed_ms(step, device, calls):
+    """The time of each of `calls` calls of `step` (ms), each timed alone between synchronisations
+    of `device`."""
+    times = []
+    for _ in range(calls):
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def parse_checked(parser, argv, counts=()):
+    """``parser.parse_args(argv)``, with an argparse error for an ``--out`` that exists and is not a
+    folder and for each option named in `counts` (attributes, ``--name`` on the command line) below 1."""
+    args = parser.parse_args(argv)
+    if getattr(args, "out", None) is not None:
+        check_out_folder(parser, args.out)
+    for name in counts:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
+    return args
+
+
+class _Storages(TorchDispatchMode):
+    # every storage an op outputs: {data_ptr: (weak reference, bytes)}
+    def __init__(self, into):
+        super().__init__()
+        self.into = into
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                _note(self.into, t)
+        return out
+
+
+def _note(into, t):
+    storage = t.untyped_storage()
+    if storage.nbytes() and storage.device.type != "meta":
+        into[storage.data_ptr()] = (weakref.ref(storage), storage.nbytes())
+
+
+def retained_bytes(forward, exclude=()):
+    """``(forward(), bytes)``: what the call leaves alive for the backward, each storage once (those of
+    `exclude`, the parameters, aside): the storages autograd saves during it (a saved-tensor hook)
+    and those its ops create (a dispatch mode), alive when it returns. That counts what a checkpoint
+    keeps beside autograd (its inputs, selective checkpointing's cache, which no saved-tensor hook
+    sees) and the returned outputs."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen = {}
+
+    def pack(t):
+        _note(seen, t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Storages(seen):
+        out = forward()
+    gc.collect()
+    return out, sum(size for ptr, (ref, size) in seen.items() if ptr not in skip and ref() is not None)
 
 
 def _git_commit(bench_dir=os.path.dirname(os.path.abspath(__file__))):
@@ -88,6 +159,33 @@ def write_csv(path, rows, meta):
         for row in rows:
             writer.writerow({**row, **meta})
     return path
+
+
+def write_results(csv_path, rows, meta, plot=None):
+    """Writes `rows` with `meta` to `csv_path` and, where `plot` (a function of a PNG path returning
+    it, or None without matplotlib) is given, the figure beside it (same name, ``.png``); prints
+    what it wrote and returns (csv path, png path or None)."""
+    write_csv(csv_path, rows, meta)
+    png = plot(os.path.splitext(csv_path)[0] + ".png") if plot is not None else None
+    print(f"wrote {csv_path}" + (f" and {png}" if png else ""), flush=True)
+    return csv_path, png
+
+
+def plotted(figsize):
+    """A decorator for a function that draws a figure, ``draw(fig, ax, *args)``: it becomes
+    ``draw(path, *args)``, which makes the figure (`figsize` inches), draws it and writes it to
+    `path` (PNG), and returns the path, or None when matplotlib is not installed."""
+    def wrap(draw):
+        @functools.wraps(draw)
+        def write(path, *args, **kwargs):
+            plt = pyplot()
+            if plt is None:
+                return None
+            fig, ax = plt.subplots(figsize=figsize)
+            draw(fig, ax, *args, **kwargs)
+            return save_figure(fig, path)
+        return write
+    return wrap
 
 
 def pyplot():

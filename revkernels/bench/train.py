@@ -57,7 +57,7 @@ from tqdm import tqdm
 import revkernels as rk
 from revkernels.bench.helptext import description
 from revkernels.bench.report import (DEFAULT_OUT, check_device, check_out_folder, provenance, pyplot, save_figure,
-                                     synchronize, write_csv)
+                                     synchronize, timed_ms, write_csv)
 from revkernels.nn.revvit import AttentionBranch, MlpBranch, RevViTBlock
 
 MODELS = {"vit_b": dict(depth=12, dim=768, heads=12), "vit_l": dict(depth=24, dim=1024, heads=16)}
@@ -168,24 +168,14 @@ def time_steps(model, inputs, loss_of, device, dtype, steps, warmup, graph_whole
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    synchronize(device)
-    start = time.perf_counter()
-    step()
-    synchronize(device)
-    first = (time.perf_counter() - start) * 1e3
+    first = timed_ms(step, device, 1)[0]
     for _ in range(warmup - 1):
         step()
     synchronize(device)
     if device.type == "cuda":
         between_steps = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(steps):
-        synchronize(device)
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
+    times = timed_ms(step, device, steps)
     if device.type != "cuda":
         return statistics.median(times), first, float("nan"), float("nan")
     peak = torch.cuda.max_memory_allocated(device)
