@@ -1,36 +1,93 @@
-"""Memory budget: the blocks a run can afford to keep skip their rebuild.
+"""Memory budget: each block of a run rebuilds, keeps selectively or keeps everything, the fastest
+mix that fits.
 
-A memory-saving run saves only its outputs and pays one extra forward per block in the backward.
-Given room for part of the activations, ``ReversibleSequential(..., memory_budget=b)`` keeps the
-activations of its last blocks (they run under plain autograd, after the memory-saving node of the
-others: no rebuild, no second forward for them) and rebuilds the rest::
+A memory-saving run saves only its outputs and pays one extra forward per block in the backward
+(the rebuild). Given room for part of the activations, ``ReversibleSequential(...,
+memory_budget=b)`` gives each block one of three options:
+
+- ``rebuild``: no activations; the backward runs the block's forward again (one forward);
+- ``selective``: torch's selective activation checkpointing inside the block
+  (``torch.utils.checkpoint.checkpoint(..., use_reentrant=False, context_fn=...)`` with
+  `save_matmuls`): the block keeps its inputs and the outputs of its matrix products and attention,
+  and the backward recomputes only the cheap ops between them (norms, activations, adds, views);
+- ``keep``: everything plain autograd saves; nothing is recomputed.
+
+The rebuilt blocks are a prefix of the run, run as one memory-saving node of the engine (it saves
+its outputs); the others run after it under autograd, each plain (keep) or inside the checkpoint
+(selective)::
 
     blocks[:k]   one memory-saving node (the engine's): saves its outputs (y1, y2)_k
-    blocks[k:]   ordinary autograd: saves its activations, sum of bytes_i for i >= k <= budget
+    blocks[k:]   autograd, block by block plain or selectively checkpointed: their bytes <= budget
 
-The backward reaches the kept blocks first and frees their activations as it goes, then hands
-``(dy1, dy2)_k`` to the node, which rebuilds blocks[:k] from its outputs. The gradients are those of
-every engine: the same function, differentiated by autograd in both parts.
+The backward reaches the suffix first and frees its activations as it goes, then hands
+``(dy1, dy2)_k`` to the node, which rebuilds blocks[:k] from its outputs. The gradients are those
+of every engine: the same function, differentiated by autograd in both parts (the checkpoint
+replays the forward's random numbers; the recompute leaves BatchNorm's running statistics and the
+block's other buffers as the forward left them: `selective_contexts`).
 
-The plan is made per input signature (shapes, dtypes, device, autocast, training flags, context
-shapes) from each block's activation bytes, *measured* once: one forward of the run under plain
-autograd, counting the bytes autograd saves per block (parameters and storage seen before aside),
-with the generators forked and the buffers put back (the measurement draws no number of the
-caller's stream and counts no BatchNorm batch: `recompute_context`, `buffers_kept`). Blocks are kept from the last one back while the
-sum fits; a budget below the last block's bytes keeps none (the run still runs, at O(1) memory).
+**Measured, once per input signature** (shapes, dtypes, device, autocast, training flags, context
+shapes; `activation_bytes`): one forward of the run under autograd, one block's graph alive at a
+time, counting per block the bytes autograd saves (``keep``), the bytes of its inputs and of the
+outputs of its matrix products and attention (``selective``), and the time of its ops (a forward,
+what a rebuild costs) and of the ops selective keeping recomputes. The generators are forked and
+the buffers put back: the caller's random stream and BatchNorm statistics see nothing of it.
+
+**Planned** (`plan`): every block starts at ``rebuild``; a greedy pass then takes, while one fits,
+the upgrade that saves the most time per byte: the last rebuilt block to ``selective`` (saves its
+forward less its selective recompute) or to ``keep`` (saves its forward), or a selective block to
+``keep`` (saves its recompute). Ties go to the later block (the backward reaches it first). A
+selective block's cost also counts the selective checkpoint's own per-op dispatch, forward and
+recompute (`sac_op_overhead_ms`, timed once per process): where it exceeds the time selective
+keeping saves, a block is not kept selectively. The bytes counted are each option's measured ones,
+plus the node's outputs where the first block after it keeps everything (a selective block keeps
+its inputs, the node's outputs, already). A budget below every upgrade keeps nothing: the run
+still runs, at O(1) memory in depth.
 
 The budget is a fraction in [0, 1] of what plain autograd would save through the whole run, a
 number of bytes (int), or ``"auto"`` on CUDA: the device's free memory now, less the grads not yet
 allocated, twice the parameters (optimizer state an optimizer may still create) and a 10% margin.
 """
+import contextlib
 import dataclasses
+import functools
 import numbers
+import time
 
 import torch
+from torch.nn.utils import parametrize
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from revkernels.engine.structure import LRU, buffers_kept, cached, recompute_context, unique_params
+from revkernels.engine.structure import (LRU, buffers_as_before, buffers_kept, cached, record_buffers,
+                                         recompute_context, running_stats_layers, spectral_norms, unique_params)
 
 MAX_PLANS = 8  # input signatures whose plan a run keeps
+OPTIONS = ("rebuild", "selective", "keep")
+
+
+def _ops(*names):
+    # (the overloads this torch has: attention kernels differ between versions and builds)
+    ops = set()
+    for name in names:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet, None), overload or "default", None)
+        if op is not None:
+            ops.add(op)
+    return frozenset(ops)
+
+
+# Selective keeping saves the outputs of these ops (matrix products, convolutions, attention) and
+# recomputes every other op of the block.
+SAVED_OPS = _ops("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_mm",
+                 "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+
+
+def save_matmuls(ctx, op, *args, **kwargs):
+    """The selective-checkpoint policy of the ``selective`` option: keep the outputs of `SAVED_OPS`,
+    recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def check_budget(budget):
@@ -53,88 +110,226 @@ def check_budget(budget):
 
 
 @dataclasses.dataclass(frozen=True)
+class BlockCost:
+    """What one block costs under each option, measured for one input (`activation_bytes`).
+
+    ``keep_bytes``: what plain autograd saves for it; ``selective_bytes``: what selective keeping
+    keeps (its inputs and the outputs of `SAVED_OPS`), None where the block does not take it (a
+    parametrized block: spectral norm's power iteration must not run again); ``input_bytes``: its
+    inputs; ``forward_ms``: its ops' time (a rebuild); ``recompute_ms``: the time of the ops
+    selective keeping recomputes; ``ops``: the ops it dispatches."""
+
+    keep_bytes: int
+    selective_bytes: object
+    input_bytes: int
+    forward_ms: float
+    recompute_ms: float
+    ops: int
+
+    def bytes_of(self, option):
+        return {"rebuild": 0, "selective": self.selective_bytes, "keep": self.keep_bytes}[option]
+
+    def selective_ms(self, overhead_ms):
+        """The backward's extra time of the block kept selectively: its recomputed ops and the
+        checkpoint's dispatch of each op, in the forward and in the recompute."""
+        return self.recompute_ms + 2 * self.ops * overhead_ms
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """Which blocks of a run keep their activations under a memory budget (`revkernels.engine.budget`).
+    """How each block of a run spends a memory budget (`revkernels.engine.budget`); ``print`` it.
 
-    ``kept[i]``: block i keeps its activations (no rebuild); ``block_bytes[i]``: what plain
-    autograd saves for block i with this input (measured); ``budget_bytes``: the budget in bytes.
-    ``first_kept`` is the index of the first kept block (``len(kept)`` when none is kept)."""
+    ``options[i]``: ``"rebuild"``, ``"selective"`` or ``"keep"`` for block i; ``costs[i]``: its
+    measured `BlockCost`; ``budget_bytes``: the budget in bytes; ``kept_bytes``: the activation
+    bytes the run is expected to keep under the plan (at most the budget: the options' measured
+    bytes, and the node's outputs where they count); ``overhead_ms``: the selective checkpoint's
+    dispatch per op (`sac_op_overhead_ms`)."""
 
-    kept: tuple
-    block_bytes: tuple
+    options: tuple
+    costs: tuple
     budget_bytes: int
+    kept_bytes: int
+    overhead_ms: float = 0.0
+
+    @property
+    def kept(self):
+        """Per block: whether it keeps activations (selectively or all) and skips its rebuild."""
+        return tuple(o != "rebuild" for o in self.options)
 
     @property
     def first_kept(self):
-        return self.kept.index(True) if True in self.kept else len(self.kept)
-
-    @property
-    def kept_bytes(self):
-        """The activation bytes the kept blocks save (at most `budget_bytes`)."""
-        return sum(b for b, k in zip(self.block_bytes, self.kept) if k)
+        """The index of the first block not rebuilt (``len(options)`` when every block is)."""
+        return self.kept.index(True) if True in self.kept else len(self.options)
 
     @property
     def autograd_bytes(self):
         """What plain autograd saves through the whole run for this input."""
-        return sum(self.block_bytes)
+        return sum(c.keep_bytes for c in self.costs)
 
     @property
     def rebuilds_saved(self):
         """Block rebuilds (extra forwards) a backward skips."""
         return sum(self.kept)
 
+    @property
+    def recompute_ms(self):
+        """The backward's estimated extra time: the rebuilt blocks' forwards and the selective
+        blocks' recompute."""
+        return sum(c.forward_ms if o == "rebuild" else c.selective_ms(self.overhead_ms) if o == "selective" else 0.0
+                   for o, c in zip(self.options, self.costs))
+
     def __str__(self):
         mib = 2.0 ** 20
+        count = {o: self.options.count(o) for o in OPTIONS}
+        rebuild_all = sum(c.forward_ms for c in self.costs)
         lines = [f"memory plan: budget {self.budget_bytes / mib:.2f} MiB of the {self.autograd_bytes / mib:.2f} MiB "
-                 f"plain autograd saves; keeps {self.kept_bytes / mib:.2f} MiB, skips {self.rebuilds_saved} of "
-                 f"{len(self.kept)} rebuilds"]
-        lines += [f"  blocks[{i}]: {'keep   ' if k else 'rebuild'} {b / mib:8.2f} MiB"
-                  for i, (k, b) in enumerate(zip(self.kept, self.block_bytes))]
+                 f"plain autograd saves; keeps {self.kept_bytes / mib:.2f} MiB",
+                 f"  {count['keep']} keep, {count['selective']} selective, {count['rebuild']} rebuild: skips "
+                 f"{self.rebuilds_saved} of {len(self.options)} rebuilds; the backward recomputes ~"
+                 f"{self.recompute_ms:.2f} ms (~{rebuild_all:.2f} ms rebuilding every block)"]
+        for i, (o, c) in enumerate(zip(self.options, self.costs)):
+            selective = "n/a" if c.selective_bytes is None else f"{c.selective_bytes / mib:.2f}"
+            lines.append(f"  blocks[{i}]: {o:9s} {c.bytes_of(o) / mib:8.2f} MiB   (keep {c.keep_bytes / mib:.2f}, "
+                         f"selective {selective} MiB; rebuild ~{c.forward_ms:.2f} ms, selective ~"
+                         f"{c.selective_ms(self.overhead_ms):.2f} ms)")
         return "\n".join(lines)
 
 
-def plan(blocks, budget_bytes, block_bytes):
-    """The `MemoryPlan` keeping the last blocks whose bytes fit in `budget_bytes` together."""
-    kept, used = [False] * len(blocks), 0
-    for i in reversed(range(len(blocks))):
-        if used + block_bytes[i] > budget_bytes:
-            break
-        used += block_bytes[i]
-        kept[i] = True
-    return MemoryPlan(tuple(kept), tuple(block_bytes), int(budget_bytes))
+def _head_outputs(options, costs, k):
+    # the node's outputs (block k's inputs), where block k keeps everything: counted beside it
+    return costs[k].input_bytes if 0 < k < len(options) and options[k] == "keep" else 0
+
+
+def _added(options, costs, k, i, option):
+    # the bytes block i's move to `option` adds, blocks[k:] not rebuilt: its option's, and the
+    # node's outputs (`_head_outputs`) as they change
+    first = min(k, i)
+    head = costs[first].input_bytes if first and (option if i == first else options[first]) == "keep" else 0
+    return costs[i].bytes_of(option) - costs[i].bytes_of(options[i]) + head - _head_outputs(options, costs, k)
+
+
+def plan(budget_bytes, costs, overhead_ms=0.0):
+    """The `MemoryPlan` for `costs` (one `BlockCost` per block) within `budget_bytes`: from every
+    block rebuilt, a greedy pass takes the upgrade that fits and saves the most time per byte
+    (ties: the later block; see the module docstring)."""
+    n = len(costs)
+    options, used, k = ["rebuild"] * n, 0, n  # blocks[k:] are not rebuilt
+    while True:
+        upgrades = []  # (time saved, block, option)
+        if k:  # the last rebuilt block (the rebuilt blocks stay a prefix)
+            c = costs[k - 1]
+            upgrades.append((c.forward_ms, k - 1, "keep"))
+            if c.selective_bytes is not None:
+                upgrades.append((c.forward_ms - c.selective_ms(overhead_ms), k - 1, "selective"))
+        upgrades += [(costs[i].selective_ms(overhead_ms), i, "keep") for i in range(k, n) if options[i] == "selective"]
+        best = None  # (time saved per byte, block, option, bytes added)
+        for saved, i, option in upgrades:
+            added = _added(options, costs, k, i, option)
+            if saved > 0 and used + added <= budget_bytes:
+                rate = saved / added if added > 0 else float("inf")
+                if best is None or (rate, i) > best[:2]:
+                    best = (rate, i, option, added)
+        if best is None:
+            return MemoryPlan(tuple(options), tuple(costs), int(budget_bytes), int(used), overhead_ms)
+        _, i, option, added = best
+        options[i], used, k = option, used + added, min(k, i)
+
+
+class _Probe(TorchDispatchMode):
+    """Times each op a block dispatches and counts the storages of the outputs of `SAVED_OPS`."""
+
+    def __init__(self, device, skip):
+        super().__init__()
+        self.sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        self.skip = skip
+        self.reset()
+
+    def reset(self):
+        self.saved, self.forward_ms, self.recompute_ms, self.ops = {}, 0.0, 0.0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.sync()
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.sync()
+        ms = (time.perf_counter() - start) * 1e3
+        self.ops += 1
+        self.forward_ms += ms
+        if func in SAVED_OPS:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    _add_storage(self.saved, t, self.skip)
+        else:
+            self.recompute_ms += ms
+        return out
+
+
+def _add_storage(into, t, skip):
+    storage = t.untyped_storage()
+    ptr = storage.data_ptr()
+    if ptr not in skip and storage.device.type != "meta":
+        into[ptr] = storage.nbytes()
+
+
+def _selective_offered(block):
+    # a parametrized weight (spectral norm's power iteration, the parametrize cache) must not be
+    # computed again by a recompute of the forward
+    return not spectral_norms(block) and not any(parametrize.is_parametrized(m) for m in block.modules())
 
 
 def activation_bytes(blocks, x1, x2, context):
-    """What plain autograd saves for each block of `blocks` run on (x1, x2) with `context`, in
-    bytes: one forward under autograd with a saved-tensor hook counting each storage a block saves
-    once (the parameters and buffers aside; its input counts, as a kept block keeps it); one
-    block's graph is alive at a time. The generators are forked,
-    BatchNorm uses batch statistics without updating its running ones and each block's other
-    buffers are put back, so the caller sees no effect but the time."""
+    """One `BlockCost` per block of `blocks` run on (x1, x2) with `context`: one forward under
+    autograd with a saved-tensor hook counting each storage a block saves once (the parameters and
+    buffers aside; its input counts where it saves it) and a dispatch mode timing its ops and
+    counting the outputs of `SAVED_OPS`; one block's graph is alive at a time (block 0 runs once
+    before, untimed: lazy initialisation). The generators are forked, BatchNorm uses batch
+    statistics without updating its running ones and each block's other buffers are put back, so
+    the caller sees no effect but the time."""
     skip = {t.untyped_storage().data_ptr() for t in (*blocks.parameters(), *blocks.buffers())}
     devices = sorted({t.device.index for t in (x1, x2) if t.is_cuda})
-    sizes, seen = [], set()
+    probe = _Probe(x1.device, skip)
+    costs, kept = [], {}
 
     def pack(t):
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in skip and ptr not in seen and storage.device.type != "meta":
-            seen.add(ptr)
-            sizes[-1] += storage.nbytes()
+        _add_storage(kept, t, skip)
         return t
 
     a1, a2 = (t.detach().requires_grad_(t.is_floating_point()) for t in (x1, x2))
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
-        for block in blocks:
-            # per block: what it saves is alive until its outputs go, then its memory is reused
-            sizes.append(0)
-            seen = set()  # (its input counts: a kept block's input is kept for it)
-            with recompute_context(block), buffers_kept(block), \
+        for i, block in enumerate([blocks[0], *blocks]):  # (block 0 twice: the first is a warm-up)
+            kept.clear()
+            probe.reset()
+            inputs = {}
+            for t in (a1, a2):
+                _add_storage(inputs, t, skip)
+            with recompute_context(block), buffers_kept(block), probe, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 b1, b2 = block.forward(a1, a2, **context)
-            a1, a2 = b1.detach().requires_grad_(), b2.detach().requires_grad_()
+            if i:
+                costs.append(BlockCost(
+                    sum(kept.values()), sum({**inputs, **probe.saved}.values()) if _selective_offered(block) else None,
+                    sum(inputs.values()), probe.forward_ms, probe.recompute_ms, probe.ops))
+                a1, a2 = b1.detach().requires_grad_(), b2.detach().requires_grad_()
             del b1, b2
-    return sizes
+    return costs
+
+
+@functools.cache
+def sac_op_overhead_ms(calls=200):
+    """The time torch's selective-checkpoint dispatch adds to one op (ms; timed once per process on
+    a 0-d tensor): a selective block pays it for each op, in the forward and in the recompute."""
+    x = torch.zeros(())
+
+    def per_call():
+        start = time.perf_counter()
+        for _ in range(calls):
+            torch.neg(x)
+        return (time.perf_counter() - start) / calls
+
+    plain = min(per_call() for _ in range(3))
+    with create_selective_checkpoint_contexts(save_matmuls)[0]:
+        sac = min(per_call() for _ in range(3))
+    return max(0.0, sac - plain) * 1e3
 
 
 def auto_budget_bytes(params, device):
@@ -165,20 +360,21 @@ class Plans:
     """A run's measurements and plans, for its most recent `MAX_PLANS` signatures."""
 
     def __init__(self):
-        self.by_key = LRU(MAX_PLANS)  # signature -> (block bytes, {budget: plan})
+        self.by_key = LRU(MAX_PLANS)  # signature -> (block costs, {budget: plan})
 
     def get(self, budget, blocks, x1, x2, context, params):
         key = signature(x1, x2, context, cached(blocks, "modules", lambda m: list(m.modules())))
         entry = self.by_key.get(key)
         if entry is None:
             entry = self.by_key[key] = (activation_bytes(blocks, x1, x2, context), {})
-        block_bytes, plans = entry
+        costs, plans = entry
+        overhead = sac_op_overhead_ms()
         if budget == "auto":  # (the free memory changes: planned at every call)
-            return plan(blocks, auto_budget_bytes(params, x1.device), block_bytes)
+            return plan(auto_budget_bytes(params, x1.device), costs, overhead)
         made = plans.get(budget)
         if made is None:
-            budget_bytes = int(budget * sum(block_bytes)) if isinstance(budget, float) else budget
-            made = plans[budget] = plan(blocks, budget_bytes, block_bytes)
+            budget_bytes = int(budget * sum(c.keep_bytes for c in costs)) if isinstance(budget, float) else budget
+            made = plans[budget] = plan(budget_bytes, costs, overhead)
         return made
 
 
@@ -210,16 +406,68 @@ def _head_run(seq, k):
     return head
 
 
+def _statistics(block):
+    # (layer buffer, a copy of its value) for the running statistics a forward of `block` updates
+    return [(t, t.clone()) for layer in running_stats_layers(block) if layer.training and layer.track_running_stats
+            for t in (layer.running_mean, layer.running_var, layer.num_batches_tracked) if t is not None]
+
+
+@contextlib.contextmanager
+def _selective_forward(sac, block, changed):
+    record = record_buffers(block)
+    with sac:
+        yield
+    if record is not None:
+        changed.extend(record.changed(lambda: type(block).__name__))
+
+
+@contextlib.contextmanager
+def _selective_recompute(sac, block, changed):
+    statistics = _statistics(block)
+    try:
+        with buffers_as_before(tuple(changed)), sac:
+            yield
+    finally:  # (the recompute updated the running statistics again: their values after the forward)
+        with torch.no_grad():
+            for t, value in statistics:
+                t.copy_(value)
+
+
+def selective_contexts(block):
+    """The ``context_fn`` of a selective block's checkpoint: torch's selective-checkpoint contexts
+    with `save_matmuls`; the recompute sees the buffers the forward changed (other than running
+    statistics) as the forward saw them, and leaves every buffer as the forward left it."""
+    forward, recompute = create_selective_checkpoint_contexts(save_matmuls)
+    changed = []
+    return _selective_forward(forward, block, changed), _selective_recompute(recompute, block, changed)
+
+
+def _call(block, x1, x2, context):
+    return block(x1, x2, **context)
+
+
+def run_selective(block, x1, x2, context, preserve_rng_state=True):
+    """(y1, y2) of `block` kept selectively: under a non-reentrant checkpoint with
+    `selective_contexts` (the random numbers replayed in the recompute where `preserve_rng_state`)."""
+    return checkpoint(_call, block, x1, x2, context, use_reentrant=False, preserve_rng_state=preserve_rng_state,
+                      context_fn=functools.partial(selective_contexts, block))
+
+
 def run_within_budget(seq, x1, x2, context):
-    """(y1, y2) of `seq` with the kept blocks run under plain autograd after the memory-saving node
-    of the others; None when the plan keeps no block."""
-    k = plan_of(seq, x1, x2, context).first_kept
+    """(y1, y2) of `seq` with the blocks its plan does not rebuild run under autograd (plainly or
+    selectively checkpointed) after the memory-saving node of the rebuilt ones; None when the plan
+    rebuilds every block."""
+    made = plan_of(seq, x1, x2, context)
+    k = made.first_kept
     if k == len(seq.blocks):
         return None
     if k:
         head = _head_run(seq, k)
         x1, x2 = head.forward(x1, x2, **context)
         seq.engine_in_use = head.engine_in_use
-    for block in seq.blocks[k:]:
-        x1, x2 = block(x1, x2, **context)
+    for block, option in zip(seq.blocks[k:], made.options[k:]):
+        if option == "selective":
+            x1, x2 = run_selective(block, x1, x2, context, seq.preserve_rng_state)
+        else:
+            x1, x2 = block(x1, x2, **context)
     return x1, x2

@@ -1,15 +1,34 @@
-"""revkernels.engine.budget: a memory budget keeps the last blocks' activations (no rebuild for
-them) and never saves more than it was given beyond the run's outputs; gradients at every budget
-are plain autograd's."""
+"""revkernels.engine.budget: under a memory budget each block is rebuilt, kept selectively (torch's
+selective checkpoint: matrix-product outputs kept, the rest recomputed) or kept; the run never keeps
+more than it was given beyond its outputs, and its gradients are plain autograd's at every budget.
+
+The plans here come from the measured bytes with fixed times (`fixed_times`), so that they are the
+same on every machine; `test_the_measurement_times_and_counts_each_block` checks the real timing."""
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
 import revkernels as rk
+from revkernels.bench.report import retained_bytes
 from revkernels.engine import budget as budget_module
+from revkernels.engine.budget import BlockCost, plan
 from tests.helpers import assert_close_rel, loss_of, make_seq, perturb_parameters, plain_forward, run_grads
 
 BUDGETS = [0, 0.1, 0.25, 0.5, 0.75, 1.0, 40_000]
+MEASURE = budget_module.activation_bytes  # (the real measurement: `fixed_times` replaces it)
+
+
+@pytest.fixture(autouse=True)
+def fixed_times(monkeypatch):
+    """Measured bytes, fixed times: a block's forward 1 ms, its selective recompute 0.2 ms, no
+    dispatch overhead. With make_seq's blocks (selective keeps ~2/3 of their bytes) the budgets of
+    `BUDGETS` then give plans with every option."""
+    def measure(*args):
+        return [dataclasses.replace(c, forward_ms=1.0, recompute_ms=0.2, ops=0) for c in MEASURE(*args)]
+
+    monkeypatch.setattr(budget_module, "activation_bytes", measure)
 
 
 def _seq(engine="sequential", depth=6, width=24, **kwargs):
@@ -19,14 +38,24 @@ def _seq(engine="sequential", depth=6, width=24, **kwargs):
     return seq
 
 
+def _twins(engine="sequential", **kwargs):
+    # (a run and its plain-autograd reference, same parameters and buffers)
+    torch.manual_seed(0)
+    seq = _seq(engine, **kwargs)
+    ref = _seq("autograd", **kwargs)
+    ref.load_state_dict(seq.state_dict())
+    return seq, ref
+
+
+def _all_selective_bytes(seq, x):
+    return sum(c.selective_bytes for c in seq.memory_plan(x, x).costs)
+
+
 # (pareprop and auto run the sequential engine's code on CPU: one budget each)
 @pytest.mark.parametrize("engine,budget", [(e, b) for e in ("sequential", "compiled") for b in BUDGETS]
                          + [("pareprop", 0.5), ("auto", 0.5)])
 def test_grads_equal_plain_autograd_at_every_budget(engine, budget):
-    torch.manual_seed(0)
-    seq = _seq(engine, dropout=0.2, drop_path=0.1)
-    ref = _seq("autograd", dropout=0.2, drop_path=0.1)
-    ref.load_state_dict(seq.state_dict())
+    seq, ref = _twins(engine, dropout=0.2, drop_path=0.1)
     seq.memory_budget = budget
     data = [torch.randn(5, 24) for _ in range(4)]
     got = run_grads(seq, seq, *data, seed=3)
@@ -37,35 +66,82 @@ def test_grads_equal_plain_autograd_at_every_budget(engine, budget):
         assert_close_rel(a, e)
 
 
-@pytest.mark.parametrize("budget", [0, 0.3, 1.0])
+def test_the_budgets_give_every_option_and_mixes():
+    seq = _seq(dropout=0.2, drop_path=0.1)
+    x = torch.randn(5, 24)
+    plans = {}
+    for budget in BUDGETS:
+        seq.memory_budget = budget
+        plans[budget] = seq.memory_plan(x, x).options
+    assert set(plans[0]) == {"rebuild"} and set(plans[1.0]) == {"keep"}
+    assert {"rebuild", "selective"} <= set(plans[0.25]) and {"selective", "keep"} <= set(plans[0.75])
+    for options in plans.values():  # the rebuilt blocks are a prefix
+        k = sum(o == "rebuild" for o in options)
+        assert "rebuild" not in options[k:]
+
+
+@pytest.mark.parametrize("dropout", [0.5])
+def test_dropout_masks_are_autograds_when_every_block_is_selective(dropout):
+    seq, ref = _twins(dropout=dropout, drop_path=0.2)
+    x = torch.randn(5, 24)
+    seq.memory_budget = _all_selective_bytes(seq, x)
+    assert set(seq.memory_plan(x, x).options) == {"selective"}
+    data = [torch.randn(5, 24) for _ in range(4)]
+    got = run_grads(seq, seq, *data, seed=5)
+    expected = run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data, seed=5)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])  # the forward's masks
+    for a, e in zip(got[2:], expected[2:], strict=True):  # the recompute's: the same
+        assert_close_rel(a, e)
+
+
+@pytest.mark.parametrize("budget", [0, 0.3, 0.6, 0.8, 1.0, "selective"])
 def test_batch_norm_statistics_are_updated_once(budget):
-    torch.manual_seed(0)
-    seq = _seq(norm="batch")
-    ref = _seq("autograd", norm="batch")
-    ref.load_state_dict(seq.state_dict())
-    seq.memory_budget = budget
+    seq, ref = _twins(norm="batch")
+    x = torch.randn(6, 24)
+    seq.memory_budget = _all_selective_bytes(seq, x) if budget == "selective" else budget
+    options = seq.memory_plan(x, x).options
     data = [torch.randn(6, 24) for _ in range(4)]
-    run_grads(seq, seq, *data)
-    run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data)
+    for step in range(2):
+        got = run_grads(seq, seq, *data)
+        expected = run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data)
+        for a, e in zip(got, expected, strict=True):
+            assert_close_rel(a, e)
     for (name, a), (_, b) in zip(seq.named_buffers(), ref.named_buffers(), strict=True):
         assert torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-7), name
+        if name.endswith("num_batches_tracked"):
+            assert a.item() == 2, (name, options)
 
 
-def _saved_bytes(seq, x):
-    params = {p.untyped_storage().data_ptr() for p in seq.parameters()}
-    seen, total = set(), [0]
+class _Counted(nn.Module):
+    """tanh(linear(x) * (1 + calls / 10))^2, then calls += 1 (a buffer the forward changes in place)."""
 
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in seen:
-            seen.add(ptr)
-            total[0] += t.untyped_storage().nbytes()
-        return t
+    def __init__(self, width):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.register_buffer("calls", torch.zeros(()))
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y1, y2 = seq(x, x)
-    loss_of(y1, y2, 1.0, 1.0).backward()
-    return total[0]
+    def forward(self, x):
+        out = torch.tanh(self.linear(x) * (1 + self.calls / 10)).square()
+        with torch.no_grad():
+            self.calls += 1
+        return out
+
+
+def test_a_selective_recompute_sees_and_leaves_the_buffers_as_the_forward_did():
+    torch.manual_seed(0)
+    seq = rk.nn.ReversibleSequential(*[rk.nn.ReversibleBlock(_Counted(8), _Counted(8)) for _ in range(2)])
+    ref = rk.nn.ReversibleSequential(*[rk.nn.ReversibleBlock(_Counted(8), _Counted(8)) for _ in range(2)],
+                                     engine="autograd")
+    ref.load_state_dict(seq.state_dict())
+    x = torch.randn(3, 8)
+    seq.memory_budget = _all_selective_bytes(seq, x)
+    assert set(seq.memory_plan(x, x).options) == {"selective"}
+    data = [torch.randn(3, 8) for _ in range(4)]
+    for _ in range(2):
+        for a, e in zip(run_grads(seq, seq, *data), run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data),
+                        strict=True):
+            assert_close_rel(a, e)
+    assert all(b.item() == 2 for b in seq.buffers())
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
@@ -74,28 +150,104 @@ def test_saved_bytes_stay_within_the_budget_beyond_the_outputs(budget):
     seq = _seq(depth=8, width=32)
     seq.memory_budget = budget
     x = torch.randn(16, 32, requires_grad=True)
-    plan = seq.memory_plan(x, x)
+    made = seq.memory_plan(x, x)
     outputs = 2 * x.numel() * x.element_size()
-    saved = _saved_bytes(seq, x)
-    assert saved <= plan.budget_bytes + outputs
-    assert plan.kept_bytes <= plan.budget_bytes
+    loss_of(*seq(x, x), 1.0, 1.0).backward()  # (a first step: what the engines create once and cache)
+    (y1, y2), saved = retained_bytes(lambda: seq(x, x), [*seq.parameters(), *seq.buffers()])
+    loss_of(y1, y2, 1.0, 1.0).backward()
+    assert made.kept_bytes <= made.budget_bytes
+    assert saved <= made.kept_bytes + outputs  # what it keeps, it planned (selective blocks' cache included)
     if budget == 1.0:
-        assert all(plan.kept) and saved == _saved_bytes(_seq("autograd", depth=8, width=32), x)
+        autograd = _seq("autograd", depth=8, width=32)
+        assert set(made.options) == {"keep"} and saved == retained_bytes(lambda: autograd(x, x), [
+            *autograd.parameters(), *autograd.buffers()])[1]
     if budget == 0:
-        assert not any(plan.kept) and saved <= outputs
+        assert set(made.options) == {"rebuild"} and saved <= outputs
 
 
-def test_budget_buys_rebuilds_in_order_from_the_last_block():
-    seq = _seq(depth=6)
-    x = torch.randn(4, 24)
-    kept = []
-    for budget in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0):
-        seq.memory_budget = budget
-        kept.append(seq.memory_plan(x, x).kept)
-    counts = [sum(k) for k in kept]
-    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 6
-    for k in kept:  # a kept suffix
-        assert list(k) == sorted(k)
+def test_the_plan_keeps_selectively_where_only_that_fits():
+    seq = _seq()
+    x = torch.randn(5, 24)
+    last = seq.memory_plan(x, x).costs[-1]
+    assert last.selective_bytes < last.keep_bytes
+    seq.memory_budget = last.selective_bytes  # the last block's selective bytes: keep does not fit
+    assert seq.memory_plan(x, x).options == ("rebuild",) * 5 + ("selective",)
+    seq.memory_budget = last.keep_bytes + last.input_bytes  # (and the node's outputs): keep fits
+    assert seq.memory_plan(x, x).options == ("rebuild",) * 5 + ("keep",)
+
+
+def _costs(n, keep=100, selective=60, inputs=10, forward_ms=1.0, recompute_ms=0.2, ops=0):
+    return [BlockCost(keep, selective, inputs, forward_ms, recompute_ms, ops) for _ in range(n)]
+
+
+def test_the_greedy_plan():
+    # selective first, from the last block (0.8 ms saved for 60 bytes beats 1 ms for 100 and the
+    # node's outputs, 10), then keep, latest block first (0.2 ms for 40 bytes)
+    assert plan(120, _costs(4)).options == ("rebuild",) * 2 + ("selective",) * 2
+    made = plan(239, _costs(4))  # (block 0's selective does not fit: block 3 keeps instead)
+    assert made.options == ("rebuild", "selective", "selective", "keep") and made.kept_bytes == 220
+    assert plan(240, _costs(4)).options == ("selective",) * 4
+    made = plan(280, _costs(4))
+    assert made.options == ("selective",) * 3 + ("keep",) and made.kept_bytes == 280
+    assert made.recompute_ms == pytest.approx(0.6)
+    # keep only (no selective option): the node's outputs count beside the first kept block
+    only_keep = _costs(4, selective=None)
+    assert plan(109, only_keep).options == ("rebuild",) * 4
+    made = plan(210, only_keep)
+    assert made.options == ("rebuild",) * 2 + ("keep",) * 2 and made.kept_bytes == 210
+    assert plan(400, only_keep).kept_bytes == 400  # all kept: no node
+    # selective costing more than a rebuild (its dispatch: 2 x 50 ops x 0.01 ms): never taken
+    assert plan(240, _costs(4, ops=50), overhead_ms=0.01).options == ("rebuild",) * 2 + ("keep",) * 2
+    torch.manual_seed(0)
+    mixed = [BlockCost(int(k), int(s) if s < k else None, 10, f, r, 0) for k, s, f, r in zip(
+        torch.randint(50, 150, (6,)), torch.randint(20, 180, (6,)), torch.rand(6) + 0.5, torch.rand(6) * 0.5)]
+    for budget in range(0, 800, 7):  # within the budget, counted right; the rebuilt blocks a prefix
+        for costs in (_costs(4), only_keep, mixed):
+            made = plan(budget, costs)
+            k = made.options.count("rebuild")
+            assert made.options[:k] == ("rebuild",) * k
+            node = costs[k].input_bytes if 0 < k < len(costs) and made.options[k] == "keep" else 0
+            assert made.kept_bytes == sum(c.bytes_of(o) for c, o in zip(costs, made.options)) + node <= budget
+
+
+def test_the_measurement_times_and_counts_each_block():
+    torch.manual_seed(0)
+    seq = _seq(depth=2)
+    x = torch.randn(5, 24)
+    for cost in MEASURE(seq.blocks, x, x, {}):
+        assert 0 < cost.recompute_ms < cost.forward_ms and cost.ops > 0
+        assert cost.input_bytes <= cost.selective_bytes < cost.keep_bytes
+    normed = rk.nn.ReversibleBlock(nn.utils.parametrizations.spectral_norm(nn.Linear(24, 24)), nn.Linear(24, 24))
+    assert MEASURE(nn.ModuleList([normed]), x, x, {})[0].selective_bytes is None  # (no second power iteration)
+    assert budget_module.sac_op_overhead_ms() >= 0
+
+
+def _backward_ops(seq, x):
+    ops = []
+
+    class Count(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    y1, y2 = seq(x, x)
+    with Count():
+        loss_of(y1, y2, 1.0, 1.0).backward()
+    return ops
+
+
+def test_a_selective_backward_recomputes_no_matrix_product():
+    seq = _seq(depth=3)
+    x = torch.randn(5, 24, requires_grad=True)
+    seq.memory_budget = 1.0
+    kept = _backward_ops(seq, x)
+    seq.memory_budget = _all_selective_bytes(seq, x)
+    assert set(seq.memory_plan(x, x).options) == {"selective"}
+    selective = _backward_ops(seq, x)
+    for op in budget_module.SAVED_OPS:
+        assert selective.count(op) == kept.count(op), op
+    layer_norm = torch.ops.aten.native_layer_norm.default
+    assert kept.count(layer_norm) == 0 and selective.count(layer_norm) == 6  # (F's and G's, recomputed)
 
 
 def test_the_plan_is_measured_once_per_signature(monkeypatch):
@@ -123,9 +275,14 @@ def test_the_plan_is_measured_once_per_signature(monkeypatch):
 
 def test_memory_plan_reads_as_a_table():
     seq = _seq(depth=3)
-    seq.memory_budget = 1.0
-    text = str(seq.memory_plan(torch.randn(4, 24), torch.randn(4, 24)))
-    assert "skips 3 of 3 rebuilds" in text and text.count("keep") == 4  # the header's "keeps" and 3 rows
+    x = torch.randn(4, 24)
+    seq.memory_budget = sum(c.selective_bytes for c in seq.memory_plan(x, x).costs[1:])
+    text = str(seq.memory_plan(x, x))
+    assert "0 keep, 2 selective, 1 rebuild: skips 2 of 3 rebuilds" in text
+    assert "the backward recomputes ~1.40 ms (~3.00 ms rebuilding every block)" in text
+    rows = text.splitlines()[2:]
+    assert [row.split()[1] for row in rows] == ["rebuild", "selective", "selective"]
+    assert all("keep " in row and "selective " in row and "rebuild ~1.00 ms" in row for row in rows)
 
 
 @pytest.mark.parametrize("bad,error", [(-0.5, ValueError), (1.5, ValueError), (float("nan"), ValueError),
