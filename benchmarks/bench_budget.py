@@ -6,42 +6,37 @@ memory for time, all measured in one run on the same blocks.
     python benchmarks/bench_budget.py --quick                # a small configuration, seconds
 
 Rows (each a train step of the same RevViTBlock stack, forward + backward, median ms after warm-up;
-``saved_mib`` is what autograd saves for the backward, parameters aside, *measured* with a saved-tensor
-hook over one step):
+``saved_mib`` is what the forward leaves alive for the backward, parameters aside, *measured* over one
+forward (`revkernels.bench.report.retained_bytes`: what autograd saves, what a checkpoint keeps beside it
+(its inputs, selective checkpointing's cache of matrix-product outputs) and the outputs)):
 
 - ``revkernels budget=b``: the sequential engine with ``memory_budget=b`` for b in 0, 0.1, 0.25,
-  0.5, 0.75, 1.0 (`revkernels.engine.budget`);
+  0.5, 0.75, 1.0: the planner of `revkernels.engine.budget` gives each block rebuild, selective or
+  keep (column ``plan``: one letter a block, R/S/K; ``planned_mib``: the bytes it expects to keep);
 - ``standard``: ordinary autograd through the blocks (the autograd engine);
 - ``checkpoint every k``: torch.utils.checkpoint (non-reentrant) around each group of k blocks;
 - ``selective checkpoint``: torch's selective activation checkpointing around each block, saving the
-  outputs of matrix products and attention and recomputing the rest.
+  outputs of matrix products and attention and recomputing the rest (the policy of revkernels'
+  selective option, `revkernels.engine.budget.save_matmuls`).
 
 With ``--compiled``, the same under torch.compile: revkernels' compiled engine at each budget
 against the standard stack compiled with ``torch._functorch.config.activation_memory_budget`` at the
-same fractions (compiled against compiled). Writes ``budget_<device>.csv`` (with the commit, device
-and versions on every row) and ``budget_<device>.png``: step time against saved memory.
+same fractions (compiled against compiled). Writes ``budget_<device>.csv`` (with the commit,
+device and versions on every row) and ``budget_<device>.png``: step time against saved memory.
 """
 import argparse
 import functools
 import os
 import statistics
-import time
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import revkernels as rk
-from revkernels.bench.report import check_device, provenance, pyplot, save_figure, synchronize, write_csv
+from revkernels.bench.report import check_device, plotted, provenance, retained_bytes, timed_ms, write_results
+from revkernels.engine.budget import save_matmuls
 
 BUDGETS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
-SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-             torch.ops.aten._scaled_dot_product_efficient_attention.default,
-             torch.ops.aten._scaled_dot_product_flash_attention.default}
-
-
-def _save_matmuls(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def stack(args, device):
@@ -53,7 +48,7 @@ def stack(args, device):
 def checkpointed(seq, every, selective=False):
     """The blocks under ordinary autograd, each group of `every` blocks inside torch.utils.checkpoint."""
     blocks = list(seq.blocks)
-    context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls) if selective else None
+    context_fn = functools.partial(create_selective_checkpoint_contexts, save_matmuls) if selective else None
 
     def group(a, b, part):
         for block in part:
@@ -69,41 +64,15 @@ def checkpointed(seq, every, selective=False):
     return run
 
 
-def saved_bytes(step, params):
-    """What autograd saves during one call of `step` (each storage once, `params`' aside)."""
-    seen, total = {p.untyped_storage().data_ptr() for p in params}, [0]
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total[0] += storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step()
-    return total[0]
-
-
-def median_ms(step, device, warmup, reps):
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(reps):
-        synchronize(device)
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+def loss_of(y1, y2, target):
+    return torch.nn.functional.mse_loss((y1 + y2) * 0.5, target)
 
 
 def train_step(fn, params, x, target):
     def step():
         for p in params:
             p.grad = None
-        y1, y2 = fn(x, x)
-        torch.nn.functional.mse_loss((y1 + y2) * 0.5, target).backward()
+        loss_of(*fn(x, x), target).backward()
     return step
 
 
@@ -112,20 +81,28 @@ def measure(args, device):
     params = [p for p in seq.parameters() if p.requires_grad]
     x = torch.randn(args.batch, args.tokens, args.dim, device=device, requires_grad=True)
     target = torch.randn_like(x)
+    held = [*seq.parameters(), *seq.buffers(), x]  # (not counted: held whatever the method)
     rows = []
 
-    def record(method, group, budget, fn):
+    def record(method, group, budget, fn, plan=None):
         step = train_step(fn, params, x, target)
         step()  # (a plan's measurement, a compile, lazy initialisation: before the counting step)
-        saved = saved_bytes(step, seq.parameters())
-        ms = median_ms(step, device, args.warmup, args.reps)
-        rows.append({"group": group, "method": method, "budget": budget, "step_ms": round(ms, 3),
-                     "saved_mib": round(saved / 2**20, 3)})
-        print(f"{group:8s} {method:28s} {ms:9.2f} ms  saved {saved / 2**20:9.2f} MiB", flush=True)
+        out, saved = retained_bytes(lambda: fn(x, x), held)
+        loss_of(*out, target).backward()
+        del out
+        for _ in range(args.warmup):
+            step()
+        ms = statistics.median(timed_ms(step, device, args.reps))
+        row = {"group": group, "method": method, "budget": budget, "step_ms": round(ms, 3),
+               "saved_mib": round(saved / 2**20, 4), "plan": "", "planned_mib": ""}
+        if plan is not None:
+            row.update(plan="".join(o[0].upper() for o in plan.options), planned_mib=round(plan.kept_bytes / 2**20, 4))
+        rows.append(row)
+        print(f"{group:8s} {method:28s} {ms:9.2f} ms  saved {saved / 2**20:9.2f} MiB  {row['plan']}", flush=True)
 
     for budget in BUDGETS:
         seq.memory_budget = budget
-        record(f"revkernels budget={budget:g}", "eager", budget, seq)
+        record(f"revkernels budget={budget:g}", "eager", budget, seq, seq.memory_plan(x, x))
     seq.memory_budget = 0
     standard = rk.nn.ReversibleSequential(*seq.blocks, engine="autograd")
     record("standard", "eager", "", standard)
@@ -139,7 +116,7 @@ def measure(args, device):
         seq.engine = "compiled"
         for budget in BUDGETS:
             seq.memory_budget = budget
-            record(f"revkernels compiled budget={budget:g}", "compiled", budget, seq)
+            record(f"revkernels compiled budget={budget:g}", "compiled", budget, seq, seq.memory_plan(x, x))
         seq.memory_budget, seq.engine = 0, "sequential"
         for budget in BUDGETS:
             torch._dynamo.reset()
@@ -149,11 +126,8 @@ def measure(args, device):
     return rows
 
 
-def plot(rows, path, title):
-    plt = pyplot()
-    if plt is None:
-        return None
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+@plotted((7.5, 4.8))
+def plot(fig, ax, rows, title):
     for group, marker in (("eager", "o"), ("compiled", "s")):
         ours = [r for r in rows if r["group"] == group and r["method"].startswith("revkernels")]
         if ours:
@@ -173,7 +147,6 @@ def plot(rows, path, title):
     ax.set_ylabel("train step (ms, median)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
-    return save_figure(fig, path)
 
 
 def main(argv=None):
@@ -199,12 +172,9 @@ def main(argv=None):
     rows = measure(args, device)
     meta = provenance(device)
     config = f"dim {args.dim}, {args.heads} heads, {args.tokens} tokens, batch {args.batch}, depth {args.depth}"
-    os.makedirs(args.out, exist_ok=True)
-    csv_path = write_csv(os.path.join(args.out, f"budget_{device.type}.csv"),
-                         [{**r, "config": config} for r in rows], meta)
-    png = plot(rows, os.path.join(args.out, f"budget_{device.type}.png"),
-               f"speed against memory: {config}\n{meta['device']}, torch {meta['torch']}, {meta['commit']}")
-    print(f"wrote {csv_path}" + (f" and {png}" if png else ""))
+    write_results(os.path.join(args.out, f"budget_{device.type}.csv"), [{**r, "config": config} for r in rows], meta,
+                  lambda png: plot(png, rows, f"speed against memory: {config}\n{meta['device']}, torch "
+                                   f"{meta['torch']}, {meta['commit']}"))
     return 0
 
 
