@@ -524,6 +524,8 @@ mutation("exact_monitor_keeps_its_threshold", "revkernels/check.py", "threshold 
          "threshold = self.threshold", f"{T_EXACT} -k does_not_recompute")
 mutation("opaque_exact_backward_walks_float_streams", "revkernels/engine/opaque.py", "            if fixed:\n",
          "            if False:\n", f"{T_EXACT} -k torch_compile")
+mutation("budget_exact_suffix_rounds_the_views_again", "revkernels/engine/budget.py",
+         "streams.outputs if k else None, first=k)", "None, first=k)", f"{T_EXACT} -k memory_budget")
 mutation("fsdp_exact_node_returns_y1_twice", "revkernels/engine/fsdp.py",
          "        return run.streams.view(y1), run.streams.view(y2)", "        return run.streams.view(y1), run.streams.view(y1)",
          "tests/engine/test_fsdp.py -k exact")

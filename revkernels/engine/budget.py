@@ -362,26 +362,29 @@ class Plans:
     def __init__(self):
         self.by_key = LRU(MAX_PLANS)  # signature -> (block costs, {budget: plan})
 
-    def get(self, budget, blocks, x1, x2, context, params):
+    def get(self, budget, blocks, x1, x2, context, params, exact=False):
         key = signature(x1, x2, context, cached(blocks, "modules", lambda m: list(m.modules())))
         entry = self.by_key.get(key)
         if entry is None:
             entry = self.by_key[key] = (activation_bytes(blocks, x1, x2, context), {})
         costs, plans = entry
+        if exact:  # (exact mode keeps blocks whole: a checkpoint would also keep its int64 inputs)
+            costs = [dataclasses.replace(c, selective_bytes=None) for c in costs]
         overhead = sac_op_overhead_ms()
         if budget == "auto":  # (the free memory changes: planned at every call)
             return plan(auto_budget_bytes(params, x1.device), costs, overhead)
-        made = plans.get(budget)
+        made = plans.get((budget, exact))
         if made is None:
             budget_bytes = int(budget * sum(c.keep_bytes for c in costs)) if isinstance(budget, float) else budget
-            made = plans[budget] = plan(budget_bytes, costs, overhead)
+            made = plans[budget, exact] = plan(budget_bytes, costs, overhead)
         return made
 
 
 def plan_of(seq, x1, x2, context):
     """The `MemoryPlan` of a call of `seq` (a ReversibleSequential) with these inputs, measured once
     per input signature (`Plans`)."""
-    return _budget_state(seq)[0].get(seq.memory_budget, seq.blocks, x1, x2, context, unique_params(seq.blocks))
+    return _budget_state(seq)[0].get(seq.memory_budget, seq.blocks, x1, x2, context, unique_params(seq.blocks),
+                                     seq.exact)
 
 
 def _budget_state(seq):
@@ -400,7 +403,9 @@ def _head_run(seq, k):
     if head is None:
         head = heads[k] = seq._run_of(seq.blocks[:k])
     head.engine, head.preserve_rng_state = seq.engine, seq.preserve_rng_state
-    head.compile_options = seq.compile_options
+    head.compile_options, head.exact_bits = seq.compile_options, seq.exact_bits
+    if head.exact != seq.exact:
+        head.exact = seq.exact
     if "reconstruction_monitor" in seq.__dict__:
         head.reconstruction_monitor = seq.reconstruction_monitor
     return head
@@ -461,10 +466,15 @@ def run_within_budget(seq, x1, x2, context):
     k = made.first_kept
     if k == len(seq.blocks):
         return None
+    streams = seq.fixed_point_streams(x1.dtype)
     if k:
         head = _head_run(seq, k)
+        if streams is not None:  # exact mode: the kept blocks go on from the head's int64 outputs
+            head.hand_streams(streams)
         x1, x2 = head.forward(x1, x2, **context)
         seq.engine_in_use = head.engine_in_use
+    if streams is not None:  # (the plan keeps whole blocks in exact mode)
+        return streams.run_autograd(seq.blocks[k:], x1, x2, context, streams.outputs if k else None, first=k)
     for block, option in zip(seq.blocks[k:], made.options[k:]):
         if option == "selective":
             x1, x2 = run_selective(block, x1, x2, context, seq.preserve_rng_state)

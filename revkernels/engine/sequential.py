@@ -289,6 +289,7 @@ class ReversibleRun(torch.autograd.Function):
             y1, y2, ctx.states, ctx.monitor = exact_forward(seq, x1, x2, context, ctx.streams)
             outputs = ctx.streams.view(y1), ctx.streams.view(y2)
             ctx.streams.forget_views()  # (the backward converts again rather than keep floats)
+            ctx.streams.outputs = y1, y2  # (saved below anyway: a caller may go on from them exactly)
         save_forward_state(ctx, seq, all_params)
         ctx.params = params
         ctx.autocast_state = AutocastState.capture(x1.device.type)
@@ -326,7 +327,8 @@ def exact_forward(seq, x1, x2, context, streams, monitored=True):
 
 def run_reversible(seq, x1, x2, walker, context=NO_CONTEXT, param_inputs=None, forward=eager_forward):
     """Runs `seq`'s blocks as one `ReversibleRun` stepped forward by `forward` and backwards by
-    `walker` (in exact mode, ``seq.exact``, on fixed-point streams: see `ReversibleRun`).
+    `walker` (in exact mode, ``seq.exact``, on fixed-point streams: see `ReversibleRun`; the int64
+    outputs end up in ``streams.outputs``).
     `param_inputs`: tensors that stand for the parameters that require grad as the node's
     inputs (detached aliases: their grads then reach them instead of the parameters, whose hooks do
     not fire). Without anything to differentiate, the blocks' plain forward (the compiled engine
@@ -343,6 +345,7 @@ def run_reversible(seq, x1, x2, walker, context=NO_CONTEXT, param_inputs=None, f
         # call: a hook on a block itself never fires in a memory-saving run, with grad or without)
         if streams is not None:
             y1, y2, _, _ = exact_forward(seq, x1, x2, context, streams, monitored=False)
+            streams.outputs = y1, y2
             return streams.view(y1), streams.view(y2)
         for block in seq.blocks:
             x1, x2 = block.forward(x1, x2, **context)

@@ -49,6 +49,7 @@ class FixedPointStreams:
         self.bits, self.dtype = bits, dtype
         self._flags = []  # (label, 0-dim bool tensor)
         self._views = []  # (stream, its view), the most recent last
+        self.outputs = None  # a memory-saving run's int64 output streams, once it ran
 
     def _keep(self, view, stream, flag, label):
         if label is not None:
@@ -100,13 +101,14 @@ class FixedPointStreams:
         """Drops the views kept for the next step (a finished forward: they are not saved)."""
         self._views = []
 
-    def steps(self, blocks):
-        """Each block's steps on these streams (`ExactSteps`), in order."""
-        return [ExactSteps(block, self, i) for i, block in enumerate(blocks)]
+    def steps(self, blocks, first=0):
+        """Each block's steps on these streams (`ExactSteps`), in order; `first`: the index of
+        blocks[0] in its run (what an overflow names)."""
+        return [ExactSteps(block, self, first + i) for i, block in enumerate(blocks)]
 
-    def run_autograd(self, blocks, x1, x2, context):
+    def run_autograd(self, blocks, x1, x2, context, fixed=None, first=0):
         """The autograd engine's run in exact mode (`run_exact_autograd`)."""
-        return run_exact_autograd(blocks, x1, x2, context, self)
+        return run_exact_autograd(blocks, x1, x2, context, self, fixed, first)
 
 
 def check_exact_block(block, index):
@@ -240,11 +242,16 @@ class _FixedPointInput(torch.autograd.Function):
         return d_view, None, None
 
 
-def run_exact_autograd(blocks, x1, x2, context, streams):
+def run_exact_autograd(blocks, x1, x2, context, streams, fixed=None, first=0):
     """The exact-mode reference: every block under ordinary autograd on fixed-point streams
-    (straight-through gradients); float views of the last streams out."""
-    steps = streams.steps(blocks)
-    (v1, s1), (v2, s2) = _FixedPointInput.apply(x1, streams, _INPUT), _FixedPointInput.apply(x2, streams, _INPUT)
+    (straight-through gradients); float views of the last streams out. `fixed`: the int64 streams
+    whose views x1 and x2 are (blocks[`first`:] of a run going on from the memory-saving node of
+    the blocks before, under a memory budget), else x1 and x2 are rounded onto the grid."""
+    steps = streams.steps(blocks, first)
+    if fixed is None:
+        (v1, s1), (v2, s2) = _FixedPointInput.apply(x1, streams, _INPUT), _FixedPointInput.apply(x2, streams, _INPUT)
+    else:
+        (v1, s1), (v2, s2) = (x1, fixed[0]), (x2, fixed[1])
     for step in steps:
         block = step.block
         f = block.f(v2, **context)

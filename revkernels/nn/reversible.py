@@ -287,8 +287,10 @@ class ReversibleSequential(nn.Module):
             Costs a few KB of host memory per block; turn off only for deterministic blocks.
         memory_budget: activations the run may keep beyond its outputs (0, the default: none): a
             fraction in [0, 1] of what plain autograd would save, a number of bytes, or "auto"
-            (CUDA's free memory). The last blocks that fit keep theirs and skip their rebuild;
-            ``seq.memory_plan(x1, x2)`` shows the plan (see `revkernels.engine.budget`).
+            (CUDA's free memory). Each block is rebuilt, kept selectively (matmul outputs kept,
+            the rest recomputed) or kept whole, the fastest mix that fits; the rebuilt ones are a
+            prefix of the run. ``seq.memory_plan(x1, x2)`` shows the plan (see
+            `revkernels.engine.budget`).
         exact: keep the streams between blocks in fixed point (int64 with ``seq.exact_bits``
             fraction bits, 32 by default: values below 2^30 in magnitude), so that the backward
             rebuilds every block's input bit for bit, in any precision and at any depth. The run
@@ -363,9 +365,10 @@ class ReversibleSequential(nn.Module):
         self._memory_budget = check_budget(budget)
 
     def memory_plan(self, x1, x2, **context):
-        """The `revkernels.engine.budget.MemoryPlan` a call with these inputs runs under: which
-        blocks keep their activations, the bytes each would save, the budget in bytes and the
-        rebuilds saved (``print`` it). Measured once per input signature, then cached."""
+        """The `revkernels.engine.budget.MemoryPlan` a call with these inputs runs under: each
+        block's option (rebuild, selective or keep) and bytes, the budget in bytes, the rebuilds
+        saved and the estimated recompute time (``print`` it). Measured once per input signature,
+        then cached."""
         from revkernels.engine.budget import plan_of
 
         check_streams(x1, x2)
@@ -392,11 +395,19 @@ class ReversibleSequential(nn.Module):
         mode; None otherwise."""
         if not self.exact:
             return None
+        handed = self.__dict__.pop("_handed_streams", None)
+        if handed is not None:
+            return handed
         from revkernels.nn.exact import FixedPointStreams
         from revkernels.ops.fixed_point import check_bits
 
         check_bits(self.exact_bits)
         return FixedPointStreams(self.exact_bits, dtype)
+
+    def hand_streams(self, streams):
+        """The `FixedPointStreams` the next call steps (exact mode), instead of new ones: a caller
+        going on from the call's int64 outputs (``streams.outputs``) hands them over first."""
+        self.__dict__["_handed_streams"] = streams
 
     def _run_of(self, blocks):
         """A plain run of `blocks` (modules of this run): the memory-saving head of a run with a
@@ -436,9 +447,6 @@ class ReversibleSequential(nn.Module):
             from revkernels.engine.opaque import run_opaque
 
             return run_opaque(self, x1, x2, context)
-        if self._memory_budget and self.exact:
-            raise NotImplementedError("revkernels: exact mode does not take a memory budget yet (use "
-                                      "memory_budget=0 or exact=False)")
         if (self._memory_budget and self._engine_name != "autograd"
                 and records_graph(x1, x2, unique_grad_params(self.blocks), grad_tensors(context))):
             check_members(self.blocks)

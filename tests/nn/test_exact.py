@@ -169,6 +169,26 @@ def test_fused_blocks_step_the_fixed_point_streams_with_their_own_steps(monkeypa
     assert calls.count("forward_with_state_exact") == 3 and calls.count("recompute_exact") == 3
 
 
+@pytest.mark.parametrize("budget", [0.25, 0.6, 1.0])
+def test_a_memory_budget_keeps_the_fixed_point_networks_outputs_and_grads(budget):
+    # The kept blocks go on under exact autograd from the head node's int64 outputs: the whole run
+    # is the fixed-point network, bit for bit; exact mode keeps whole blocks (no selective option)
+    blocks, shape, _ = _blocks("generic")
+    x1, x2 = torch.randn(shape), torch.randn(shape)
+    w = torch.randn(shape), torch.randn(shape)
+    ref = _run(ReversibleSequential(*blocks, engine="autograd", exact=True), x1, x2, w, seed=6)
+    seq = ReversibleSequential(*blocks, engine="sequential", exact=True, memory_budget=budget)
+    plan = seq.memory_plan(x1, x2)
+    assert "selective" not in plan.options and "keep" in plan.options
+    with monitor_reconstruction(seq, threshold=1e-30, max_samples=x1.numel()) as monitor:
+        got = _run(seq, x1, x2, w, seed=6)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    for i, (a, b) in enumerate(zip(got[2], ref[2])):
+        assert_close_rel(a, b, 1e-6, what=f"grad {i}")
+    rebuilt = plan.first_kept  # (the head's blocks, rebuilt exactly)
+    assert (monitor.errors or []) == [0.0] * rebuilt
+
+
 def test_gpt2_small_grads_match_the_exact_autograd_engine():
     # The case float streams get 5.9e-5 wrong (std-0.02 embeddings under branches adding values near 1)
     torch.manual_seed(0)
@@ -287,8 +307,6 @@ def test_bad_arguments_and_unsupported_combinations_raise_clearly():
     with pytest.raises(ValueError, match="bits must be in"):
         seq(x, x)
     seq.exact_bits = 32
-    with pytest.raises(NotImplementedError, match="memory budget"):
-        ReversibleSequential(*blocks, exact=True, memory_budget=0.5)(x.requires_grad_(), x)
     with pytest.raises(NotImplementedError, match="reverse"):
         seq.reverse(x, x, x, x)
     with pytest.raises(NotImplementedError, match="cannot be exported"):
