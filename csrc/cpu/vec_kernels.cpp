@@ -971,6 +971,107 @@ void batch_norm_act_bwd(void* dx, void* dweight, void* dbias, const void* dout, 
   });
 }
 
+// --- fixed point (the exact mode's int64 streams) -------------------------------------------------
+// The AVX512 builds convert 8 lanes at a time with AVX512DQ's float <-> int64 conversions, each
+// rounding once to nearest even (what the scalar kernel's llrint and int64 -> float casts do); the
+// other builds run the scalar kernel (AVX2 has no int64 <-> float conversions).
+
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+// 8 branch values (the lanes of m; the others zero) in their accumulation type.
+C10_ALWAYS_INLINE __m256 load8(const float* p, __mmask8 m) { return _mm256_maskz_loadu_ps(m, p); }
+C10_ALWAYS_INLINE __m256 load8(const Half* p, __mmask8 m) { return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(m, p)); }
+C10_ALWAYS_INLINE __m256 load8(const BFloat16* p, __mmask8 m) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_maskz_loadu_epi16(m, p)), 16));
+}
+C10_ALWAYS_INLINE __m512d load8(const double* p, __mmask8 m) { return _mm512_maskz_loadu_pd(m, p); }
+
+// q of 8 values: round_half_even(v * 2^b), 0 where not |v * 2^b| < 2^62 (those lanes of m set in `bad`).
+C10_ALWAYS_INLINE __m512i quantize8(__m256 v, const FixedPointScales& s, __mmask8 m, __mmask8& bad) {
+  const __m256 scaled = _mm256_mul_ps(v, _mm256_set1_ps(s.up_f));
+  const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), scaled);
+  const __mmask8 fits = _mm256_cmp_ps_mask(magnitude, _mm256_set1_ps(0x1p62f), _CMP_LT_OQ);  // false for NaN
+  bad = static_cast<__mmask8>(m & ~fits);
+  return _mm512_maskz_cvt_roundps_epi64(fits, scaled, kNearest);
+}
+C10_ALWAYS_INLINE __m512i quantize8(__m512d v, const FixedPointScales& s, __mmask8 m, __mmask8& bad) {
+  const __m512d scaled = _mm512_mul_pd(v, _mm512_set1_pd(s.up_d));
+  const __m512d magnitude = _mm512_abs_pd(scaled);
+  const __mmask8 fits = _mm512_cmp_pd_mask(magnitude, _mm512_set1_pd(0x1p62), _CMP_LT_OQ);
+  bad = static_cast<__mmask8>(m & ~fits);
+  return _mm512_maskz_cvt_roundpd_epi64(fits, scaled, kNearest);
+}
+
+// Stores view(r) of the lanes of m: float(r) (double(r)) rounded once, times 2^-b, rounded to view_t.
+C10_ALWAYS_INLINE __m256 scaled_view8(__m512i r, const FixedPointScales& s) {
+  return _mm256_mul_ps(_mm512_cvt_roundepi64_ps(r, kNearest), _mm256_set1_ps(s.down_f));
+}
+C10_ALWAYS_INLINE void store_view8(float* p, __m512i r, const FixedPointScales& s, __mmask8 m) {
+  _mm256_mask_storeu_ps(p, m, scaled_view8(r, s));
+}
+C10_ALWAYS_INLINE void store_view8(double* p, __m512i r, const FixedPointScales& s, __mmask8 m) {
+  _mm512_mask_storeu_pd(p, m, _mm512_mul_pd(_mm512_cvt_roundepi64_pd(r, kNearest), _mm512_set1_pd(s.down_d)));
+}
+C10_ALWAYS_INLINE void store_view8(Half* p, __m512i r, const FixedPointScales& s, __mmask8 m) {
+  _mm_mask_storeu_epi16(p, m, _mm256_cvtps_ph(scaled_view8(r, s), kNearest));
+}
+// (bf16 by integer rounding in both AVX512 builds, so the one code is what the tests on either CPU
+// run; a view is finite, never NaN: the rounding needs no NaN case)
+C10_ALWAYS_INLINE void store_view8(BFloat16* p, __m512i r, const FixedPointScales& s, __mmask8 m) {
+  const __m256i u = _mm256_castps_si256(scaled_view8(r, s));  // round to nearest even on the 16 dropped bits
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  _mm_mask_storeu_epi16(p, m, _mm256_cvtepi32_epi16(_mm256_srli_epi32(rounded, 16)));
+}
+
+// fixed_point_cpu for layouts whose innermost dim has unit stride in x and f.
+template <FixedPointOp op, typename f_t, typename view_t>
+bool fixed_point_vec(int64_t* out, view_t* view, const int64_t* x, const f_t* f, int bits, const CouplingLayout& layout,
+                     int64_t begin, int64_t end) {
+  const FixedPointScales s = fixed_point_scales(bits);
+  const __m512i limit = _mm512_set1_epi64(kFixedPointLimit), minus_limit = _mm512_set1_epi64(-kFixedPointLimit);
+  __mmask8 flags = 0;
+  for_each_layout_run(layout, begin, end, [&](int64_t linear, int64_t a_off, int64_t b_off, int64_t run) {
+    for (int64_t i = 0; i < run; i += 8) {
+      const __mmask8 m = run - i >= 8 ? __mmask8(0xFF) : static_cast<__mmask8>((1u << (run - i)) - 1);
+      __m512i r;
+      if constexpr (op == FixedPointOp::View) {
+        r = _mm512_maskz_loadu_epi64(m, x + a_off + i);
+      } else {
+        __mmask8 bad;
+        r = quantize8(load8(f + b_off + i, m), s, m, bad);
+        if constexpr (op == FixedPointOp::Add) r = _mm512_add_epi64(_mm512_maskz_loadu_epi64(m, x + a_off + i), r);
+        if constexpr (op == FixedPointOp::Sub) r = _mm512_sub_epi64(_mm512_maskz_loadu_epi64(m, x + a_off + i), r);
+        flags |= bad | _mm512_mask_cmpge_epi64_mask(m, r, limit) | _mm512_mask_cmple_epi64_mask(m, r, minus_limit);
+        _mm512_mask_storeu_epi64(out + linear + i, m, r);
+      }
+      store_view8(view + linear + i, r, s, m);
+    }
+  });
+  return flags != 0;
+}
+#endif
+
+bool fixed_point(FixedPointOp op, int64_t* out, void* view, ScalarKind view_kind, const int64_t* x, const void* f,
+                 ScalarKind f_kind, int bits, const CouplingLayout& layout, int64_t begin, int64_t end) {
+  return dispatch_fixed_point(op, f_kind, view_kind, [&](auto op_tag, auto f_tag, auto view_tag) {
+    [[maybe_unused]] constexpr FixedPointOp kOp = decltype(op_tag)::value;
+    using f_t = typename decltype(f_tag)::type;
+    using view_t = typename decltype(view_tag)::type;
+    [[maybe_unused]] auto* v = static_cast<view_t*>(view);  // (unused where RK_SCALAR forwards)
+    [[maybe_unused]] const auto* pf = static_cast<const f_t*>(f);
+#if defined(CPU_CAPABILITY_AVX512)
+    const int nd = layout.ndim;
+    if (nd > 0 && layout.a_strides[nd - 1] == 1 && layout.b_strides[nd - 1] == 1) {
+      return fixed_point_vec<kOp>(out, v, x, pf, bits, layout, begin, end);
+    }
+#endif
+    return RK_SCALAR(fixed_point, fixed_point_cpu<kOp>(out, v, x, pf, bits, layout, begin, end), op, out, view,
+                     view_kind, x, f, f_kind, bits, layout, begin, end);
+  });
+}
+
 }  // namespace CPU_CAPABILITY
 }  // namespace revkernels
 
@@ -980,7 +1081,8 @@ namespace CPU_CAPABILITY {
 // Function pointers only: constant-initialised, no code runs at load time.
 extern const CpuKernels kCpuKernels;
 const CpuKernels kCpuKernels = {RK_CPU_ISA,         RK_NAME(CPU_CAPABILITY), coupling_axpy, sub_layer_norm,   layer_norm_bwd_add,
-                                bias_gelu,          bias_gelu_bwd,   batch_norm_act, batch_norm_act_bwd};
+                                bias_gelu,          bias_gelu_bwd,   batch_norm_act, batch_norm_act_bwd,
+                                fixed_point};
 
 }  // namespace CPU_CAPABILITY
 }  // namespace revkernels

@@ -20,6 +20,7 @@
 #include "../kernels/batch_norm.h"
 #include "../kernels/bias_gelu.h"
 #include "../kernels/coupling.h"
+#include "../kernels/fixed_point.h"
 
 namespace revkernels {
 
@@ -58,6 +59,11 @@ struct CpuKernels {
                              const void* x, ScalarKind x_kind, const BnView& xv, const BnView& dxv,
                              const void* weight, const void* bias, const void* mean, const void* rstd, bool relu,
                              int64_t c_begin, int64_t c_end);
+  // fixed_point_cpu: `op` over elements [begin, end); returns whether one of them overflowed. `out`
+  // and `f` are null for View, `x` for FromFloat (whose view is in f's dtype: view_kind == f_kind).
+  bool (*fixed_point)(FixedPointOp op, int64_t* out, void* view, ScalarKind view_kind, const int64_t* x,
+                      const void* f, ScalarKind f_kind, int bits, const CouplingLayout& layout, int64_t begin,
+                      int64_t end);
 };
 
 // The kernels for this CPU: the widest compiled ISA that ATen would use (at::get_cpu_capability(),

@@ -28,18 +28,30 @@ Ops (``torch.ops.revkernels.*``)::
     fixed_point_view(x, bits, dtype) -> view(X)
 
 VJP (straight-through: the gradient of the same network with each branch output rounded to the
-grid, the rounding's derivative taken as 1)::
+grid, the rounding's derivative taken as 1; ``csrc/ops/fixed_point_autograd.cpp``, or the Python
+formula below without the compiled library)::
 
     fixed_point_add / fixed_point_sub:  d f = ±(d view) in f's dtype     (d of the int stream: none)
 
 The views' gradient to the previous stream's view is added by the exact-mode autograd engine
-(`revkernels.engine.exact`), which holds both.
+(`revkernels.nn.exact`), which holds both.
+
+Kernels: C++ on CPU (``csrc/cpu/vec_kernels.cpp``: AVX-512 vectors, the scalar kernel elsewhere;
+semantics ``csrc/kernels/fixed_point.h``); on CUDA Triton (``revkernels/triton/fixed_point.py``, above 2^24
+elements under the default backend) or CUDA C++ (``csrc/kernels/fixed_point.cu``, below; see
+``set_cuda_backend``); without a compiled CPU kernel, the references below. Inputs may be
+non-contiguous or expanded; the outputs take the layout of torch.empty_like(first tensor argument).
+
+Entry points: the ops themselves when the compiled library is loaded (C++ checks and autograd;
+`bits` and `dtype` checked in Python first, as the schema parser would take ``bits=True`` for 1);
+without it, Python functions that check the arguments first.
 """
 import torch
 
-from revkernels.ops._library import FLOAT_DTYPES, check_float_tensor, define_op, fill_missing_kernel
+from revkernels.ops._library import (FLOAT_DTYPES, check_float_tensor, define_op, entry_point, fill_missing_kernel,
+                                     register_autograd_fallback, register_cuda_kernel)
 
-DEFAULT_BITS = 32
+DEFAULT_BITS = 32  # (also the schemas' default: csrc/ops/fixed_point.cpp)
 LIMIT = 2.0 ** 62  # |X| < LIMIT for every stored value: a sum of two never wraps
 
 
@@ -89,7 +101,12 @@ def fixed_point_view_reference(x, bits, dtype):
 
 
 def _flag(bad, out):
-    return (bad | (out.abs() >= LIMIT)).any() if out.numel() else torch.zeros((), dtype=torch.bool, device=out.device)
+    # (compared as int64: against the float LIMIT, out would be rounded to fp32 first, flagging
+    # values from 2^62 - 2^37 up; and abs() wraps at -2^63)
+    limit = 1 << 62
+    if not out.numel():
+        return torch.zeros((), dtype=torch.bool, device=out.device)
+    return (bad | (out >= limit) | (out <= -limit)).any()
 
 
 def fixed_point_from_float_reference(x, bits):
@@ -112,50 +129,106 @@ def fixed_point_sub_reference(y, f, bits, dtype):
     return fixed_point_view_reference(out, bits, dtype), out, _flag(bad, out)
 
 
-_from_float = define_op("fixed_point_from_float", "(Tensor x, int bits) -> (Tensor, Tensor, Tensor)")
-_add = define_op("fixed_point_add", "(Tensor x, Tensor f, int bits, ScalarType dtype) -> (Tensor, Tensor, Tensor)")
-_sub = define_op("fixed_point_sub", "(Tensor y, Tensor f, int bits, ScalarType dtype) -> (Tensor, Tensor, Tensor)")
-_view = define_op("fixed_point_view", "(Tensor x, int bits, ScalarType dtype) -> Tensor")
+_from_float = define_op("fixed_point_from_float", "(Tensor x, int bits=32) -> (Tensor, Tensor, Tensor)")
+_add = define_op("fixed_point_add",
+                 "(Tensor x, Tensor f, int bits=32, ScalarType dtype=float) -> (Tensor, Tensor, Tensor)")
+_sub = define_op("fixed_point_sub",
+                 "(Tensor y, Tensor f, int bits=32, ScalarType dtype=float) -> (Tensor, Tensor, Tensor)")
+_view = define_op("fixed_point_view", "(Tensor x, int bits=32, ScalarType dtype=float) -> Tensor")
 
 
-def _from_float_checked(x, bits):
+# The Python kernels (fallback, Triton, fake) run the Python checks first (the C++ kernels' checks,
+# with the same messages) and declare the schemas' defaults.
+def _check_from_float(x, bits):
     check_float_tensor(x, "x")
     check_bits(bits)
-    return fixed_point_from_float_reference(x, bits)
 
 
-def _add_checked(x, f, bits, dtype):
-    _check_coupling(x, "x", f, bits, dtype)
-    return fixed_point_add_reference(x, f, bits, dtype)
-
-
-def _sub_checked(y, f, bits, dtype):
-    _check_coupling(y, "y", f, bits, dtype)
-    return fixed_point_sub_reference(y, f, bits, dtype)
-
-
-def _view_checked(x, bits, dtype):
+def _check_view(x, bits, dtype):
     _check_stream(x, "x")
     check_bits(bits)
     _check_view_dtype(dtype)
-    return fixed_point_view_reference(x, bits, dtype)
+
+
+def _in_layout_of(first, outputs):
+    """`outputs` (the reference's) copied into the layout of torch.empty_like(`first`), as the
+    kernels return them (the flag as it is)."""
+    view, stream, flag = outputs
+    return torch.empty_like(first, dtype=view.dtype).copy_(view), torch.empty_like(first, dtype=torch.int64).copy_(
+        stream), flag
+
+
+def _from_float_checked(x, bits=DEFAULT_BITS):
+    _check_from_float(x, bits)
+    return _in_layout_of(x, fixed_point_from_float_reference(x, bits))
+
+
+def _add_checked(x, f, bits=DEFAULT_BITS, dtype=torch.float32):
+    _check_coupling(x, "x", f, bits, dtype)
+    return _in_layout_of(x, fixed_point_add_reference(x, f, bits, dtype))
+
+
+def _sub_checked(y, f, bits=DEFAULT_BITS, dtype=torch.float32):
+    _check_coupling(y, "y", f, bits, dtype)
+    return _in_layout_of(y, fixed_point_sub_reference(y, f, bits, dtype))
+
+
+def _view_checked(x, bits=DEFAULT_BITS, dtype=torch.float32):
+    _check_view(x, bits, dtype)
+    return torch.empty_like(x, dtype=dtype).copy_(fixed_point_view_reference(x, bits, dtype))
 
 
 for _name, _kernel in (("fixed_point_from_float", _from_float_checked), ("fixed_point_add", _add_checked),
                        ("fixed_point_sub", _sub_checked), ("fixed_point_view", _view_checked)):
     fill_missing_kernel(_name, "CPU", _kernel)
-    fill_missing_kernel(_name, "CUDA", _kernel)
 
 
+def _triton():
+    from revkernels.triton import fixed_point
+
+    return fixed_point
+
+
+def _from_float_triton(x, bits=DEFAULT_BITS):
+    _check_from_float(x, bits)
+    kernel = _triton()
+    return kernel.fixed_point(kernel.FROM_FLOAT, None, x, bits, x.dtype)
+
+
+def _add_triton(x, f, bits=DEFAULT_BITS, dtype=torch.float32):
+    _check_coupling(x, "x", f, bits, dtype)
+    kernel = _triton()
+    return kernel.fixed_point(kernel.ADD, x, f, bits, dtype)
+
+
+def _sub_triton(y, f, bits=DEFAULT_BITS, dtype=torch.float32):
+    _check_coupling(y, "y", f, bits, dtype)
+    kernel = _triton()
+    return kernel.fixed_point(kernel.SUB, y, f, bits, dtype)
+
+
+def _view_triton(x, bits=DEFAULT_BITS, dtype=torch.float32):
+    _check_view(x, bits, dtype)
+    kernel = _triton()
+    return kernel.fixed_point(kernel.VIEW, x, None, bits, dtype)[0]
+
+
+register_cuda_kernel("fixed_point_from_float", _from_float_triton)
+register_cuda_kernel("fixed_point_add", _add_triton)
+register_cuda_kernel("fixed_point_sub", _sub_triton)
+register_cuda_kernel("fixed_point_view", _view_triton)
+
+
+# The fake (meta) kernels run the Python checks: a call mixing a meta tensor with a real one
+# dispatches here and must fail as the device kernels would.
 @torch.library.register_fake("revkernels::fixed_point_from_float")
-def _from_float_fake(x, bits):
-    check_float_tensor(x, "x")
-    check_bits(bits)
+def _from_float_fake(x, bits=DEFAULT_BITS):
+    _check_from_float(x, bits)
     return torch.empty_like(x), torch.empty_like(x, dtype=torch.int64), x.new_empty((), dtype=torch.bool)
 
 
 def _coupling_fake(x_name):
-    def fake(x, f, bits, dtype):
+    def fake(x, f, bits=DEFAULT_BITS, dtype=torch.float32):
         _check_coupling(x, x_name, f, bits, dtype)
         return torch.empty_like(x, dtype=dtype), torch.empty_like(x), x.new_empty((), dtype=torch.bool)
 
@@ -167,10 +240,8 @@ torch.library.register_fake("revkernels::fixed_point_sub", _coupling_fake("y"))
 
 
 @torch.library.register_fake("revkernels::fixed_point_view")
-def _view_fake(x, bits, dtype):
-    _check_stream(x, "x")
-    check_bits(bits)
-    _check_view_dtype(dtype)
+def _view_fake(x, bits=DEFAULT_BITS, dtype=torch.float32):
+    _check_view(x, bits, dtype)
     return torch.empty_like(x, dtype=dtype)
 
 
@@ -186,28 +257,46 @@ def _sub_backward(ctx, d_view, d_out, d_overflow):
     return None, None if d_view is None else (-d_view).to(ctx.f_dtype), None, None
 
 
-torch.library.register_autograd("revkernels::fixed_point_add", _add_backward, setup_context=_setup_context)
-torch.library.register_autograd("revkernels::fixed_point_sub", _sub_backward, setup_context=_setup_context)
+register_autograd_fallback("fixed_point_add", _add_backward, _setup_context)
+register_autograd_fallback("fixed_point_sub", _sub_backward, _setup_context)
+
+
+def _check_scalars(bits=DEFAULT_BITS, dtype=torch.float32):
+    check_bits(bits)
+    _check_view_dtype(dtype)
 
 
 def fixed_point_from_float(x, bits=DEFAULT_BITS):
     """``(view(X), X, overflow)``: `x` (float) on the grid 2^-bits as an int64 stream X with its
     float view in x's dtype, and whether a value did not fit (a 0-dim bool tensor). (The view comes
     first in every op's outputs: the float output leads, as torch's op checks sum the outputs.)"""
+    _check_from_float(x, bits)
     return _from_float(x, bits)
 
 
 def fixed_point_add(x, f, bits=DEFAULT_BITS, dtype=torch.float32):
     """``(view(Y), Y, overflow)``: the int64 stream `x` plus the branch output `f` rounded to the
     grid (Y = X + q(f)) with its float view in `dtype`, and whether a value did not fit."""
+    _check_coupling(x, "x", f, bits, dtype)
     return _add(x, f, bits, dtype)
 
 
 def fixed_point_sub(y, f, bits=DEFAULT_BITS, dtype=torch.float32):
     """``(view(X), X, overflow)``: the rebuild X = Y - q(f) of `fixed_point_add`, exact."""
+    _check_coupling(y, "y", f, bits, dtype)
     return _sub(y, f, bits, dtype)
 
 
 def fixed_point_view(x, bits=DEFAULT_BITS, dtype=torch.float32):
     """The float view dtype(fp32(X) · 2^-bits) of the int64 stream `x`."""
+    _check_view(x, bits, dtype)
     return _view(x, bits, dtype)
+
+
+# With the compiled library, the entry points are the ops (after the Python checks of bits and
+# dtype); without it, the functions above.
+fixed_point_from_float = entry_point("fixed_point_from_float", fixed_point_from_float,
+                                     lambda x, bits=DEFAULT_BITS: check_bits(bits))
+fixed_point_add = entry_point("fixed_point_add", fixed_point_add, lambda x, f, *a, **k: _check_scalars(*a, **k))
+fixed_point_sub = entry_point("fixed_point_sub", fixed_point_sub, lambda y, f, *a, **k: _check_scalars(*a, **k))
+fixed_point_view = entry_point("fixed_point_view", fixed_point_view, lambda x, *a, **k: _check_scalars(*a, **k))
