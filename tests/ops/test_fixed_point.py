@@ -368,34 +368,32 @@ def test_caller_tensors_are_not_mutated():
 
 
 def test_every_isa_build_matches_reference():
-    """The scalar builds (ATEN_CPU_CAPABILITY=default, avx2: no vector path) in subprocesses; this
-    process runs the widest (the AVX-512 kernels on an AVX-512 CPU)."""
+    """The tests above under the scalar builds (ATEN_CPU_CAPABILITY=default, avx2: no vector path),
+    each in a subprocess; this process runs the widest (the AVX-512 kernels on an AVX-512 CPU)."""
     code = (
-        "import torch, revkernels as rk\n"
-        "from revkernels.ops import fixed_point as fp\n"
-        "gen = torch.Generator().manual_seed(0)\n"
-        "D = [torch.float32, torch.float64, torch.float16, torch.bfloat16]\n"
-        "for fd in D:\n"
-        "    for vd in D:\n"
-        "        for n, bits in [(1, 1), (37, 32), (1000, 60)]:\n"
-        "            f = (torch.randn(n, generator=gen, dtype=torch.float64) * 2.0 ** torch.randint(-30, 40, (n,),"
-        " generator=gen)).to(fd)\n"
-        "            f[n // 2] = float('nan')\n"
-        "            x = torch.randint(-2 ** 61, 2 ** 61, (n,), generator=gen)\n"
-        "            for op, ref in ((fp.fixed_point_add, fp.fixed_point_add_reference),\n"
-        "                            (fp.fixed_point_sub, fp.fixed_point_sub_reference)):\n"
-        "                for a, b in zip(op(x, f, bits, vd), ref(x, f, bits, vd)):\n"
-        "                    assert torch.equal(a, b), (op, fd, vd, n, bits)\n"
-        "            for a, b in zip(fp.fixed_point_from_float(f, bits), fp.fixed_point_from_float_reference(f, bits)):\n"
-        "                assert torch.equal(a, b), (fd, n, bits)\n"
-        "            assert torch.equal(fp.fixed_point_view(x, bits, vd), fp.fixed_point_view_reference(x, bits, vd))\n"
+        "import itertools, sys, torch\n"
+        "import revkernels as rk\n"
+        "import tests.ops.test_fixed_point as t\n"
+        "torch.manual_seed(int(sys.argv[1]))\n"
+        "t.test_reference_ties_round_to_even()\n"
+        "t.test_flag_of_a_large_call_comes_from_every_thread()\n"
+        "for dtype in t.DTYPES:\n"
+        "    t.test_reference_view_rounds_the_integer_once(dtype)\n"
+        "    t.test_from_float_and_view_match_reference(dtype)\n"
+        "    for bits in (1, 32, 60):\n"
+        "        t.test_overflow_is_flagged(dtype, bits)\n"
+        "    for (op, reference, first), view_dtype in itertools.product(t.STEPS, t.DTYPES):\n"
+        "        t.test_steps_match_reference(dtype, view_dtype, op, reference, first)\n"
+        "for dtype in (torch.float32, torch.bfloat16):\n"
+        "    t.test_non_contiguous_expanded_and_misaligned_inputs(dtype)\n"
         "print(rk._C.cpu_kernel_build())\n")
-    runs = {cap: subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+    seed = str(torch.randint(2 ** 31, ()).item())
+    runs = {cap: subprocess.Popen([sys.executable, "-c", code, seed], cwd=ROOT, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, env={**os.environ, "ATEN_CPU_CAPABILITY": cap})
             for cap in ("default", "avx2")}
     for cap, run in runs.items():
-        out, err = run.communicate(timeout=120)
-        assert run.returncode == 0, f"{cap}: {err}"
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, f"{cap}: {err[-3000:]}"
         assert out.split()[-1] in ({"default": "DEFAULT", "avx2": "AVX2"}[cap], "DEFAULT"), out
 
 
