@@ -558,6 +558,39 @@ mutation("budget_selective_offered_to_spectral_norm", BUDGET,
          T_BUDGET + " -k measurement_times")
 
 
+# --- fixed-point ops (exact mode's int64 streams): kernels against their references -----------------------
+T_FP = "tests/ops/test_fixed_point.py"
+mutation("fixed_point_scalar_quantize_truncates", "csrc/kernels/fixed_point.h",  # the scalar (DEFAULT) kernel
+         "    return _mm_cvtss_si64(_mm_set_ss(v));", "    return _mm_cvttss_si64(_mm_set_ss(v));",
+         f"{T_FP} -k every_isa_build")
+mutation("fixed_point_avx512_view_through_fp64", "csrc/cpu/vec_kernels.cpp",  # killed on AVX-512 CPUs only
+         "  return _mm256_mul_ps(_mm512_cvt_roundepi64_ps(r, kNearest), _mm256_set1_ps(s.down_f));",
+         "  return _mm256_mul_ps(_mm512_cvtpd_ps(_mm512_cvt_roundepi64_pd(r, kNearest)), _mm256_set1_ps(s.down_f));",
+         f"{T_FP} -k view_rounds_the_integer_once")
+mutation("fixed_point_cpu_flag_of_the_first_range_only", "csrc/ops/fixed_point_cpu.cpp",
+         "      overflow.store(true, std::memory_order_relaxed);",
+         "      if (begin == 0) overflow.store(true, std::memory_order_relaxed);", f"{T_FP} -k from_every_thread")
+mutation("fixed_point_autograd_sign_swapped", "csrc/ops/fixed_point_autograd.cpp",
+         "  using Backward = std::conditional_t<kSub, torch::autograd::generated::SubBackward0,",
+         "  using Backward = std::conditional_t<!kSub, torch::autograd::generated::SubBackward0,",
+         f"{T_FP} -k straight_through")
+mutation("fixed_point_cuda_flag_of_thread_zero_only", "csrc/kernels/fixed_point.cu",
+         "  if (__syncthreads_or(bad) && threadIdx.x == 0) *flag = true;", "  if (bad && threadIdx.x == 0) *flag = true;",
+         f"{T_FP} -k cuda_overflow", needs="cuda")
+mutation("fixed_point_triton_ties_away_from_zero", "revkernels/triton/fixed_point.py",
+         "    up = (size > 0.5) | ((size == 0.5) & ((t & 1) != 0))", "    up = size >= 0.5",
+         "tests/triton/test_fixed_point_triton.py")
+mutation("fixed_point_triton_view_through_fp64", "revkernels/triton/fixed_point.py",
+         "    view = r.to(tl.float64 if VIEW_FP64 else tl.float32) * down",
+         "    view = (r.to(tl.float64) * down).to(tl.float64 if VIEW_FP64 else tl.float32)",
+         "tests/triton/test_fixed_point_triton.py -k double_rounding")
+mutation("fixed_point_reference_flag_through_fp32", "revkernels/ops/fixed_point.py",  # the reference as it was
+         "    return (bad | (out >= limit) | (out <= -limit)).any()", "    return (bad | (out.abs() >= LIMIT)).any()",
+         f"{T_FP} -k reference_flags_exactly")
+mutation("fixed_point_bits_true_taken_for_1", "revkernels/ops/fixed_point.py",
+         "    if isinstance(bits, bool) or not isinstance(bits, int):", "    if not isinstance(bits, int):",
+         f"{T_FP} -k bad_arguments")
+
 def _copy_repo(dst):
     ignore = shutil.ignore_patterns(".git", "__pycache__", ".venv", "build", "*.egg-info", ".pytest_cache",
                                     ".hypothesis", "results", "*.png")
