@@ -5,7 +5,9 @@ memory for time, all measured in one run on the same blocks.
     python benchmarks/bench_budget.py --device cuda --dim 768 --heads 12 --tokens 197 --batch 32 --depth 12
     python benchmarks/bench_budget.py --quick                # a small configuration, seconds
 
-Rows (each a train step of the same RevViTBlock stack, forward + backward, median ms after warm-up;
+Rows (each a train step of the same RevViTBlock stack, forward + backward, median ms after warm-up,
+the eager rows timed in rounds: one untimed and one timed step of every row per round, so a change
+of load on the machine hits them alike;
 ``saved_mib`` is what the forward leaves alive for the backward, parameters aside, *measured* over one
 forward (`revkernels.bench.report.retained_bytes`: what autograd saves, what a checkpoint keeps beside it
 (its inputs, selective checkpointing's cache of matrix-product outputs) and the outputs)):
@@ -64,6 +66,12 @@ def checkpointed(seq, every, selective=False):
     return run
 
 
+def _within(seq, budget, x1, x2):
+    """`seq` called under `budget` (the eager rows share one run and switch its budget per call)."""
+    seq.memory_budget = budget
+    return seq(x1, x2)
+
+
 def loss_of(y1, y2, target):
     return torch.nn.functional.mse_loss((y1 + y2) * 0.5, target)
 
@@ -84,6 +92,12 @@ def measure(args, device):
     held = [*seq.parameters(), *seq.buffers(), x]  # (not counted: held whatever the method)
     rows = []
 
+    rounds = []  # (row, step) of the eager rows, timed together in rounds
+
+    def show(row):
+        print(f"{row['group']:8s} {row['method']:28s} {row['step_ms']:9.2f} ms  saved {row['saved_mib']:9.2f} MiB  "
+              f"{row['plan']}", flush=True)
+
     def record(method, group, budget, fn, plan=None):
         step = train_step(fn, params, x, target)
         step()  # (a plan's measurement, a compile, lazy initialisation: before the counting step)
@@ -92,23 +106,35 @@ def measure(args, device):
         del out
         for _ in range(args.warmup):
             step()
-        ms = statistics.median(timed_ms(step, device, args.reps))
-        row = {"group": group, "method": method, "budget": budget, "step_ms": round(ms, 3),
+        row = {"group": group, "method": method, "budget": budget, "step_ms": float("nan"),
                "saved_mib": round(saved / 2**20, 4), "plan": "", "planned_mib": ""}
         if plan is not None:
             row.update(plan="".join(o[0].upper() for o in plan.options), planned_mib=round(plan.kept_bytes / 2**20, 4))
         rows.append(row)
-        print(f"{group:8s} {method:28s} {ms:9.2f} ms  saved {saved / 2**20:9.2f} MiB  {row['plan']}", flush=True)
+        if group == "eager":
+            rounds.append((row, step))
+        else:
+            row["step_ms"] = round(statistics.median(timed_ms(step, device, args.reps)), 3)
+            show(row)
 
     for budget in BUDGETS:
         seq.memory_budget = budget
-        record(f"revkernels budget={budget:g}", "eager", budget, seq, seq.memory_plan(x, x))
+        record(f"revkernels budget={budget:g}", "eager", budget, functools.partial(_within, seq, budget),
+               seq.memory_plan(x, x))
     seq.memory_budget = 0
     standard = rk.nn.ReversibleSequential(*seq.blocks, engine="autograd")
     record("standard", "eager", "", standard)
     for every in sorted({1, 2, 3, args.depth // 2} - {0}):
         record(f"checkpoint every {every}", "eager", "", checkpointed(seq, every))
     record("selective checkpoint", "eager", "", checkpointed(seq, 1, selective=True))
+    times = {id(row): [] for row, _ in rounds}
+    for _ in range(args.reps):
+        for row, step in rounds:
+            step()  # (untimed: the timed step finds the caches as this row's own step leaves them)
+            times[id(row)] += timed_ms(step, device, 1)
+    for row, _ in rounds:
+        row["step_ms"] = round(statistics.median(times[id(row)]), 3)
+        show(row)
 
     if args.compiled:
         from torch._functorch import config as functorch_config
@@ -116,7 +142,8 @@ def measure(args, device):
         seq.engine = "compiled"
         for budget in BUDGETS:
             seq.memory_budget = budget
-            record(f"revkernels compiled budget={budget:g}", "compiled", budget, seq, seq.memory_plan(x, x))
+            record(f"revkernels compiled budget={budget:g}", "compiled", budget, functools.partial(_within, seq, budget),
+                   seq.memory_plan(x, x))
         seq.memory_budget, seq.engine = 0, "sequential"
         for budget in BUDGETS:
             torch._dynamo.reset()

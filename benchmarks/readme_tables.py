@@ -303,6 +303,21 @@ def drift_table(rows):
     return lines
 
 
+def budget_table(rows):
+    """`benchmarks/bench_budget.py` (`budget_<device>.csv`): step time against measured memory, the
+    revkernels budgets and the baselines of the same run (eager rows)."""
+    rows = [r for r in rows if r["group"] == "eager"]
+    if not rows:
+        return []
+    lines = [f"Train step (forward + backward) of a `RevViTBlock` stack ({rows[0]['config']}), median ms, the rows "
+             f"timed in rounds; saved: what the forward leaves alive for the backward, measured "
+             f"({_provenance(rows)}):", "",
+             "| method | plan | saved, MiB | step ms |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['plan'] or ''} | {_num(r['saved_mib']):.2f} | {_num(r['step_ms']):.1f} |")
+    return lines
+
+
 TEXT_MODELS = {"autograd": "reversible, `autograd`", "sequential": "reversible, `sequential`",
                "standard": "non-reversible, same layers"}
 
@@ -398,6 +413,7 @@ PARTS = (  # file name prefix -> what wrote it, most specific first
     ("petra_digits_", "`python benchmarks/bench_petra_accuracy.py`"),
     ("petra_", "the petra part: `python -m revkernels.bench --parts petra`"),
     ("drift_", "`python benchmarks/bench_drift.py`"),
+    ("budget_", "`python benchmarks/bench_budget.py`"),
     ("text_", "`python benchmarks/bench_text.py`"),
     ("attention_", "`python benchmarks/bench_attention.py`"))
 
@@ -433,6 +449,7 @@ TABLES = {
     "overhead-cpu": lambda results: _overhead(results, "cpu"),
     "overhead-cuda": overhead_cuda,
     "drift": _from("drift_cpu.csv", drift_table),
+    "budget": _from("budget_cpu.csv", budget_table),
     "text": _from("text_cpu.csv", text_table),
     "petra": _from("petra_cpu.csv", petra_table),
     "petra-accuracy": _from("petra_digits_cpu.csv", petra_accuracy_table),

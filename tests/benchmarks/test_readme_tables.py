@@ -212,6 +212,18 @@ def test_memory_table_has_the_ratios_against_autograd(tmp_path, readme_tables):
     assert "| 4 | `autograd` | 100 | 80.0 | 100 | 1.00x | 1.00x | 1.00x |" in text
 
 
+def test_budget_table_lists_the_eager_rows_with_their_plans(tmp_path, readme_tables):
+    row = {"group": "eager", "budget": "", "plan": "", "planned_mib": "", "config": "dim 192, depth 6"}
+    _write(tmp_path / "budget_cpu.csv", [
+        dict(row, method="revkernels budget=0.5", budget=0.5, plan="RRSSKK", saved_mib=34.3375, step_ms=132.77),
+        dict(row, method="standard", saved_mib=73.29, step_ms=112.3),
+        dict(row, group="compiled", method="standard compiled budget=0.5", saved_mib=20.0, step_ms=99.0)])
+    text = readme_tables.table("budget", str(tmp_path))
+    assert "stack (dim 192, depth 6)" in text and "| method | plan | saved, MiB | step ms |" in text
+    assert "| revkernels budget=0.5 | RRSSKK | 34.34 | 132.8 |" in text and "| standard |  | 73.29 | 112.3 |" in text
+    assert "compiled" not in text  # (the eager rows only)
+
+
 def test_drift_text_and_attention_tables(tmp_path, readme_tables):
     drift = {"dim": 64, "heads": 4, "tokens": 17, "batch": 4, "seeds": 5, "local_max": 0.0, "streams": "float"}
     _write(tmp_path / "drift_cpu.csv", [dict(drift, mode="fp32", depth=1, chained_max=6.7e-8, chained_median=6.3e-8),
