@@ -10,7 +10,7 @@ MAX_FUSED_N_BWD / MAX_FUSED_N). Register use and spills (cuobjdump resource usag
 non-fatal notes.
 
 CI compiles a cover of the cases (`_cover`: every kernel's every constexpr configuration with its
-warp count, and every combination of its argument dtypes, each at least once: 159 of the 238
+warp count, and every combination of its argument dtypes, each at least once: 201 of the 280
 compiles); the test marked `slow` compiles them all (`pytest -m slow tests/triton/test_compile_sm90.py`).
 
 One child process per CPU core (at most 4) compiles its share of the cases (a fresh Triton cache, so
@@ -28,7 +28,7 @@ import warnings
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODULES = ("revkernels.triton.coupling", "revkernels.triton.layer_norm", "revkernels.triton.bias_gelu",
-           "revkernels.triton.batch_norm")
+           "revkernels.triton.batch_norm", "revkernels.triton.fixed_point")
 ARCH = 90
 FLOAT_DTYPES = ("fp32", "bf16", "fp16", "fp64")
 WIDTHS = (1, 33, 1000, 4096, 4097, 8192)  # LayerNorm widths: fused forward; fused backward up to MAX_FUSED_N_BWD
@@ -48,7 +48,7 @@ def _cases():
     launch config. Other ints are i32 (sizes and strides), float scalars fp32 (Python floats)."""
     import triton
 
-    from revkernels.triton import batch_norm, bias_gelu, coupling, layer_norm
+    from revkernels.triton import batch_norm, bias_gelu, coupling, fixed_point, layer_norm
 
     cases = []
 
@@ -162,6 +162,22 @@ def _cases():
         add(batch_norm, "_bn_fwd_finalize_kernel", dict(partial_ptr=acc, x_ptr=x, **stats),
             dict(finalize, ACC_FP64=acc == "fp64"))
         add(batch_norm, "_bn_bwd_finalize_kernel", dict(sums_ptr=acc, dw_ptr=w, db_ptr=w, partial_ptr=acc), finalize)
+
+    # fixed_point(op, x, f): int64 streams and overflow flag, the view in any float dtype, the branch
+    # output f in any float dtype; the pointers an op does not use get the view (never read).
+    fp = fixed_point
+    for op in (fp.FROM_FLOAT, fp.ADD, fp.SUB, fp.VIEW):
+        if op in (fp.ADD, fp.SUB):
+            pairs = [(f, v) for f in FLOAT_DTYPES for v in FLOAT_DTYPES]  # (f, view)
+        else:  # FROM_FLOAT: the view in f's dtype; VIEW: no f
+            pairs = [(v, v) for v in FLOAT_DTYPES]
+        for f, v in pairs:
+            ptrs = dict(out_ptr=v if op == fp.VIEW else "i64", view_ptr=v, x_ptr=v if op == fp.FROM_FLOAT else "i64",
+                        f_ptr=v if op == fp.VIEW else f, flag_ptr=v if op == fp.VIEW else "i1")
+            cx = dict(OP=op, F_FP64=op != fp.VIEW and f == "fp64", VIEW_FP64=v == "fp64", BLOCK=fp.BLOCK)
+            add(fixed_point, "_fixed_point_kernel", ptrs, cx)
+            if (f, v) == ("bf16", "fp32"):  # numel >= 2**31 is passed as i64
+                add(fixed_point, "_fixed_point_kernel", ptrs, cx, i64=["numel"])
     return cases
 
 
@@ -241,7 +257,7 @@ def _child(shard=0, count=1, which="all"):
                 elif arg in ptrs:
                     signature[arg] = "*" + ptrs[arg]
                     attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 16-byte aligned
-                elif arg in ("alpha", "eps"):
+                elif arg in ("alpha", "eps", "up", "down"):
                     signature[arg] = "fp32"  # Python floats
                 else:
                     signature[arg] = "i64" if arg in i64 else "i32"  # sizes and strides
@@ -309,6 +325,7 @@ else:
         "revkernels.triton.bias_gelu": ["_bias_gelu_bwd_kernel", "_bias_gelu_kernel", "_reduce_partials_kernel"],
         "revkernels.triton.batch_norm": ["_bn_bwd_apply_kernel", "_bn_bwd_finalize_kernel", "_bn_bwd_sums_kernel",
                                          "_bn_fwd_apply_kernel", "_bn_fwd_finalize_kernel", "_bn_fwd_stats_kernel"],
+        "revkernels.triton.fixed_point": ["_fixed_point_kernel"],
     }
 
     def _describe(case):
