@@ -525,7 +525,9 @@ mutation("exact_monitor_keeps_its_threshold", "revkernels/check.py", "threshold 
 mutation("opaque_exact_backward_walks_float_streams", "revkernels/engine/opaque.py", "            if fixed:\n",
          "            if False:\n", f"{T_EXACT} -k torch_compile")
 mutation("budget_exact_suffix_rounds_the_views_again", "revkernels/engine/budget.py",
-         "streams.outputs if k else None, first=k)", "None, first=k)", f"{T_EXACT} -k memory_budget")
+         "fixed if k else None, first=k)", "None, first=k)", f"{T_EXACT} -k memory_budget")
+mutation("missing_grad_zeros_in_the_streams_dtype", SEQ, "        dy1 = grad_zeros(y1, dy2)",
+         "        dy1 = torch.zeros_like(y1)", f"{T_EXACT} -k one_output")
 mutation("fsdp_exact_node_returns_y1_twice", "revkernels/engine/fsdp.py",
          "        return run.streams.view(y1), run.streams.view(y2)", "        return run.streams.view(y1), run.streams.view(y1)",
          "tests/engine/test_fsdp.py -k exact")

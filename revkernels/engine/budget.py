@@ -474,7 +474,8 @@ def run_within_budget(seq, x1, x2, context):
         x1, x2 = head.forward(x1, x2, **context)
         seq.engine_in_use = head.engine_in_use
     if streams is not None:  # (the plan keeps whole blocks in exact mode)
-        return streams.run_autograd(seq.blocks[k:], x1, x2, context, streams.outputs if k else None, first=k)
+        fixed, streams.outputs = streams.outputs, None  # (the head's node keeps `streams`: drop its reference)
+        return streams.run_autograd(seq.blocks[k:], x1, x2, context, fixed if k else None, first=k)
     for block, option in zip(seq.blocks[k:], made.options[k:]):
         if option == "selective":
             x1, x2 = run_selective(block, x1, x2, context, seq.preserve_rng_state)

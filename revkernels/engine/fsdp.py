@@ -172,7 +172,7 @@ class BlockStep(torch.autograd.Function):
         outputs, context, leaves = saved_with_context(ctx, 2 if ctx.last else 0)
         y1, y2 = outputs if ctx.last else run.take(index)
         block = run.blocks[index]
-        dy1, dy2, unused = output_grads([block], y1, y2, dy1, dy2, None if run.streams is None else run.streams.dtype)
+        dy1, dy2, unused = output_grads([block], y1, y2, dy1, dy2)
         param_slots(block)  # the current (unsharded) parameters, for steps that read them from their cache
         with in_mode(block, ctx.modes):
             x1, x2, dx1, dx2, grads = run.walker([block if run.steps is None else run.steps[index]], [ctx.state],

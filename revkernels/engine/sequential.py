@@ -178,13 +178,18 @@ def save_forward_state(ctx, seq, all_params):
     ctx.param_versions = param_versions(all_params)
 
 
-def output_grads(blocks, y1, y2, dy1, dy2, dtype=None):
+def output_grads(blocks, y1, y2, dy1, dy2):
     """``(dy1, dy2, unused)``: the run's output grads (the engines' Functions leave one the loss did
-    not use None): zeros for dy1 (in `dtype`, by default y1's), None kept for dy2 (see
-    `block_grads`), and the ids of the parameters that then get no grad at all
-    (`revkernels.engine.structure.y2_only_params`)."""
+    not use None): zeros for dy1 (`grad_zeros`), None kept for dy2 (see `block_grads`), and the ids
+    of the parameters that then get no grad at all (`revkernels.engine.structure.y2_only_params`)."""
     unused = y2_only_params(blocks) if dy2 is None else frozenset()
-    return (torch.zeros_like(y1, dtype=dtype) if dy1 is None else dy1), dy2, unused
+    return (grad_zeros(y1, dy2) if dy1 is None else dy1), dy2, unused
+
+
+def grad_zeros(y, other):
+    """Zeros for the missing grad of stream `y`, in the dtype of the other stream's grad `other`
+    (None: y's): the two grads share one float dtype, which exact mode's int64 streams do not have."""
+    return torch.zeros_like(y, dtype=None if other is None else other.dtype)
 
 
 def block_grads(block, rec, y1, y2, dy1, dy2):
@@ -195,9 +200,9 @@ def block_grads(block, rec, y1, y2, dy1, dy2):
     autograd never does: a zero grad through a Jacobian with NaN or inf there
     (``torch.where(y > 0, y.sqrt(), 0)``) gives NaN. A block's own ``grads`` gets zeros."""
     if dy1 is None:
-        dy1 = torch.zeros_like(y1)
+        dy1 = grad_zeros(y1, dy2)
     if dy2 is None and not getattr(type(block).grads, "takes_missing_dy2", False):
-        dy2 = torch.zeros_like(y2)
+        dy2 = grad_zeros(y2, dy1)
     return block.grads(rec, dy1, dy2)
 
 
@@ -303,7 +308,7 @@ class ReversibleRun(torch.autograd.Function):
         (y1, y2), context, leaves = saved_with_context(ctx, 2)
         streams = ctx.streams
         with as_in_the_forward(ctx):
-            dy1, dy2, unused = output_grads(ctx.blocks, y1, y2, dy1, dy2, None if streams is None else streams.dtype)
+            dy1, dy2, unused = output_grads(ctx.blocks, y1, y2, dy1, dy2)
             _, _, dx1, dx2, grads = ctx.walker(
                 ctx.blocks if streams is None else streams.steps(ctx.blocks), ctx.states, y1, y2, dy1, dy2,
                 ctx.params + leaves, ctx.autocast_state, monitor=ctx.monitor, context=context

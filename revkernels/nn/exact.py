@@ -202,10 +202,7 @@ class ExactSteps:
 
     @takes_missing_dy2
     def grads(self, rec, dy1, dy2):
-        # The generic VJP of the coupling on the float views. (A missing dy1 reaches here as the
-        # walker's zeros of the int64 stream: float zeros instead.)
-        if not dy1.is_floating_point():
-            dy1 = torch.zeros(dy1.shape, dtype=self.streams.dtype, device=dy1.device)
+        # the generic VJP of the coupling on the float views
         if not isinstance(rec, ExactRecompute):  # the block's own exact recompute: its own grads
             return self.block.grads(rec, dy1, dy2)
         generic = HalfCouplingBlock.grads if self.kind == "half" else ReversibleBlock.grads
