@@ -54,8 +54,7 @@ class FixedPointStreams:
     def _keep(self, view, stream, flag, label):
         if label is not None:
             self._flags.append((label, flag))
-        self._views = [*self._views[-3:], (stream, view)]
-        return view, stream
+        return view, self.remember(view, stream)
 
     def remember(self, view, stream):
         """Keeps `view` as `stream`'s (a reshaped pair the next step reads); returns `stream`."""
@@ -137,7 +136,7 @@ class ExactSteps:
     streams in and out, float grads)."""
 
     def __init__(self, block, streams, index):
-        self.block, self.streams, self.index = block, streams, index
+        self.block, self.streams = block, streams
         self.kind = check_exact_block(block, index)
         self.label = f"blocks[{index}] ({type(block).__name__})"
         # A block may step the fixed-point streams itself: ``forward_with_state_exact(x1, x2,
