@@ -35,7 +35,8 @@ import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import revkernels as rk
-from revkernels.bench.report import check_device, plotted, provenance, retained_bytes, timed_ms, write_results
+from revkernels.bench.report import (check_device, parse_checked, plotted, provenance, retained_bytes, timed_ms,
+                                     write_results)
 from revkernels.engine.budget import save_matmuls
 
 BUDGETS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
@@ -190,7 +191,7 @@ def main(argv=None):
     parser.add_argument("--compiled", action="store_true", help="add the torch.compile rows (minutes on CPU)")
     parser.add_argument("--quick", action="store_true", help="dim 32, 2 heads, 9 tokens, batch 2, depth 4, 3 reps")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    args = parser.parse_args(argv)
+    args = parse_checked(parser, argv, ["reps", "depth"])
     device = check_device(parser, args.device)
     if args.quick:
         args.dim, args.heads, args.tokens, args.batch, args.depth, args.warmup, args.reps = 32, 2, 9, 2, 4, 1, 3

@@ -362,29 +362,28 @@ class Plans:
     def __init__(self):
         self.by_key = LRU(MAX_PLANS)  # signature -> (block costs, {budget: plan})
 
-    def get(self, budget, blocks, x1, x2, context, params, exact=False):
+    def get(self, budget, blocks, x1, x2, context, exact=False):
         key = signature(x1, x2, context, cached(blocks, "modules", lambda m: list(m.modules())))
         entry = self.by_key.get(key)
         if entry is None:
             entry = self.by_key[key] = (activation_bytes(blocks, x1, x2, context), {})
         costs, plans = entry
+        made = plans.get((budget, exact)) if budget != "auto" else None
+        if made is not None:  # (a step's usual path: the cached plan)
+            return made
         if exact:  # (exact mode keeps blocks whole: a checkpoint would also keep its int64 inputs)
             costs = [dataclasses.replace(c, selective_bytes=None) for c in costs]
-        overhead = sac_op_overhead_ms()
         if budget == "auto":  # (the free memory changes: planned at every call)
-            return plan(auto_budget_bytes(params, x1.device), costs, overhead)
-        made = plans.get((budget, exact))
-        if made is None:
-            budget_bytes = int(budget * sum(c.keep_bytes for c in costs)) if isinstance(budget, float) else budget
-            made = plans[budget, exact] = plan(budget_bytes, costs, overhead)
+            return plan(auto_budget_bytes(unique_params(blocks), x1.device), costs, sac_op_overhead_ms())
+        budget_bytes = int(budget * sum(c.keep_bytes for c in costs)) if isinstance(budget, float) else budget
+        made = plans[budget, exact] = plan(budget_bytes, costs, sac_op_overhead_ms())
         return made
 
 
 def plan_of(seq, x1, x2, context):
     """The `MemoryPlan` of a call of `seq` (a ReversibleSequential) with these inputs, measured once
     per input signature (`Plans`)."""
-    return _budget_state(seq)[0].get(seq.memory_budget, seq.blocks, x1, x2, context, unique_params(seq.blocks),
-                                     seq.exact)
+    return _budget_state(seq)[0].get(seq.memory_budget, seq.blocks, x1, x2, context, seq.exact)
 
 
 def _budget_state(seq):
@@ -411,12 +410,6 @@ def _head_run(seq, k):
     return head
 
 
-def _statistics(block):
-    # (layer buffer, a copy of its value) for the running statistics a forward of `block` updates
-    return [(t, t.clone()) for layer in running_stats_layers(block) if layer.training and layer.track_running_stats
-            for t in (layer.running_mean, layer.running_var, layer.num_batches_tracked) if t is not None]
-
-
 @contextlib.contextmanager
 def _selective_forward(sac, block, changed):
     record = record_buffers(block)
@@ -426,8 +419,17 @@ def _selective_forward(sac, block, changed):
         changed.extend(record.changed(lambda: type(block).__name__))
 
 
+def _statistics(block):
+    # (layer buffer, a copy of its value) for the running statistics a forward of `block` updates
+    return [(t, t.clone()) for layer in running_stats_layers(block) if layer.training and layer.track_running_stats
+            for t in (layer.running_mean, layer.running_var, layer.num_batches_tracked) if t is not None]
+
+
 @contextlib.contextmanager
 def _selective_recompute(sac, block, changed):
+    # The recompute runs BatchNorm as the forward did (recompute_context's untracked statistics
+    # would save other tensors than the forward saved, which the checkpoint refuses) and puts the
+    # running statistics back after
     statistics = _statistics(block)
     try:
         with buffers_as_before(tuple(changed)), sac:

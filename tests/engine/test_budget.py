@@ -219,7 +219,6 @@ def test_the_measurement_times_and_counts_each_block():
         assert cost.input_bytes <= cost.selective_bytes < cost.keep_bytes
     normed = rk.nn.ReversibleBlock(nn.utils.parametrizations.spectral_norm(nn.Linear(24, 24)), nn.Linear(24, 24))
     assert MEASURE(nn.ModuleList([normed]), x, x, {})[0].selective_bytes is None  # (no second power iteration)
-    assert budget_module.sac_op_overhead_ms() >= 0
 
 
 def _backward_ops(seq, x):
