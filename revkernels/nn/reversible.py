@@ -17,6 +17,7 @@ and ``g(y1, **context)``; the steps take the keywords as one dict, `context`. Co
 require grad are differentiated like parameters: the local graphs' `aliases` hold them too, so
 `grads` returns their per-block grads among the parameter grads and the walker sums them.
 """
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -508,6 +509,12 @@ class ReversibleSequential(nn.Module):
         tuple ``(x1, x2, dx1, dx2)`` (none of them requiring grad) whose ``context_grads`` maps
         each context tensor that requires grad to its grad summed over the blocks (None if no
         block used it); those grads are returned, not added anywhere.
+
+        Exact mode (``exact=True``): y1 and y2 are the int64 fixed-point streams the forward's
+        exact steps made (`revkernels.nn.exact`), dy1 and dy2 float grads of their views, in the
+        dtype F and G see the views in (the run's float dtype); x1 and x2 come back as int64
+        streams, rebuilt bit for bit when the parameters are those of the forward, and dx1, dx2
+        as float grads (straight-through).
         """
         return self.reverse_with_states(y1, y2, dy1, dy2, None, context)
 
@@ -519,9 +526,6 @@ class ReversibleSequential(nn.Module):
         the forward's keywords (or None). What a PETRA stage whose block draws random numbers calls."""
         from revkernels.engine.sequential import reverse_blocks
 
-        if self.exact:
-            raise NotImplementedError("revkernels: reverse() works on float streams; exact mode keeps its int64 "
-                                      "streams inside the engines (use exact=False for a pipeline stage)")
         if context is not None and not isinstance(context, dict):
             raise TypeError(f"revkernels: context must be a dict of the forward's keywords or None, got "
                             f"{type(context).__name__}")
@@ -530,7 +534,10 @@ class ReversibleSequential(nn.Module):
             got = f"{len(states)} states" if isinstance(states, (list, tuple)) else type(states).__name__
             raise ValueError(f"revkernels: states must be a list of one state per block ({len(self.blocks)}; "
                              f"forward_step's, or None), got {got}")
-        check_streams(y1, y2, ("y1", "y2"))
+        if self.exact:
+            check_fixed_point_streams(y1, y2)
+        else:
+            check_streams(y1, y2, ("y1", "y2"))
         check_members(self.blocks)
         if context:
             check_context(self, self.blocks, context)
@@ -547,8 +554,8 @@ class ReversibleSequential(nn.Module):
         params = unique_grad_params(self.blocks)
         leaves = {name: v.detach().requires_grad_() for name, v in context.items()
                   if isinstance(v, torch.Tensor) and v.requires_grad}
-        with torch.no_grad():
-            x1, x2, dx1, dx2, grads = reverse_blocks(self.blocks, states, y1, y2, dy1, dy2,
+        with torch.no_grad(), _walked_blocks(self, dy1, dy2, states) as (blocks, states):
+            x1, x2, dx1, dx2, grads = reverse_blocks(blocks, states, y1, y2, dy1, dy2,
                                                      params + list(leaves.values()), context={**context, **leaves})
             context_grads = dict(zip(leaves, grads[len(params):]))
             # A parameter's grad may be dy1/dy2 themselves, a returned grad or another
@@ -566,6 +573,43 @@ class ReversibleSequential(nn.Module):
                 else:
                     p.grad.add_(grad)
         return ReverseResult(x1.detach(), x2.detach(), dx1.detach(), dx2.detach(), context_grads)
+
+
+def check_fixed_point_streams(y1, y2, names=("y1", "y2")):
+    """Raises TypeError/ValueError, naming the argument, unless y1 and y2 are matching int64
+    fixed-point streams (what an exact run's steps make)."""
+    for t, name in zip((y1, y2), names):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int64:
+            raise TypeError(f"revkernels: {name} must be an int64 fixed-point stream in exact mode (the int64 output "
+                            f"of the forward's exact steps), got {t.dtype}")
+    a, b = names
+    if y1.shape != y2.shape:
+        raise ValueError(f"revkernels: {a} and {b} must have the same shape, got {tuple(y1.shape)} and {tuple(y2.shape)}")
+    if y1.device != y2.device:
+        raise ValueError(f"revkernels: {a} and {b} must be on the same device, got {y1.device} and {y2.device}")
+
+
+@contextlib.contextmanager
+def _walked_blocks(seq, dy1, dy2, states):
+    """``(blocks, states)`` for `reverse_blocks`: `seq`'s blocks and `states` as given, or in exact
+    mode each block's exact steps (`revkernels.nn.exact.ExactSteps`) on streams whose float views
+    have dy1's dtype, with the buffers of every block left as the walk found them when there are
+    no forward states (what `reverse_blocks` does per block for the blocks themselves)."""
+    if not seq.exact:
+        yield seq.blocks, states
+        return
+    if dy2.dtype != dy1.dtype:
+        raise TypeError(f"revkernels: dy2 must have dy1's dtype {dy1.dtype} in exact mode (the grads of the streams' "
+                        f"float views), got {dy2.dtype}")
+    streams = seq.fixed_point_streams(dy1.dtype)
+    with contextlib.ExitStack() as stack:
+        if states is None:
+            for block in seq.blocks:
+                stack.enter_context(buffers_kept(block))
+            states = [None] * len(seq.blocks)
+        yield streams.steps(seq.blocks), states
 
 
 class ReverseResult(tuple):

@@ -90,8 +90,9 @@ import torch.distributed as dist
 from torch import nn
 
 from revkernels.engine.state import NO_CONTEXT
-from revkernels.petra.partition import _stage_modules
-from revkernels.petra.simulate import PIPELINED, Trainer, check_batch, first_batch_size
+from revkernels.petra.partition import _stage_modules, input_specs
+from revkernels.petra.simulate import (PIPELINED, Trainer, check_batch, first_batch_size, kept_stages,
+                                       restore_kept)
 
 FAULT_ENV = "REVKERNELS_PETRA_FAULT_AFTER"
 ATTEMPT_ENV = "REVKERNELS_PETRA_ATTEMPT"
@@ -163,19 +164,21 @@ def init(timeout=30.0, backend=None):
 
 
 def boundary_specs(stages, groups, image_shape, dtype=torch.float32, context=NO_CONTEXT):
-    """``specs[w]``: [(shape, dtype)] of worker w's output (the tuple it sends to w + 1), from a forward of
-    deep copies of the stages on the meta device (with a batch's `context`, its tensors on meta too)."""
-    x = (torch.empty(image_shape, dtype=dtype, device="meta"),)
-    context = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in context.items()}
-    specs = []
-    with torch.no_grad():
-        for group in groups[:-1]:
-            for i in group:
-                module = copy.deepcopy(stages[i].module).to("meta")
-                out = module(*x, **context)
-                x = out if isinstance(out, tuple) else (out,)
-            specs.append([(tuple(t.shape), t.dtype) for t in x])
-    return specs
+    """``specs[w]``: [(shape, dtype, grad dtype)] of worker w's output (the tuple it sends to w + 1; int64
+    streams after an exact stage, whose grads come back in a float dtype), from a forward of deep copies of
+    the stages on the meta device (with a batch's `context`, its tensors on meta too: `input_specs`)."""
+    firsts = [group[0] for group in groups[1:]]
+    if not firsts:
+        return []
+    specs = input_specs(stages[:firsts[-1] + 1], torch.empty(image_shape, dtype=dtype, device="meta"), context)
+    return [specs[i] for i in firsts]
+
+
+def _message(spec, grads=False):
+    """The receive buffers' (shape, dtype) of a forward message (`spec`: a `boundary_specs` entry), or of a
+    backward one: the inputs as sent forward, then their grads."""
+    out = [(shape, dtype) for shape, dtype, _ in spec]
+    return out + [(shape, grad) for shape, _, grad in spec] if grads else out
 
 
 class PipelineRank:
@@ -286,6 +289,7 @@ class PipelineRank:
         self._last_fed = self.tick
         if batch_size is not None:
             self.trainer.batch_size = batch_size
+        self.trainer.plan_memory(images, context)  # (every rank makes the same plan)
         batch = self.batches_in
         self.batches_in += 1
         # copies of what this rank keeps for later ticks (a caller may refill its tensors meanwhile)
@@ -315,9 +319,10 @@ class PipelineRank:
         w, R = self.rank, self.num_workers
         self._recvs = {}
         if w > 0 and self._fed_at(tick - w) is not None:
-            self._recvs[_FWD] = (self._fed_at(tick - w), w - 1, self._irecv(w - 1, tick - 1, _FWD, self._specs[w - 1]))
+            self._recvs[_FWD] = (self._fed_at(tick - w), w - 1,
+                                 self._irecv(w - 1, tick - 1, _FWD, _message(self._specs[w - 1])))
         if w < R - 1 and self._fed_at(tick - 2 * (R - 1) + w) is not None:
-            specs = self._specs[w] * 2
+            specs = _message(self._specs[w], grads=True)
             self._recvs[_BWD] = (self._fed_at(tick - 2 * (R - 1) + w), w + 1, self._irecv(w + 1, tick - 1, _BWD, specs))
 
     def _irecv(self, peer, tick, kind, specs):
@@ -432,7 +437,7 @@ class PipelineRank:
                  "fifos": {i: (self.stages[i].fifo_state(), self.stages[i].peak_buffer_bytes,
                                self.stages[i].replay_state()) for i in own},
                  "fwd_in": fwd_in, "bwd_in": bwd_in, "labels": dict(self._labels),
-                 "contexts": dict(self._contexts)}
+                 "contexts": dict(self._contexts), "exact": tr.exact, "kept": kept_stages(tr.stages)}
         return _to_cpu(copy.deepcopy(state))
 
     def load_state_dict(self, state):
@@ -442,9 +447,10 @@ class PipelineRank:
         if not isinstance(state, dict) or state.get("kind") != RANK_STATE_KIND:
             raise ValueError("revkernels: not a revkernels.petra.distributed rank state")
         for key, mine in (("rank", self.rank), ("world_size", self.world_size), ("method", tr.method),
-                          ("num_stages", tr.num_stages), ("groups", tr.groups), ("accum_k", tr.accum_k)):
-            if state[key] != mine:
-                raise ValueError(f"revkernels: the checkpoint's {key} is {state[key]!r}, this rank's {mine!r}")
+                          ("num_stages", tr.num_stages), ("groups", tr.groups), ("accum_k", tr.accum_k),
+                          ("exact", tr.exact)):
+            if state.get(key, False) != mine:  # (exact: False in checkpoints from before it)
+                raise ValueError(f"revkernels: the checkpoint's {key} is {state.get(key, False)!r}, this rank's {mine!r}")
         if self.tick or self.batches_in:
             raise RuntimeError("revkernels: load_state_dict into a fresh PipelineRank (before any train_step)")
         ticks = [None] * self.world_size
@@ -454,6 +460,7 @@ class PipelineRank:
                              f"resume from one complete set of rank files")
         dev = self.device
         state = copy.deepcopy(state)
+        tr.memory_plan = restore_kept(self.stages, state.get("kept", []), tr.memory_budget)
         for i in self._own():
             self.stages[i].module.load_state_dict(state["modules"][i])
             tr.optimizers[i].load_state_dict(state["optimizers"][i])
@@ -606,7 +613,7 @@ def merge_rank_states(states):
                           "optimizers": [optimizers[i] for i in range(n)], "fifos": [fifos[i] for i in range(n)],
                           "fwd_msgs": fwd, "bwd_msgs": bwd, "labels": labels, "contexts": contexts,
                           "inputs": {}, "analysis": [],
-                          "fed": fed})
+                          "fed": fed, "exact": first.get("exact", False), "kept": first.get("kept", [])})
 
 
 def split_trainer_state(state, rank, image_spec=None):
@@ -637,7 +644,8 @@ def split_trainer_state(state, rank, image_spec=None):
            "modules": {i: state["modules"][i] for i in own}, "optimizers": {i: state["optimizers"][i] for i in own},
            "fifos": {i: state["fifos"][i] for i in own},
            "fwd_in": state["fwd_msgs"].get(rank - 1) if rank > 0 else None,
-           "bwd_in": state["bwd_msgs"].get(rank + 1), "labels": labels, "contexts": contexts}
+           "bwd_in": state["bwd_msgs"].get(rank + 1), "labels": labels, "contexts": contexts,
+           "exact": state.get("exact", False), "kept": state.get("kept", [])}
     return _to_cpu(copy.deepcopy(out))
 
 

@@ -51,6 +51,7 @@ the user (``costs=``).
 import contextlib
 import copy
 import dataclasses
+import itertools
 import math
 import numbers
 import time
@@ -60,10 +61,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from revkernels.engine.budget import check_budget
 from revkernels.engine.sequential import forward_step
 from revkernels.engine.state import BlockState, RngState, cuda_devices_of, maybe_replay
 from revkernels.engine.structure import draws_random, recompute_context
-from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential, check_streams
+from revkernels.nn.exact import FixedPointStreams, run_exact_autograd
+from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential, check_fixed_point_streams, check_streams
+from revkernels.ops.fixed_point import check_bits, fixed_point_view
 
 KINDS = ("stem", "reversible", "down", "head")
 
@@ -98,9 +102,15 @@ class Stage:
         delayed: True for the delayed-gradient baseline (see the module docstring): the FIFO also
             holds a parameter copy per pending batch, and reversible stages buffer their inputs too.
         peak_buffer_bytes: the most bytes the FIFO (inputs and parameter copies) has held at once.
+        exact: True for a reversible stage of an exact partition: its streams are int64 fixed point
+            (module docstring, "Exact stages"); `exact_bits` their fraction bits.
+        fixed_point_input: True when the stage before is exact: its input is int64 streams.
+        keeps_input: a reversible stage that keeps its inputs in its FIFO and recomputes instead of
+            rebuilding (set by a ``memory_budget``'s plan, `memory_plan`).
     """
 
-    def __init__(self, module, index, num_stages, delayed=False):
+    def __init__(self, module, index, num_stages, delayed=False, exact=False, fixed_point_input=False,
+                 exact_bits=None):
         if not isinstance(module, nn.Module):
             raise TypeError(f"revkernels: stage {index} must be a torch.nn.Module, got {type(module).__name__}")
         self.module = module
@@ -116,9 +126,25 @@ class Stage:
         self.reversible = reversible
         default = "reversible" if reversible else "head" if self.is_last else "stem" if self.is_first else "down"
         self.kind = getattr(module, "kind", default)
+        self.exact = bool(exact) and reversible
+        self.fixed_point_input = bool(fixed_point_input)
+        if self.fixed_point_input and self.is_first:
+            raise ValueError("revkernels: the first stage takes the images, not fixed-point streams "
+                             "(fixed_point_input=True)")
+        self.exact_bits = ReversibleSequential.exact_bits if exact_bits is None else exact_bits
+        if self.exact or self.fixed_point_input:
+            check_bits(self.exact_bits)
         # A one-block run whose `reverse` rebuilds the input and adds the parameter grads into .grad.
-        self._run = ReversibleSequential(module, engine="sequential") if reversible else None
+        self._run = None
+        if reversible:
+            try:
+                self._run = ReversibleSequential(module, engine="sequential", exact=self.exact)
+            except TypeError as error:  # (a block exact mode cannot step: name the stage)
+                raise TypeError(f"revkernels: stage {index}: {error}") from None
+            self._run.exact_bits = self.exact_bits
         self.delayed = bool(delayed)
+        self._keeps_input = False
+        self.memory_plan = None  # the `PipelineMemoryPlan` that set keeps_input (None: no memory_budget)
         # (batch id, input tuple, parameter copies or None) of the forwards whose backward is pending
         self._fifo = deque()
         self.peak_buffer_bytes = 0
@@ -132,12 +158,48 @@ class Stage:
     def __repr__(self):
         return f"Stage({self.index}, kind={self.kind!r}, reversible={self.reversible}, buffered={len(self._fifo)})"
 
+    @property
+    def rebuilds(self):
+        """Whether the backward rebuilds the input from the output (a reversible stage that neither
+        keeps its inputs for a memory budget nor runs the delayed baseline)."""
+        return self.reversible and not self.delayed and not self._keeps_input
+
+    @property
+    def keeps_input(self):
+        return self._keeps_input
+
+    @keeps_input.setter
+    def keeps_input(self, keep):
+        keep = bool(keep)
+        if keep == self._keeps_input:
+            return
+        if keep and not self.reversible:
+            raise ValueError(f"revkernels: stage {self.index} is not reversible: it always keeps its inputs")
+        if self._forwards != self._backwards:
+            raise RuntimeError(f"revkernels: stage {self.index} has pending batches: keeps_input may change only "
+                               "between runs")
+        self._keeps_input = keep
+
+    @property
+    def float_dtype(self):
+        """The dtype of the float views an exact stage's F and G see, and of the views a stage fed
+        fixed-point streams reads: its first floating-point parameter's (or buffer's), else torch's
+        default dtype."""
+        for t in itertools.chain(self.module.parameters(), self.module.buffers()):
+            if t.is_floating_point():
+                return t.dtype
+        return torch.get_default_dtype()
+
+    @property
+    def label(self):
+        return f"stage {self.index} ({type(self.module).__name__})"
+
     # --- buffer accounting -----------------------------------------------------------------------
 
     @property
     def buffered_inputs(self):
-        """Number of inputs (batches) held in the FIFO; always 0 for reversible stages (unless delayed)
-        and the head."""
+        """Number of inputs (batches) held in the FIFO; always 0 for the head and for reversible
+        stages that rebuild (not delayed, not kept by a memory budget)."""
         return len(self._fifo)
 
     @property
@@ -207,37 +269,77 @@ class Stage:
     def forward(self, x, batch=None, **context):
         """Forward of one batch with the current parameters, without autograd.
 
-        `x`: the image (first stage) or the previous stage's output tuple. A non-reversible stage
-        pushes (batch, x) onto its FIFO. Returns the output as a tuple of tensors (detached).
-        `context`: keywords passed to the stage's module (a reversible stage's F and G); the
-        backward of the same batch must get the same ones.
+        `x`: the image (first stage) or the previous stage's output tuple (int64 streams after an
+        exact stage). A stage that does not rebuild pushes (batch, x) onto its FIFO. Returns the
+        output as a tuple of tensors (detached; an exact stage's: its int64 streams). `context`:
+        keywords passed to the stage's module (a reversible stage's F and G); the backward of the
+        same batch must get the same ones.
         """
         if self.is_last:
             raise RuntimeError("revkernels: the last stage runs forward and backward together: call forward_backward")
         x = tuple(t.detach() for t in _as_tuple(x))
+        self._check_input(x)
         stochastic = draws_random(self.module)
-        rebuilds = self.reversible and not self.delayed  # (its backward rebuilds the input from the output)
+        rebuilds = self.rebuilds
         if self.delayed:
             self._fifo.append((batch, x, tuple(p.detach().clone() for p in self.parameters())))
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
-        elif not self.reversible:
+        elif not rebuilds:
             self._fifo.append((batch, x, None))
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
         number = self._forwards
         self._forwards += 1
         with torch.no_grad(), self._stream.drawing(cuda_devices_of(*x)) if stochastic else contextlib.nullcontext():
-            if rebuilds and stochastic:
-                if len(x) != 2:
-                    raise ValueError(f"revkernels: a reversible stage's input has two streams, got {len(x)} tensors")
-                check_streams(*x)
-                y1, y2, state = forward_step(self.module, *x, True, context)
-                self._replays.append((number, state))
-                return y1, y2
-            rng = RngState(cuda_devices_of(*x)) if stochastic else None
-            out = self.module(*x, **context)
+            # (a stage that rebuilds keeps the block's states for the rebuild; any other, the
+            # generator state before its module for the recompute)
+            rng = RngState(cuda_devices_of(*x)) if stochastic and not rebuilds else None
+            if self.exact or (rebuilds and stochastic):
+                y1, y2, state = self._block_forward(x, rebuilds and stochastic, context)
+                if rebuilds and stochastic:
+                    self._replays.append((number, state))
+                out = (y1, y2)
+            else:
+                out = self.module(*self._views(x), **context)
         if rng is not None:
             self._replays.append((number, rng))
         return _as_tuple(out, f"the output of stage {self.index}")
+
+    def _check_input(self, x):
+        if self.fixed_point_input and any(t.dtype != torch.int64 for t in x):
+            got = next(t.dtype for t in x if t.dtype != torch.int64)
+            raise TypeError(f"revkernels: stage {self.index}'s input x must be the int64 fixed-point streams of the "
+                            f"exact stage before it, got {got}")
+
+    def _views(self, x):
+        """`x` as the module reads it: the float views of fixed-point streams, else itself."""
+        if not self.fixed_point_input:
+            return x
+        return tuple(fixed_point_view(t, self.exact_bits, self.float_dtype) for t in x)
+
+    def _streams(self):
+        return _StageStreams(self.exact_bits, self.float_dtype, self.label)
+
+    def _block_forward(self, x, preserve_rng_state, context):
+        """A reversible stage's block forward (`forward_step`), returning the state a rebuild
+        replays; an exact stage's on fixed-point streams (float input rounded onto the grid in
+        its float dtype), its overflow flags read at the end (OverflowError naming the stage)."""
+        if len(x) != 2:
+            raise ValueError(f"revkernels: a reversible stage's input has two streams, got {len(x)} tensors")
+        if not self.exact:
+            check_streams(*x)
+            return forward_step(self.module, *x, preserve_rng_state, context)
+        streams = self._streams()
+        if self.fixed_point_input:
+            check_fixed_point_streams(*x, names=("x1", "x2"))
+            x1, x2 = x
+        else:
+            check_streams(*x)
+            (_, x1), (_, x2) = (streams.enter(t.to(streams.dtype), f"the input of {self.label}") for t in x)
+            streams.forget_views()
+        (step,) = streams.steps([self.module], self.index)
+        out = forward_step(self.module, x1, x2, preserve_rng_state, context, steps=step)
+        streams.raise_on_overflow()
+        return out
 
     def _next_replay(self):
         """The generator state of the forward the next backward differentiates (a stage's
@@ -262,13 +364,17 @@ class Stage:
         if len(y) != len(dy):
             raise ValueError(f"revkernels: y and dy must have as many tensors, got {len(y)} and {len(dy)}")
         check_constant_context(context)
-        if self.reversible and not self.delayed:
+        if self.rebuilds:
             if len(y) != 2:
                 raise ValueError(f"revkernels: a reversible stage's output has two streams, got {len(y)} tensors")
             state = self._next_replay()
+            if self.exact:  # (the grads of the views F and G saw)
+                dy = tuple(g.to(self.float_dtype) for g in dy)
             x1, x2, dx1, dx2 = self._run.reverse(y[0].detach(), y[1].detach(), dy[0], dy[1], **context) \
                 if state is None else self._run.reverse_with_states(y[0].detach(), y[1].detach(), dy[0], dy[1],
                                                                     [state], context)
+            if self.exact and not self.fixed_point_input:  # fed floats: their values on the grid
+                x1, x2 = (fixed_point_view(t, self.exact_bits, self.float_dtype) for t in (x1, x2))
             return (x1, x2), (None if self.is_first else (dx1, dx2))
         if not self._fifo:
             raise RuntimeError(f"revkernels: stage {self.index} has no pending input for a backward")
@@ -293,12 +399,16 @@ class Stage:
     def _leaves(self, x):
         if self.is_first:
             return x
-        return tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in x)
+        return tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in self._views(x))
 
     def _vjp(self, x, y, dy, context, rng=None):
         leaves = self._leaves(x)
         with torch.enable_grad(), recompute_context(self.module), maybe_replay(rng):
-            out = _as_tuple(self.module(*leaves, **context), f"the output of stage {self.index}")
+            if self.exact:  # the exact steps under autograd from the stored input (straight-through)
+                out = run_exact_autograd([self.module], *leaves, context, self._streams(),
+                                         x if self.fixed_point_input else None, self.index)
+            else:
+                out = _as_tuple(self.module(*leaves, **context), f"the output of stage {self.index}")
         if len(out) != len(dy):
             raise ValueError(f"revkernels: stage {self.index} has {len(out)} outputs but got {len(dy)} output grads")
         pairs = [(o, g) for o, g in zip(out, dy) if o.requires_grad]
@@ -320,6 +430,7 @@ class Stage:
         if not self.is_last:
             raise RuntimeError(f"revkernels: stage {self.index} is not the last stage")
         x = tuple(t.detach() for t in _as_tuple(x))
+        self._check_input(x)
         leaves = self._leaves(x)
         stream = self._stream.drawing(cuda_devices_of(*x)) if draws_random(self.module) else contextlib.nullcontext()
         with torch.enable_grad(), stream:
@@ -330,6 +441,20 @@ class Stage:
             loss.backward()
         dx = None if self.is_first else tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves)
         return loss.detach(), logits.detach(), x, dx
+
+
+class _StageStreams(FixedPointStreams):
+    """An exact stage's fixed-point streams: its steps (and so its overflows) are named by the stage."""
+
+    def __init__(self, bits, dtype, label):
+        super().__init__(bits, dtype)
+        self.label = label
+
+    def steps(self, blocks, first=0):
+        steps = super().steps(blocks, first)
+        for step in steps:
+            step.label = self.label
+        return steps
 
 
 class StageStream:
@@ -381,7 +506,8 @@ def _stage_modules(model):
     return modules
 
 
-def partition(model, delayed=False, groups=None, balance="count", costs=None, example=None, context=None):
+def partition(model, delayed=False, groups=None, balance="count", costs=None, example=None, context=None,
+              exact=None, memory_budget=0, exact_bits=None):
     """The PETRA stages of `model`: one `Stage` per entry of ``model.stages``, in order
     (``delayed=True``: the delayed-gradient baseline's stages, see the module docstring).
 
@@ -397,19 +523,193 @@ def partition(model, delayed=False, groups=None, balance="count", costs=None, ex
     times the stages on it, an optimizer step every tick; for accumulation over k batches pass
     ``costs=stage_costs(model, example, accum_k=k)``; `context`: a dict of the keywords the stages
     take, as `train_step` gets them, for timing a model whose stages need them).
+
+    `exact`: reversible stages on int64 fixed-point streams (module docstring, "Exact stages");
+    None (the default) takes the setting of the model's reversible runs (``model.runs``, e.g. a
+    RevNet built with ``exact=True``), False for a model without runs. `exact_bits`: the streams'
+    fraction bits (None: the runs' ``exact_bits``, else `ReversibleSequential.exact_bits`, 32).
+
+    `memory_budget` (0: every reversible stage rebuilds): reversible stages that keep their inputs
+    instead (module docstring, "Memory budget"): a float in [0, 1] (that fraction of the bytes
+    every reversible stage's kept inputs would hold) or an int (bytes); the plan needs `example`
+    (and `context`, if the stages take keywords) to size the stages' inputs, and assumes one worker
+    per stage, or the R groups of ``groups=R``.
     """
     modules = _stage_modules(model)
-    stages = [Stage(m, i, len(modules), delayed=delayed) for i, m in enumerate(modules)]
+    exact, bits = exact_setting(model, exact, exact_bits)
+    stages = make_stages(modules, delayed, exact, bits)
+    budget = check_stage_budget(memory_budget, delayed)
+    if budget and example is None:
+        raise ValueError("revkernels: memory_budget needs example= (the first stage's input, e.g. a batch of images) "
+                         "to size the stages' inputs")
     if groups is None:
-        if balance != "count" or costs is not None or example is not None or context is not None:
-            raise ValueError("revkernels: balance, costs, example and context apply to partition(model, groups=R) only")
+        if balance != "count" or costs is not None or (not budget and (example is not None or context is not None)):
+            raise ValueError("revkernels: balance and costs apply to partition(model, groups=R) only; example and "
+                             "context to groups=R or a memory_budget")
+        sizes = [1] * len(stages)
+    else:  # (example and context size the memory plan; they time the stages for balance="time" only)
+        timing = balance == "time" or not budget
+        sizes = group_sizes(modules, groups, balance, costs, example if timing else None,
+                            context if timing else None)
+    if budget:
+        plan_memory(stages, budget, example, context, sizes)
+    if groups is None:
         return stages
-    sizes = group_sizes(modules, groups, balance, costs, example, context)
     out, start = [], 0
     for n in sizes:
         out.append(stages[start:start + n])
         start += n
     return out
+
+
+def exact_setting(model, exact, bits=None):
+    """``(exact, exact_bits)`` of `partition(model, exact=..., exact_bits=...)`: `exact` given (a
+    bool), or None for the setting of ``model.runs`` (all alike: ValueError if they differ); `bits`
+    given, or the exact runs' (all alike), or `ReversibleSequential.exact_bits`."""
+    if exact is not None and not isinstance(exact, bool):
+        raise TypeError(f"revkernels: exact must be a bool or None (the model's runs' setting), got "
+                        f"{type(exact).__name__}")
+    runs = getattr(model, "runs", None) if isinstance(model, nn.Module) else None
+    runs = [r for r in runs or () if isinstance(r, ReversibleSequential)]
+    if exact is None:
+        settings = {r.exact for r in runs}
+        if len(settings) > 1:
+            raise ValueError("revkernels: the model's reversible runs differ in exact; pass exact=True or False")
+        exact = settings.pop() if settings else False
+    if bits is not None:
+        check_bits(bits)
+        return exact, bits
+    found = {r.exact_bits for r in runs if r.exact}
+    if len(found) > 1:
+        raise ValueError(f"revkernels: the model's exact runs differ in exact_bits ({sorted(found)}); pass exact_bits")
+    return exact, found.pop() if found else ReversibleSequential.exact_bits
+
+
+def make_stages(modules, delayed=False, exact=False, exact_bits=None):
+    """One `Stage` per module; with `exact`, each stage after an exact stage takes its int64 streams."""
+    stages = []
+    for i, m in enumerate(modules):
+        stages.append(Stage(m, i, len(modules), delayed=delayed, exact=exact, exact_bits=exact_bits,
+                            fixed_point_input=bool(stages) and stages[-1].exact))
+    return stages
+
+
+# --- memory budget -------------------------------------------------------------------------------
+
+def check_stage_budget(budget, delayed=False):
+    """`budget` if it is a valid `partition` ``memory_budget`` (`revkernels.engine.budget.check_budget`
+    without "auto"); ValueError/TypeError naming memory_budget otherwise."""
+    budget = check_budget(budget)
+    if isinstance(budget, str):
+        raise ValueError(f"revkernels: memory_budget for PETRA stages must be a fraction in [0, 1] or a number of "
+                         f"bytes, got {budget!r}")
+    if budget and delayed:
+        raise ValueError("revkernels: memory_budget applies to PETRA's stages, not the delayed baseline's (whose "
+                         "stages keep every input)")
+    return budget
+
+
+@dataclasses.dataclass(frozen=True)
+class StageKeepCost:
+    """What keeping one reversible stage's inputs costs: ``pending`` batches held at once (the
+    most a worker has in flight: 2(R - w) - 1 for worker w of R, 1-based), ``input_bytes`` per
+    batch, ``bytes`` = their product, and whether the plan ``keep``s them."""
+
+    index: int
+    kind: str
+    pending: int
+    input_bytes: int
+    bytes: int
+    keep: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineMemoryPlan:
+    """Which reversible stages keep their inputs under a ``memory_budget`` (`plan_memory`):
+    ``stages`` one `StageKeepCost` per reversible stage, ``budget_bytes`` the budget in bytes."""
+
+    budget_bytes: int
+    stages: tuple
+
+    @property
+    def kept(self):
+        """Indices of the stages that keep their inputs."""
+        return [c.index for c in self.stages if c.keep]
+
+    @property
+    def kept_bytes(self):
+        """The most bytes the kept stages' FIFOs hold at once."""
+        return sum(c.bytes for c in self.stages if c.keep)
+
+    @property
+    def all_bytes(self):
+        """What keeping every reversible stage's inputs would hold (a fraction's 1.0)."""
+        return sum(c.bytes for c in self.stages)
+
+    def __str__(self):
+        rows = [f"PETRA memory plan: {len(self.kept)} of {len(self.stages)} reversible stages keep their inputs, "
+                f"{self.kept_bytes} of {self.budget_bytes} budget bytes (all: {self.all_bytes})",
+                f"{'stage':>5}  {'kind':<10} {'pending':>7} {'bytes/batch':>11} {'bytes':>10}  option"]
+        rows += [f"{c.index:>5}  {c.kind:<10} {c.pending:>7} {c.input_bytes:>11} {c.bytes:>10}  "
+                 f"{'keep' if c.keep else 'rebuild'}" for c in self.stages]
+        return "\n".join(rows)
+
+
+def plan_memory(stages, budget, example, context=None, sizes=None):
+    """Sets ``keeps_input`` of the reversible `stages` a `memory_budget` holds and returns the
+    `PipelineMemoryPlan` (also each stage's ``memory_plan``). A stage's cost is its input's bytes
+    per batch (sized on the meta device from `example`: `input_specs`) times the batches its worker
+    holds at once, 2(R - w) - 1 for worker w of R (1-based; `sizes`: the workers' stage counts,
+    default one stage per worker). Cheapest first, ties by index: the plan keeps as many stages as
+    the budget holds, which skips the most rebuilds; a fraction is of the bytes keeping every
+    reversible stage would hold."""
+    budget = check_stage_budget(budget)
+    sizes = [1] * len(stages) if sizes is None else list(sizes)
+    workers = [w for w, n in enumerate(sizes) for _ in range(n)]
+    specs = input_specs(stages, example, context)
+    costs = []
+    for s in stages:
+        if s.reversible:
+            per_batch = sum(math.prod(shape) * dtype.itemsize
+                            for shape, dtype, _ in specs[s.index])
+            pending = 2 * (len(sizes) - 1 - workers[s.index]) + 1
+            costs.append((per_batch * pending, s.index, s, per_batch, pending))
+    all_bytes = sum(c[0] for c in costs)
+    budget_bytes = int(budget) if isinstance(budget, int) else math.floor(budget * all_bytes)
+    kept, used = set(), 0
+    for cost, index, *_ in sorted(costs, key=lambda c: c[:2]):
+        if used + cost > budget_bytes:
+            break
+        kept.add(index)
+        used += cost
+    plan = PipelineMemoryPlan(budget_bytes, tuple(StageKeepCost(i, s.kind, pending, per_batch, cost, i in kept)
+                                                  for cost, i, s, per_batch, pending in costs))
+    for s in stages:
+        s.keeps_input = s.index in kept
+        s.memory_plan = plan
+    return plan
+
+
+def input_specs(stages, example, context=None):
+    """Per stage, ``[(shape, dtype, grad dtype)]`` of its input as the pipeline hands it (int64 for
+    the fixed-point streams after an exact stage, whose grads are in the receiving stage's float
+    dtype), from forwards of deep copies of the stages on the meta device (no real compute; the
+    last listed stage's forward does not run). `example`: the first stage's input (a tensor or a
+    tuple; only its shapes and dtypes are read); `context`: a batch's keywords."""
+    x = tuple(torch.empty(t.shape, dtype=t.dtype, device="meta") for t in _as_tuple(example, "example"))
+    context = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in (context or {}).items()}
+    specs = []
+    with torch.no_grad():
+        for s in stages:
+            if s.fixed_point_input:
+                dtype = s.float_dtype
+                specs.append([(tuple(t.shape), torch.int64, dtype) for t in x])
+                x = tuple(t.to(dtype) for t in x)
+            else:
+                specs.append([(tuple(t.shape), t.dtype, t.dtype) for t in x])
+            if s is not stages[-1]:
+                x = _as_tuple(copy.deepcopy(s.module).to("meta")(*x, **context), f"the output of stage {s.index}")
+    return specs
 
 
 def group_sizes(model, groups, balance="count", costs=None, example=None, context=None):

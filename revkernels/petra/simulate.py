@@ -90,7 +90,7 @@ from torch import nn
 from revkernels.engine.state import NO_CONTEXT
 from revkernels.engine.structure import recompute_context
 from revkernels.nn.reversible import ReversibleSequential
-from revkernels.petra.partition import check_constant_context, count_sizes, partition
+from revkernels.petra.partition import check_constant_context, check_stage_budget, count_sizes, partition, plan_memory
 
 METHODS = ("petra", "delayed", "backprop", "revbackprop")
 PIPELINED = ("petra", "delayed")  # the methods that run the tick-by-tick pipeline (workers, groups)
@@ -241,6 +241,24 @@ def own_batch(images, labels, context):
             {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in context.items()})
 
 
+def kept_stages(stages):
+    """Indices of the stages that keep their inputs for a memory budget (for checkpoints)."""
+    return [s.index for s in stages if s.keeps_input]
+
+
+def restore_kept(stages, kept, budget):
+    """Sets the stages' ``keeps_input`` as a checkpoint's `kept_stages` says (its pending batches
+    are in the FIFOs those stages had); ValueError where this run has no budget but the checkpoint
+    kept some. Returns the plan to use: None (made again at the next batch, as the same plan)."""
+    if kept and not budget:
+        raise ValueError(f"revkernels: the checkpoint's stages {list(kept)} keep their inputs for a memory_budget, "
+                         "but this run has none")
+    for s in stages:  # (the FIFOs are replaced as a whole: no pending batch to keep consistent)
+        s.memory_plan = None
+        s._keeps_input = s.reversible and s.index in kept
+    return None
+
+
 def _contiguous(xs):
     return None if xs is None else tuple(None if t is None else t.contiguous() for t in xs)
 
@@ -349,6 +367,10 @@ class Trainer:
             (an int R or a list of group sizes); each group runs as one worker (``workers``).
         analyze_every: None, or N: the gradient analysis at every N-th optimizer step (module
             docstring); records in ``analysis``.
+        exact, exact_bits: `partition`'s (None: the model's runs' setting): reversible stages on
+            int64 fixed-point streams (petra and delayed).
+        memory_budget: petra only: `partition`'s; the plan (``memory_plan``, stages'
+            ``keeps_input``) is made at the first batch, from its shapes and the worker grouping.
 
     `train_step(images, labels, **context)` runs one tick (petra) or one forward/backward (baselines) and
     returns a dict: ``loss`` (float, or None while the pipeline fills: petra's loss is the one its
@@ -363,7 +385,8 @@ class Trainer:
     """
 
     def __init__(self, model, method="petra", accum_k=1, base_lr=0.1, warmup_steps=0, milestones=(),
-                 weight_decay=5e-4, gamma=0.1, momentum=0.9, batch_size=None, groups=None, analyze_every=None):
+                 weight_decay=5e-4, gamma=0.1, momentum=0.9, batch_size=None, groups=None, analyze_every=None,
+                 exact=None, exact_bits=None, memory_budget=0):
         if not isinstance(method, str) or method not in METHODS:
             raise ValueError(f"revkernels: method must be one of {list(METHODS)}, got {method!r}")
         _check_int(accum_k, "accum_k", 1)
@@ -395,7 +418,12 @@ class Trainer:
         self.momentum = float(momentum)
         self.batch_size = batch_size
 
-        self.stages = partition(model, delayed=method == "delayed")
+        self.stages = partition(model, delayed=method == "delayed", exact=exact, exact_bits=exact_bits)
+        self.exact = any(s.exact for s in self.stages)
+        self.memory_budget = check_stage_budget(memory_budget, method == "delayed")
+        if self.memory_budget and method not in PIPELINED:
+            raise ValueError(f"revkernels: memory_budget applies to method 'petra' only, got method {method!r}")
+        self.memory_plan = None  # made at the first batch (`plan_memory`)
         for stage in self.stages:
             stage.module.train()
         self.num_stages = len(self.stages)
@@ -462,6 +490,7 @@ class Trainer:
             images, labels, context = own_batch(images, labels, context)
         if self.batch_size is None:
             self.batch_size = first_batch_size(images)
+        self.plan_memory(images, context)
         batch = self.batches_in
         self.batches_in += 1
         if self.analyze_every:
@@ -475,6 +504,14 @@ class Trainer:
             out = self._baseline_step(batch, images, labels, context)
         self._prune_inputs()
         return out
+
+    def plan_memory(self, images, context=NO_CONTEXT):
+        """Makes the ``memory_budget``'s plan from a batch's shapes (`partition.plan_memory`, with
+        this trainer's worker groups) unless there is no budget or a plan was made; returns it."""
+        if self.memory_budget and self.memory_plan is None:
+            self.memory_plan = plan_memory(self.stages, self.memory_budget, images, context,
+                                           [len(g) for g in self.groups])
+        return self.memory_plan
 
     def pending(self):
         """True while some batch's backward has not run everywhere (petra, delayed)."""
@@ -564,16 +601,18 @@ class Trainer:
                  "optimizers": [opt.state_dict() for opt in self.optimizers],
                  "fifos": [(s.fifo_state(), s.peak_buffer_bytes, s.replay_state()) for s in self.stages],
                  "fwd_msgs": self._fwd_msgs, "bwd_msgs": self._bwd_msgs, "labels": self._labels,
-                 "contexts": self._contexts, "inputs": self._inputs, "analysis": self.analysis, "fed": self._fed}
+                 "contexts": self._contexts, "inputs": self._inputs, "analysis": self.analysis, "fed": self._fed,
+                 "exact": self.exact, "kept": kept_stages(self.stages)}
         return copy.deepcopy(state)
 
     def load_state_dict(self, state):
         """Restores `state_dict()`'s output into this trainer (same model architecture and arguments)."""
-        for key in ("method", "num_stages", "groups", "accum_k"):
-            if state[key] != getattr(self, key):
-                raise ValueError(f"revkernels: the checkpoint's {key} is {state[key]!r}, this trainer's "
+        for key in ("method", "num_stages", "groups", "accum_k", "exact"):
+            if state.get(key, False) != getattr(self, key):  # (exact: False in checkpoints from before it)
+                raise ValueError(f"revkernels: the checkpoint's {key} is {state.get(key, False)!r}, this trainer's "
                                  f"{getattr(self, key)!r}")
         state = copy.deepcopy(state)
+        self.memory_plan = restore_kept(self.stages, state.get("kept", []), self.memory_budget)
         for s, module_state in zip(self.stages, state["modules"]):
             s.module.load_state_dict(module_state)
         for opt, opt_state in zip(self.optimizers, state["optimizers"]):
