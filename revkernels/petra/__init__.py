@@ -6,7 +6,9 @@
         out = trainer.train_step(images, labels)   # one tick; out["loss"] is None while filling
     trainer.flush()                                # drain the pending backwards
 
-`partition` (stages that rebuild or buffer their inputs; ``groups=R, balance="time"`` splits them into
+`partition` (stages that rebuild or buffer their inputs; ``exact=True``: on int64 fixed-point streams,
+rebuilt bit for bit; ``memory_budget``: reversible stages that keep their inputs, `plan_memory`;
+``groups=R, balance="time"`` splits them into
 R contiguous groups minimising the largest group's per-tick cost, from `stage_costs` or given costs),
 `simulate` (the exact one-process, tick-by-tick runtime, with the backprop, reversible-backprop and
 delayed-gradient (input + parameter buffers) baselines; ``groups=R`` runs R groups of consecutive stages
@@ -21,8 +23,9 @@ ICLR 2025, arXiv:2406.02052). The tick-by-tick timing implemented here is writte
 docstring of `revkernels.petra.simulate`; usage in docs/petra.md.
 """
 from revkernels.petra import simulate
-from revkernels.petra.partition import Stage, balanced_sizes, group_sizes, partition, stage_costs
+from revkernels.petra.partition import (PipelineMemoryPlan, Stage, balanced_sizes, group_sizes, partition, plan_memory,
+                                        stage_costs)
 from revkernels.petra.simulate import METHODS, PIPELINED, Trainer, Worker, make_optimizer, param_groups, split_groups
 
-__all__ = ["partition", "Stage", "balanced_sizes", "group_sizes", "stage_costs", "simulate", "Trainer", "Worker", "METHODS", "PIPELINED", "make_optimizer", "param_groups",
+__all__ = ["partition", "Stage", "plan_memory", "PipelineMemoryPlan", "balanced_sizes", "group_sizes", "stage_costs", "simulate", "Trainer", "Worker", "METHODS", "PIPELINED", "make_optimizer", "param_groups",
            "split_groups"]

@@ -4,7 +4,8 @@ r"""PETRA's stages: a model's stage list turned into units that run forward and 
 stage's forward and its backward for the same batch happen at different ticks, with the stage's
 parameters possibly updated in between; the backward always uses the *current* parameters:
 
-- reversible stage (a `ReversibleBlock`, e.g. RevNet's ``y = (x2, x1 + F(x2))``): stores nothing.
+- reversible stage (a `ReversibleBlock`, e.g. RevNet's ``y = (x2, x1 + F(x2))``): stores nothing
+  (unless a memory budget has it keep its inputs, below).
   Its backward receives (its output y, the output grad dy), rebuilds its input
   ``x = inverse(y; theta_now)``, recomputes F at x under autograd and returns (x, dx); the
   parameter grads are *added* into ``.grad`` (a one-block `ReversibleSequential.reverse`).
@@ -24,6 +25,27 @@ parameters possibly updated in between; the backward always uses the *current* p
   swapped in for its forward), so its masks do not depend on which stages share its process:
   the distributed runtime's ranks draw what the simulator draws, and two stages do not draw the
   same masks. Checkpoints keep the streams and the pending states (`replay_state`).
+
+Exact stages (``partition(model, exact=True)``; by default the setting of the model's reversible
+runs). A reversible stage steps its two streams as int64 fixed point X = round(x * 2^b) (b =
+``exact_bits``), through `revkernels.nn.exact`'s steps: its forward returns the int64 output
+streams (a float input, from a non-reversible stage, is converted to the stage's ``float_dtype``
+and rounded onto the grid; a value that does not fit raises OverflowError naming the stage), and
+its backward rebuilds the int64 input bit for bit while the parameters are those of the forward
+(`ReversibleSequential.reverse` in exact mode) and returns it as the stage got it: int64 after an
+exact stage, else its float values on the grid. A stage after an exact stage (``fixed_point_input``)
+is given int64 streams: a non-reversible one reads their float views (``fixed_point_view``, the
+grads of the views passing straight through) and keeps the int64 streams in its FIFO, so its
+backward returns exactly what the exact stage before it output. F and G see float views in the
+stage's ``float_dtype``. A stage that keeps its inputs (delayed, or a memory budget) recomputes
+through the exact steps under autograd from the stored input (`run_exact_autograd`).
+
+Memory budget (``partition(model, memory_budget=B, example=x)``; `plan_memory`). Reversible stages
+that the budget holds keep their inputs in their FIFO like non-reversible stages
+(``keeps_input``): no rebuild, their backward recomputes at the stored input with the current
+parameters and returns it. A stage's cost is its input's bytes per batch times the batches its
+worker holds at once (2(R - w) + 1 for worker w of R, 1-based); the plan keeps the cheapest stages
+first (ties: the lower index), as many as the budget holds, which skips the most rebuilds.
 
 Delayed gradients (``delayed=True``, the PipeDream-like baseline, "weight stashing"): every stage but
 the last, reversible or not, pushes (its input, a copy of the parameters its forward used) onto its
@@ -612,7 +634,7 @@ def check_stage_budget(budget, delayed=False):
 @dataclasses.dataclass(frozen=True)
 class StageKeepCost:
     """What keeping one reversible stage's inputs costs: ``pending`` batches held at once (the
-    most a worker has in flight: 2(R - w) - 1 for worker w of R, 1-based), ``input_bytes`` per
+    most a worker has in flight: 2(R - w) + 1 for worker w of R, 1-based), ``input_bytes`` per
     batch, ``bytes`` = their product, and whether the plan ``keep``s them."""
 
     index: int
@@ -659,7 +681,7 @@ def plan_memory(stages, budget, example, context=None, sizes=None):
     """Sets ``keeps_input`` of the reversible `stages` a `memory_budget` holds and returns the
     `PipelineMemoryPlan` (also each stage's ``memory_plan``). A stage's cost is its input's bytes
     per batch (sized on the meta device from `example`: `input_specs`) times the batches its worker
-    holds at once, 2(R - w) - 1 for worker w of R (1-based; `sizes`: the workers' stage counts,
+    holds at once, 2(R - w) + 1 for worker w of R (1-based; `sizes`: the workers' stage counts,
     default one stage per worker). Cheapest first, ties by index: the plan keeps as many stages as
     the budget holds, which skips the most rebuilds; a fraction is of the bytes keeping every
     reversible stage would hold."""
