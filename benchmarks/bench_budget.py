@@ -9,8 +9,11 @@ Rows (each a train step of the same RevViTBlock stack, forward + backward, media
 the eager rows timed in rounds: one untimed and one timed step of every row per round, so a change
 of load on the machine hits them alike;
 ``saved_mib`` is what the forward leaves alive for the backward, parameters aside, *measured* over one
-forward (`revkernels.bench.report.retained_bytes`: what autograd saves, what a checkpoint keeps beside it
-(its inputs, selective checkpointing's cache of matrix-product outputs) and the outputs)):
+forward: the eager rows by `revkernels.bench.report.retained_bytes` (what autograd saves, what a
+checkpoint keeps beside it (its inputs, selective checkpointing's cache of matrix-product outputs) and
+the outputs, each storage once; ``measured_by`` "storages"), the compiled rows by the allocator
+(`revkernels.bench.report.allocated_bytes`: the memory in use after the forward less that before it;
+``measured_by`` "allocator"), as compiled code runs no Python dispatch mode or saved-tensor hook)):
 
 - ``revkernels budget=b``: the sequential engine with ``memory_budget=b`` for b in 0, 0.1, 0.25,
   0.5, 0.75, 1.0: the planner of `revkernels.engine.budget` gives each block rebuild, selective or
@@ -21,9 +24,10 @@ forward (`revkernels.bench.report.retained_bytes`: what autograd saves, what a c
   outputs of matrix products and attention and recomputing the rest (the policy of revkernels'
   selective option, `revkernels.engine.budget.save_matmuls`).
 
-With ``--compiled``, the same under torch.compile: revkernels' compiled engine at each budget
-against the standard stack compiled with ``torch._functorch.config.activation_memory_budget`` at the
-same fractions (compiled against compiled). Writes ``budget_<device>.csv`` (with the commit,
+With ``--compiled``, the same under torch.compile: the run (compiled engine) at each budget under
+``torch.compile`` (the rebuilt blocks one opaque op running the compiled steps, the kept blocks
+compiled into the graph) against the standard stack compiled with
+``torch._functorch.config.activation_memory_budget`` at the same fractions (compiled against compiled). Writes ``budget_<device>.csv`` (with the commit,
 device and versions on every row) and ``budget_<device>.png``: step time against saved memory.
 """
 import argparse
@@ -35,8 +39,8 @@ import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import revkernels as rk
-from revkernels.bench.report import (check_device, parse_checked, plotted, provenance, retained_bytes, timed_ms,
-                                     write_results)
+from revkernels.bench.report import (allocated_bytes, check_device, parse_checked, plotted, provenance, retained_bytes,
+                                     timed_ms, write_results)
 from revkernels.engine.budget import save_matmuls
 
 BUDGETS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
@@ -102,13 +106,17 @@ def measure(args, device):
     def record(method, group, budget, fn, plan=None):
         step = train_step(fn, params, x, target)
         step()  # (a plan's measurement, a compile, lazy initialisation: before the counting step)
-        out, saved = retained_bytes(lambda: fn(x, x), held)
+        if group == "eager":
+            out, saved = retained_bytes(lambda: fn(x, x), held)
+        else:
+            out, saved = allocated_bytes(lambda: fn(x, x), device)
         loss_of(*out, target).backward()
         del out
         for _ in range(args.warmup):
             step()
         row = {"group": group, "method": method, "budget": budget, "step_ms": float("nan"),
-               "saved_mib": round(saved / 2**20, 4), "plan": "", "planned_mib": ""}
+               "saved_mib": round(saved / 2**20, 4), "measured_by": "storages" if group == "eager" else "allocator",
+               "plan": "", "planned_mib": ""}
         if plan is not None:
             row.update(plan="".join(o[0].upper() for o in plan.options), planned_mib=round(plan.kept_bytes / 2**20, 4))
         rows.append(row)
@@ -142,9 +150,10 @@ def measure(args, device):
 
         seq.engine = "compiled"
         for budget in BUDGETS:
+            torch._dynamo.reset()
             seq.memory_budget = budget
-            record(f"revkernels compiled budget={budget:g}", "compiled", budget, functools.partial(_within, seq, budget),
-                   seq.memory_plan(x, x))
+            plan = seq.memory_plan(x, x)  # (made eagerly: the trace runs the plan made for its inputs)
+            record(f"revkernels compiled budget={budget:g}", "compiled", budget, torch.compile(seq), plan)
         seq.memory_budget, seq.engine = 0, "sequential"
         for budget in BUDGETS:
             torch._dynamo.reset()

@@ -392,9 +392,13 @@ mutation("compiled_recompile_budget_per_process", COMPILED,  # a width sweep's l
          "        functions, any_shape = self._compiled(None)",
          "tests/engine/test_compiled.py -k recompile_budget_of_its_own")
 mutation("compiled_anomaly_step_marks_the_structure_failed", COMPILED,
-         "                or dy1 is None or dy2 is None or torch.is_anomaly_enabled()):",
-         "                or dy1 is None or dy2 is None):",
-         "tests/engine/test_compiled.py -k anomaly")
+         "    return torch.is_anomaly_enabled() or torch._C._len_torch_dispatch_stack() > 0",
+         "    return torch._C._len_torch_dispatch_stack() > 0",
+         "tests/engine/test_compiled.py -k debugging_mode")
+mutation("compiled_dispatch_mode_step_marks_the_structure_failed", COMPILED,
+         "    return torch.is_anomaly_enabled() or torch._C._len_torch_dispatch_stack() > 0",
+         "    return torch.is_anomaly_enabled()",
+         "tests/engine/test_compiled.py -k debugging_mode")
 mutation("undeclared_randomness_not_checked", "revkernels/engine/state.py",
          "    if torch.equal(before.cpu, after.cpu) and all(",
          "    if True or all(",
@@ -475,6 +479,15 @@ mutation("budget_measurement_draws_from_the_stream", BUDGET,
 mutation("budget_plan_ignores_training_flags", BUDGET,
          "            tuple(m.training for m in modules), ctx)", "            (), ctx)",
          T_BUDGET + " -k once_per_signature")
+mutation("budget_trace_ignores_the_plan", BUDGET,  # under torch.compile every block was rebuilt
+         "    made = traced_plan(seq, x1, x2, context)\n    if made is None", "    made = None\n    if made is None",
+         T_BUDGET + " -k torch_compile")
+mutation("budget_trace_slices_the_blocks", BUDGET,  # a new ModuleList per call: a recompile per call
+         "    for i in range(k, len(seq.blocks)):", "    for i in range(k, len(list(seq.blocks[k:])) + k):",
+         T_BUDGET + " -k trace_runs_the_plan")
+mutation("budget_trace_no_warning_without_a_plan", BUDGET,
+         "    if seq.memory_budget and traced_plan(seq, x1, x2, context) is None and",
+         "    if seq.memory_budget and False and", T_BUDGET + " -k without_a_plan")
 mutation("reference_vjp_skips_g_path", "revkernels/reference.py", "            dy1 = dy1 + _grad_of(y1)\n",
          "            dy1 = dy1\n", "tests/test_reference.py")
 mutation("reference_half_coupling_drops_dy1", "revkernels/reference.py", "dy2, dy1 + _grad_of(x2)", "dy2, _grad_of(x2)",

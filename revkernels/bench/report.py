@@ -2,6 +2,8 @@
 device synchronisation every timed region starts and ends with, the timed calls themselves and the
 memory a forward keeps for its backward."""
 import csv
+import ctypes
+import ctypes.util
 import datetime
 import functools
 import gc
@@ -105,6 +107,41 @@ def retained_bytes(forward, exclude=()):
         out = forward()
     gc.collect()
     return out, sum(size for ptr, (ref, size) in seen.items() if ptr not in skip and ref() is not None)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+@functools.cache
+def _mallinfo2():
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    if not hasattr(libc, "mallinfo2"):
+        raise RuntimeError("revkernels: allocated_bytes on CPU needs glibc's mallinfo2 (glibc >= 2.33)")
+    libc.mallinfo2.restype = _MallInfo2
+    return libc.mallinfo2
+
+
+def _in_use(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    info = _mallinfo2()()
+    return info.uordblks + info.hblkhd  # heap chunks in use + mmap'd chunks (large tensors)
+
+
+def allocated_bytes(forward, device):
+    """``(forward(), bytes)``: how much more memory is in use on `device` after the call than before
+    it, the result alive: the allocator's count (CUDA: ``memory_allocated``; CPU: glibc's heap in
+    use), so it sees compiled code that a dispatch mode or a saved-tensor hook does not (Dynamo runs
+    no compiled frame under a Python dispatch mode). On CPU it includes the Python and autograd
+    objects the call leaves (some KB), which `retained_bytes` does not count."""
+    device = torch.device(device)
+    before = _in_use(device)
+    out = forward()
+    return out, _in_use(device) - before
 
 
 def _git_commit(bench_dir=os.path.dirname(os.path.abspath(__file__))):

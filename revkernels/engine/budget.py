@@ -52,6 +52,7 @@ import dataclasses
 import functools
 import numbers
 import time
+import warnings
 
 import torch
 from torch.nn.utils import parametrize
@@ -382,8 +383,12 @@ class Plans:
 
 def plan_of(seq, x1, x2, context):
     """The `MemoryPlan` of a call of `seq` (a ReversibleSequential) with these inputs, measured once
-    per input signature (`Plans`)."""
-    return _budget_state(seq)[0].get(seq.memory_budget, seq.blocks, x1, x2, context, seq.exact)
+    per input signature (`Plans`); the run of the blocks it rebuilds made with it (what a trace under
+    torch.compile calls: `traced_within_budget`)."""
+    made = _budget_state(seq)[0].get(seq.memory_budget, seq.blocks, x1, x2, context, seq.exact)
+    if 0 < made.first_kept < len(seq.blocks):
+        _head_run(seq, made.first_kept)
+    return made
 
 
 def _budget_state(seq):
@@ -458,6 +463,51 @@ def run_selective(block, x1, x2, context, preserve_rng_state=True):
     `selective_contexts` (the random numbers replayed in the recompute where `preserve_rng_state`)."""
     return checkpoint(_call, block, x1, x2, context, use_reentrant=False, preserve_rng_state=preserve_rng_state,
                       context_fn=functools.partial(selective_contexts, block))
+
+
+def traced_plan(seq, x1, x2, context):
+    """The plan a trace of `seq` under torch.compile runs: the one an eager call or
+    ``seq.memory_plan`` made for these inputs before (a trace cannot measure); None without one, in
+    exact mode and for ``"auto"`` (planned at every call): the run is then one opaque op that
+    rebuilds every block, and its kernel warns (`warn_unplanned`)."""
+    if seq.exact or seq.memory_budget == "auto":
+        return None
+    entry = dict.get(_budget_state(seq)[0].by_key,
+                     signature(x1, x2, context, list(seq.blocks.modules())))  # (a read: no LRU move)
+    return entry[1].get((seq.memory_budget, False)) if entry is not None else None
+
+
+def warn_unplanned(seq, x1, x2, context):
+    """Warns once per run whose budget a torch.compile trace could not follow (see `traced_plan`)."""
+    if seq.memory_budget and traced_plan(seq, x1, x2, context) is None and not seq.__dict__.get("_warned_unplanned"):
+        seq.__dict__["_warned_unplanned"] = True
+        why = ("in exact mode" if seq.exact else "with memory_budget='auto' (planned at every call)"
+               if seq.memory_budget == "auto" else "without a plan made for these inputs before the trace "
+               "(call seq.memory_plan(x1, x2, **context) or run one eager step, then compile)")
+        warnings.warn(f"revkernels: under torch.compile this run rebuilds every block whatever its memory_budget "
+                      f"{why}", UserWarning, stacklevel=2)
+
+
+def traced_within_budget(seq, x1, x2, context):
+    """Under torch.compile: (y1, y2) of `seq` with its `traced_plan`: the rebuilt blocks one opaque
+    op (their head run's), the kept blocks traced into the compiled graph (its partitioner decides
+    what they save; selective ones checkpointed with the same policy); None where there is no such
+    plan or it rebuilds every block."""
+    made = traced_plan(seq, x1, x2, context)
+    if made is None or made.first_kept == len(seq.blocks):
+        return None
+    k = made.first_kept
+    if k:
+        x1, x2 = _budget_state(seq)[1][k](x1, x2, **context)
+    for i in range(k, len(seq.blocks)):  # (a slice of the ModuleList would make one, a new structure, each call)
+        block, option = seq.blocks[i], made.options[i]
+        if option == "selective":  # (the compiled graph's functionalized recompute changes no buffer)
+            x1, x2 = checkpoint(_call, block, x1, x2, context, use_reentrant=False,
+                                preserve_rng_state=seq.preserve_rng_state,
+                                context_fn=functools.partial(create_selective_checkpoint_contexts, save_matmuls))
+        else:
+            x1, x2 = block(x1, x2, **context)
+    return x1, x2
 
 
 def run_within_budget(seq, x1, x2, context):

@@ -592,7 +592,7 @@ def forward_blocks(blocks, x1, x2, steps, preserve_rng_state=True, context=NO_CO
     with torch.no_grad():
         for i, block in enumerate(blocks):
             layout = _layout(block)
-            if _eager_block(block, layout) or (failed and layout.key in failed) or torch.is_anomaly_enabled():
+            if _eager_block(block, layout) or (failed and layout.key in failed) or _eager_call():
                 x1, x2, state = forward_step(block, x1, x2, preserve_rng_state, context)
             else:
                 try:
@@ -627,6 +627,14 @@ def _eager_block(block, layout):
     block with module hooks below it (they fire in the forward and the recompute as with the
     sequential engine; a full backward hook cannot run under ``torch.func.vjp``)."""
     return layout.kind is None or submodule_hooked(block, backward=True)
+
+
+def _eager_call():
+    """Whether this call runs the eager steps for every block, leaving the structure's compiled steps
+    for later calls (none is marked failed): under anomaly detection, or under a Python dispatch mode
+    (a FLOP counter, a memory tracker: TorchDispatchMode), which Dynamo does not trace (its frames are
+    skipped and a fullgraph step finds no compiled frame)."""
+    return torch.is_anomaly_enabled() or torch._C._len_torch_dispatch_stack() > 0
 
 
 def _inference_tensor(t):
@@ -697,10 +705,8 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
         # place of a tensor it did not get as an input)
         # A grad the loss did not give (None; see sequential.block_grads): the eager steps, for
         # the run's last block only (a None would be a signature of its own)
-        # Under anomaly detection (a debugging mode the compiled steps cannot run under): the eager
-        # steps for this call only; the structure is not marked failed
         if (_eager_block(block, layout) or getattr(state, "buffers", ()) or (failed and layout.key in failed)
-                or dy1 is None or dy2 is None or torch.is_anomaly_enabled()):
+                or dy1 is None or dy2 is None or _eager_call()):
             y1, y2, dy1, dy2, grads = _eager_backward(block, state, y1, y2, dy1, dy2, autocast, context)
         else:
             try:

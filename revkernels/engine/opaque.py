@@ -38,6 +38,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from revkernels.engine import compiled
+from revkernels.engine.budget import warn_unplanned
 from revkernels.engine.sequential import eager_forward, exact_forward, reverse_blocks, with_buffers
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, BlockState, RngState, autograd_recording,
                                      block_modes, check_context, cuda_devices_of, in_mode, run_modes)
@@ -248,6 +249,8 @@ def reversible_run(handle: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, par
     context, _ = _context(context, context_tensors, context_numbers)
     if context:
         check_context(seq, seq.blocks, context)
+    if seq.memory_budget:
+        warn_unplanned(seq, x1, x2, context)
     fixed = []
     # autograd_recording: the dispatch keys of an eager call, so that compiled steps called here and
     # eagerly share their graphs (the keys are guarded on); nothing records under no_grad

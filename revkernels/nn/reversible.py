@@ -442,6 +442,12 @@ class ReversibleSequential(nn.Module):
                 for block in self.blocks:
                     x1, x2 = block.forward(x1, x2, **context)  # (no block hooks: see run_reversible)
                 return x1, x2
+            if self._memory_budget:
+                from revkernels.engine.budget import traced_within_budget
+
+                out = traced_within_budget(self, x1, x2, context)
+                if out is not None:
+                    return out
             # Under torch.compile a memory-saving run is one opaque op (its backward rebuilds the
             # inputs), so the compiled graph saves only the run's outputs and context
             # (revkernels.engine.opaque, which also checks the context keywords, at trace time).

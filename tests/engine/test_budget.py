@@ -300,3 +300,67 @@ def test_auto_reads_the_free_memory_of_a_cuda_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10**6, 10**6))
     # free - grads not held yet (8000) - 2 x parameters (16000) - 10% of the device
     assert budget_module.auto_budget_bytes(params, torch.device("cuda", 0)) == 10**6 - 8000 - 16000 - 10**5
+
+
+class _GraphOps:
+    """A Dynamo backend (aot_eager) that notes the ops of the graph it is given."""
+
+    def __init__(self):
+        self.ops, self.graphs = [], 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        self.ops = [str(node.target) for node in gm.graph.nodes if node.op == "call_function"]
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    def count(self, name):
+        return sum(name in op for op in self.ops)
+
+
+@pytest.mark.parametrize("budget", [0.25, 0.5, 1.0])
+def test_under_torch_compile_the_trace_runs_the_plan_made_before_it(budget):
+    # (a trace cannot measure: it follows the plan memory_plan made; the rebuilt blocks are one
+    # opaque op, the kept ones traced into the graph, the selective ones checkpointed in it)
+    seq, ref = _twins(norm="batch")
+    seq.memory_budget = budget
+    data = [torch.randn(5, 24) for _ in range(4)]
+    made = seq.memory_plan(*data[:2])
+    torch._dynamo.reset()  # (another test's graphs of ReversibleSequential.forward: not this one's to count)
+    backend = _GraphOps()
+    compiled = torch.compile(seq, backend=backend, fullgraph=True)
+    got = run_grads(compiled, seq, *data)
+    expected = run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data)
+    for a, e in zip(got, expected, strict=True):
+        assert_close_rel(a, e)
+    for mine, theirs in zip(seq.buffers(), ref.buffers(), strict=True):  # BatchNorm statistics, updated once
+        assert_close_rel(mine, theirs)
+    assert backend.count("revkernels.reversible_run.default") == (1 if made.first_kept else 0)
+    assert backend.count("tag_activation_checkpoint") == made.options.count("selective")
+    assert made.options.count("rebuild") == made.first_kept
+    run_grads(compiled, seq, *data)
+    assert backend.graphs == 1  # (the trace made no module: the next call runs the same graph)
+
+
+def test_the_budgets_under_torch_compile_give_every_option():
+    seq = _seq(norm="batch")
+    x = torch.randn(5, 24)
+    options = set()
+    for budget in (0.25, 0.5, 1.0):
+        seq.memory_budget = budget
+        options.update(seq.memory_plan(x, x).options)
+    assert options == {"rebuild", "selective", "keep"}
+
+
+def test_under_torch_compile_without_a_plan_the_run_rebuilds_every_block_and_warns():
+    seq, ref = _twins()
+    seq.memory_budget = 0.5
+    data = [torch.randn(5, 24) for _ in range(4)]
+    backend = _GraphOps()
+    compiled = torch.compile(seq, backend=backend, fullgraph=True)
+    with pytest.warns(UserWarning, match=r"rebuilds every block whatever its memory_budget without a plan made for "
+                                         r"these inputs before the trace \(call seq.memory_plan"):
+        got = run_grads(compiled, seq, *data)
+    assert backend.ops.count("revkernels.reversible_run.default") == 1 and len(backend.ops) <= 4
+    expected = run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data)
+    for a, e in zip(got, expected, strict=True):
+        assert_close_rel(a, e)

@@ -16,6 +16,7 @@
 - ``torch.compile(fullgraph=True)`` over a memory-saving run saves the same bytes at depth 4 and
   16, and parameter hooks fire once.
 """
+import contextlib
 import copy
 import sys
 import types
@@ -24,6 +25,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import revkernels as rk
 from revkernels.engine import compiled
@@ -904,9 +906,28 @@ def test_each_block_structure_has_a_recompile_budget_of_its_own():
     assert not compiled_steps(seq, "cpu").failed
 
 
-def test_a_step_under_anomaly_detection_runs_eagerly_and_leaves_the_steps_compiled():
-    # One step under torch.autograd.detect_anomaly() marked the structure failed for the rest of
-    # the process (its steps do not compile in that mode): it now runs the eager steps for that call.
+class _CountingMode(TorchDispatchMode):
+    # a user's Python dispatch mode (a FLOP counter, a memory tracker): counts the ops it sees
+    ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _anomaly_detection():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's "Anomaly Detection has been enabled")
+        with torch.autograd.detect_anomaly():
+            yield
+
+
+@pytest.mark.parametrize("mode", ["anomaly", "dispatch_mode"])
+def test_a_step_under_a_debugging_mode_runs_eagerly_and_leaves_the_steps_compiled(mode):
+    # One step under torch.autograd.detect_anomaly() or a Python dispatch mode (whose frames Dynamo
+    # skips: a fullgraph step found no compiled frame) marked the structure failed for the rest of
+    # the process: it now runs the eager steps for that call, and later calls the compiled ones.
     backend = CountingBackend()
     seq = ReversibleSequential(*[rk.nn.ReversibleBlock(_SweepLinear(8), _SweepLinear(8)) for _ in range(2)],
                                engine="compiled")
@@ -914,19 +935,18 @@ def test_a_step_under_anomaly_detection_runs_eagerly_and_leaves_the_steps_compil
     ref = copy.deepcopy(seq)
     data = _data(3, 8)
     expected = run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (torch's "Anomaly Detection has been enabled")
-        with torch.autograd.detect_anomaly():
-            got = run_grads(seq, seq, *data)
-    for a, b in zip(got, expected, strict=True):
-        assert_close_rel(a, b, 1e-5)
+    counting = _CountingMode()
+    with counting if mode == "dispatch_mode" else _anomaly_detection():
+        under_mode = run_grads(seq, seq, *data)
     assert backend.calls == 0 and not compiled_steps(seq, "cpu").failed
+    assert counting.ops > 0 or mode == "anomaly"  # (the mode saw the eager steps' ops)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        got = run_grads(seq, seq, *data)
-    assert backend.calls == 4  # two blocks, a forward and a backward step each
-    for a, b in zip(got, expected, strict=True):
-        assert_close_rel(a, b, 1e-5)
+        after = run_grads(seq, seq, *data)
+    assert backend.calls == 4 and backend.graphs == 2  # two blocks, a forward and a backward step each
+    for grads in (under_mode, after):
+        for a, b in zip(grads, expected, strict=True):
+            assert_close_rel(a, b, 1e-5)
 
 
 def test_compile_options_are_shared_by_equal_functions_and_bounded():
