@@ -552,8 +552,11 @@ mutation("budget_selective_recompute_updates_statistics_again", BUDGET, "       
 mutation("budget_selective_recompute_draws_new_masks", BUDGET,
          "use_reentrant=False, preserve_rng_state=preserve_rng_state,",
          "use_reentrant=False, preserve_rng_state=False,", T_BUDGET + " -k dropout_masks")
-mutation("budget_selective_block_runs_plain", BUDGET, '        if option == "selective":', "        if False:",
-         T_BUDGET + " -k within_the_budget")
+mutation("budget_selective_block_runs_plain", BUDGET, '        if option == "selective":\n            x1, x2 = run_selective',
+         "        if False:\n            x1, x2 = run_selective", T_BUDGET + " -k within_the_budget")
+mutation("budget_trace_selective_block_runs_plain", BUDGET,
+         '        if option == "selective":  # (the compiled graph', "        if False:  # (the compiled graph",
+         T_BUDGET + " -k trace_runs_the_plan")
 mutation("budget_policy_recomputes_matmuls", BUDGET,
          "CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else", "CheckpointPolicy.PREFER_RECOMPUTE if op in SAVED_OPS else",
          T_BUDGET + " -k no_matrix_product")
