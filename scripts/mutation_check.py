@@ -479,6 +479,12 @@ mutation("budget_measurement_draws_from_the_stream", BUDGET,
 mutation("budget_plan_ignores_training_flags", BUDGET,
          "            tuple(m.training for m in modules), ctx)", "            (), ctx)",
          T_BUDGET + " -k once_per_signature")
+mutation("budget_plans_per_rank_under_fsdp", "revkernels/engine/fsdp.py",  # ranks' own timings, own plans
+         "    box = [value]\n    dist.broadcast_object_list(box, src=0)\n    return box[0]", "    return value",
+         "tests/engine/test_fsdp.py -k budget")
+mutation("budget_measures_sharded_parameters", BUDGET,  # a DTensor has no storage here: the plan raised
+         "            b1, b2 = enter(module_units(block), probed, a1, a2)", "            b1, b2 = probed(a1, a2)",
+         "tests/engine/test_fsdp.py -k budget")
 mutation("budget_trace_ignores_the_plan", BUDGET,  # under torch.compile every block was rebuilt
          "    made = traced_plan(seq, x1, x2, context)\n    if made is None", "    made = None\n    if made is None",
          T_BUDGET + " -k torch_compile")

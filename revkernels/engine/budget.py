@@ -60,6 +60,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from revkernels.engine.fsdp import enter, module_units, rank_zeros, storage_ptrs
 from revkernels.engine.structure import (LRU, buffers_as_before, buffers_kept, cached, record_buffers,
                                          recompute_context, running_stats_layers, spectral_norms, unique_params)
 
@@ -286,7 +287,7 @@ def activation_bytes(blocks, x1, x2, context):
     before, untimed: lazy initialisation). The generators are forked, BatchNorm uses batch
     statistics without updating its running ones and each block's other buffers are put back, so
     the caller sees no effect but the time."""
-    skip = {t.untyped_storage().data_ptr() for t in (*blocks.parameters(), *blocks.buffers())}
+    skip = storage_ptrs((*blocks.parameters(), *blocks.buffers()))
     devices = sorted({t.device.index for t in (x1, x2) if t.is_cuda})
     probe = _Probe(x1.device, skip)
     costs, kept = [], {}
@@ -303,9 +304,14 @@ def activation_bytes(blocks, x1, x2, context):
             inputs = {}
             for t in (a1, a2):
                 _add_storage(inputs, t, skip)
-            with recompute_context(block), buffers_kept(block), probe, \
-                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                b1, b2 = block.forward(a1, a2, **context)
+
+            def probed(a1, a2, block=block):
+                skip.update(storage_ptrs((*block.parameters(), *block.buffers())))  # (FSDP's unsharded ones)
+                with recompute_context(block), buffers_kept(block), probe, \
+                        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    return block.forward(a1, a2, **context)
+
+            b1, b2 = enter(module_units(block), probed, a1, a2)  # (an FSDP block: all-gathered for it)
             if i:
                 costs.append(BlockCost(
                     sum(kept.values()), sum({**inputs, **probe.saved}.values()) if _selective_offered(block) else None,
@@ -367,7 +373,8 @@ class Plans:
         key = signature(x1, x2, context, cached(blocks, "modules", lambda m: list(m.modules())))
         entry = self.by_key.get(key)
         if entry is None:
-            entry = self.by_key[key] = (activation_bytes(blocks, x1, x2, context), {})
+            # (FSDP's ranks plan from rank 0's measurement: timings differ from rank to rank)
+            entry = self.by_key[key] = (rank_zeros(activation_bytes(blocks, x1, x2, context), blocks), {})
         costs, plans = entry
         made = plans.get((budget, exact)) if budget != "auto" else None
         if made is not None:  # (a step's usual path: the cached plan)

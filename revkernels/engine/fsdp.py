@@ -102,6 +102,27 @@ def enter(units, fn, *args):
     return getattr(units[0], _ENTRY)(lambda *inner: enter(units[1:], fn, *inner), *args)
 
 
+def rank_zeros(value, module):
+    """`value` as rank 0 of the default process group has it, where `module` holds FSDP units (its
+    ranks run it in step), else `value`: what each rank measures for itself (a memory plan's
+    timings) must not split the ranks' choices, nor their collectives with them."""
+    if not module_units(module):
+        return value
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def storage_ptrs(tensors):
+    """The data pointers of the storages of `tensors`, sharded FSDP parameters (DTensors: no storage
+    here; their block's unsharded ones appear while it runs) aside."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", ())
+    return {t.untyped_storage().data_ptr() for t in tensors if not isinstance(t, dtensor)}
+
+
 class ShardedRun:
     """What the `BlockStep` nodes of one run share."""
 

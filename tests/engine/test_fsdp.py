@@ -15,6 +15,7 @@ autograd engine under the same policy. Through dropout, ``backward(retain_graph=
 ``backward()`` gives twice the grads of one backward, as plain autograd does (the block nodes keep
 each block's generator states for the second rebuild).
 """
+import dataclasses
 import datetime
 import os
 import warnings
@@ -27,6 +28,7 @@ from torch import nn
 
 import revkernels as rk
 from revkernels.check import monitor_reconstruction
+from revkernels.engine import budget as budget_module
 from revkernels.engine.recompute import run_recomputed
 from revkernels.models.staged import StagedModel
 from tests.helpers import assert_close_rel, loss_of, make_seq, residual_fn
@@ -60,6 +62,7 @@ CASES = {
     "dropout-block-retain": ("dropout", "block", True, "sequential", False),  # backward(retain_graph=True) twice
     "exact-block-raf": ("exact", "block", True, "sequential", False),  # exact mode: int64 streams node to node
     "exact-fg-keep": ("exact", "fg", False, "sequential", False),
+    "budget-block-raf": ("budget", "block", True, "sequential", False),  # memory_budget=0.5: kept and rebuilt blocks
     "dropout-block-switch": ("dropout", "block", True, "sequential", False),  # eval() or new rates before backward
 }
 SLOW_CASES = {"revnet18-stage-raf": ("revnet18", "block", True, "sequential", False),
@@ -127,14 +130,16 @@ def _model(kind, engine="autograd"):
     (the steps traced as for inductor, in seconds instead of a minute)."""
     if kind == "staged":
         return _Staged(engine)
-    if kind in ("generic", "mlp", "vit", "context", "dropout", "exact"):
+    if kind in ("generic", "mlp", "vit", "context", "dropout", "exact", "budget"):
         blocks = {"generic": lambda: make_seq(DEPTH, WIDTH).blocks, "exact": lambda: make_seq(DEPTH, WIDTH).blocks,
+                  "budget": lambda: make_seq(DEPTH, WIDTH).blocks,
                   "mlp": lambda: [rk.nn.ReversibleBlock(_mlp(), _mlp()) for _ in range(DEPTH)],
                   "dropout": lambda: [rk.nn.ReversibleBlock(nn.Sequential(_mlp(), nn.Dropout(0.5)),
                                                             nn.Sequential(_mlp(), nn.Dropout(0.5))) for _ in range(DEPTH)],
                   "vit": lambda: [rk.nn.RevViTBlock(WIDTH, 2, mlp_ratio=2.0) for _ in range(2)],
                   "context": lambda: [rk.nn.ReversibleBlock(_Film(), _Film()) for _ in range(2)]}[kind]()
-        seq = rk.nn.ReversibleSequential(*blocks, exact=kind == "exact")  # (the reference: exact autograd)
+        # (the references: exact autograd; plain autograd, which has no budget)
+        seq = rk.nn.ReversibleSequential(*blocks, exact=kind == "exact", memory_budget=0.5 if kind == "budget" else 0)
         seq.engine = engine.removesuffix("-dynamo")
         if engine.endswith("-dynamo"):
             seq.compile_options = {"backend": "eager"}
@@ -245,6 +250,12 @@ def _run_case(name, case, data, shard):
         _loss(model, kind, tuple(t[shard] for t in data["batches"][0]))[0].backward()
         model.zero_grad(set_to_none=True)
     _shard(model, kind, units, raf, mixed)
+    if kind == "budget" and dist.get_rank() == 1:  # rank 1 measures its blocks free to rebuild: its own plan
+        measure = budget_module.activation_bytes  # would rebuild them all, rank 0's does not
+
+        def free(*args):
+            return [dataclasses.replace(c, forward_ms=0.0, recompute_ms=0.0) for c in measure(*args)]
+        budget_module.activation_bytes = free
     observed, after_forward = [], None
     if name == "generic-block-raf":
         _watch_backward(model, observed)
@@ -271,6 +282,9 @@ def _run_case(name, case, data, shard):
         "after_forward": after_forward, "observed": observed,
         "monitored": None if monitor is None else monitor.errors,
     }
+    if kind == "budget":  # every rank's plan (the ranks plan from rank 0's measurement)
+        result["plans"] = [None] * dist.get_world_size()
+        dist.all_gather_object(result["plans"], model.memory_plan(*(t[shard] for t in data["batches"][0][:2])).options)
     if name in ("generic-block-raf", "vit-block-keep", "exact-block-raf"):  # what a forward saves for the backward
         x1, x2 = (t[shard].detach().requires_grad_() for t in data["batches"][0][:2])
         saved = []
@@ -350,6 +364,9 @@ def _check_case(name, case, data, result):
         assert len(result["monitored"]) == DEPTH and max(result["monitored"]) < 1e-5, result["monitored"]
         if case[0] == "exact":  # every block input rebuilt bit for bit
             assert result["monitored"] == [0.0] * DEPTH, result["monitored"]
+    if "plans" in result:
+        plans = result["plans"]
+        assert plans[0] == plans[1] and "rebuild" in plans[0] and set(plans[0]) != {"rebuild"}, plans
     if result["after_forward"] is not None:
         raf = case[2]
         assert result["after_forward"] == [raf] * len(result["after_forward"]), f"{name}: sharded after forward"
