@@ -485,12 +485,20 @@ mutation("budget_plans_per_rank_under_fsdp", "revkernels/engine/fsdp.py",  # ran
 mutation("budget_measures_sharded_parameters", BUDGET,  # a DTensor has no storage here: the plan raised
          "            b1, b2 = enter(module_units(block), probed, a1, a2)", "            b1, b2 = probed(a1, a2)",
          "tests/engine/test_fsdp.py -k budget")
+mutation("member_checks_of_two_runs_drop_the_caches_in_turn", "revkernels/engine/structure.py",
+         "        if snapshot[3] == _registrations:\n            _MEMBERS[module] = (_version, *snapshot[1:])\n"
+         "            return\n", "", T_BUDGET + " -k structure_caches")
 mutation("budget_trace_ignores_the_plan", BUDGET,  # under torch.compile every block was rebuilt
          "    made = traced_plan(seq, x1, x2, context)\n    if made is None", "    made = None\n    if made is None",
          T_BUDGET + " -k torch_compile")
 mutation("budget_trace_slices_the_blocks", BUDGET,  # a new ModuleList per call: a recompile per call
-         "    for i in range(k, len(seq.blocks)):", "    for i in range(k, len(list(seq.blocks[k:])) + k):",
+         "    for block, option in zip(list(seq.blocks)[k:], made.options[k:]):  # (a list: see",
+         "    for block, option in zip(seq.blocks[k:], made.options[k:]):  # (a list: see",
          T_BUDGET + " -k trace_runs_the_plan")
+mutation("budget_run_slices_the_blocks", BUDGET,  # a new ModuleList per call: every structure cache dropped
+         "    for block, option in zip(list(seq.blocks)[k:], made.options[k:]):\n",
+         "    for block, option in zip(seq.blocks[k:], made.options[k:]):\n",
+         T_BUDGET + " -k structure_caches")
 mutation("budget_trace_no_warning_without_a_plan", BUDGET,
          "    if seq.memory_budget and traced_plan(seq, x1, x2, context) is None and",
          "    if seq.memory_budget and False and", T_BUDGET + " -k without_a_plan")

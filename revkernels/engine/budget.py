@@ -506,8 +506,7 @@ def traced_within_budget(seq, x1, x2, context):
     k = made.first_kept
     if k:
         x1, x2 = _budget_state(seq)[1][k](x1, x2, **context)
-    for i in range(k, len(seq.blocks)):  # (a slice of the ModuleList would make one, a new structure, each call)
-        block, option = seq.blocks[i], made.options[i]
+    for block, option in zip(list(seq.blocks)[k:], made.options[k:]):  # (a list: see run_within_budget)
         if option == "selective":  # (the compiled graph's functionalized recompute changes no buffer)
             x1, x2 = checkpoint(_call, block, x1, x2, context, use_reentrant=False,
                                 preserve_rng_state=seq.preserve_rng_state,
@@ -534,8 +533,10 @@ def run_within_budget(seq, x1, x2, context):
         seq.engine_in_use = head.engine_in_use
     if streams is not None:  # (the plan keeps whole blocks in exact mode)
         fixed, streams.outputs = streams.outputs, None  # (the head's node keeps `streams`: drop its reference)
-        return streams.run_autograd(seq.blocks[k:], x1, x2, context, fixed if k else None, first=k)
-    for block, option in zip(seq.blocks[k:], made.options[k:]):
+        return streams.run_autograd(list(seq.blocks)[k:], x1, x2, context, fixed if k else None, first=k)
+    # (a list: a slice of the ModuleList would make a new one, a structure change dropping every
+    # structure cache, each call)
+    for block, option in zip(list(seq.blocks)[k:], made.options[k:]):
         if option == "selective":
             x1, x2 = run_selective(block, x1, x2, context, seq.preserve_rng_state)
         else:

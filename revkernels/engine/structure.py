@@ -46,11 +46,13 @@ from torch.nn.modules.module import (register_module_buffer_registration_hook,
 from torch.nn.utils import parametrize
 
 _version = 0
+_registrations = 0  # the registrations among the version's changes (`invalidate` is not one)
 
 
 def _bump(*_args):
-    global _version
+    global _version, _registrations
     _version += 1
+    _registrations += 1
 
 
 def _bump_for_new_buffer(module, name, _buffer):
@@ -101,7 +103,8 @@ def structure_version():
 
 def invalidate():
     """Drops every cached structure (for changes no registration hook reports)."""
-    _bump()
+    global _version
+    _version += 1
 
 
 def check_members(module):
@@ -109,17 +112,25 @@ def check_members(module):
     removed from a module under `module` without a registration (see the module docstring): the
     sizes of the tree's ``_modules`` dicts against those of a snapshot taken at the last check.
     Any other structure change since the snapshot (a registration) invalidates too: caches built
-    after it but before a later insert would otherwise hold the tree as it was then."""
+    after it but before a later insert would otherwise hold the tree as it was then. A version
+    changed only by invalidations (another tree's check: two runs over the same blocks, such as a
+    run with a memory budget and the run of its rebuilt blocks) is no registration: the sizes
+    decide, or the two checks would drop every cache in turn on every call."""
     snapshot = _MEMBERS.get(module)
-    if snapshot is not None and snapshot[0] == _version and tuple(map(len, snapshot[1])) == snapshot[2]:
-        return
+    if snapshot is not None and tuple(map(len, snapshot[1])) == snapshot[2]:
+        if snapshot[0] == _version:
+            return
+        if snapshot[3] == _registrations:
+            _MEMBERS[module] = (_version, *snapshot[1:])
+            return
     if snapshot is not None:
         invalidate()
     dicts = [sub._modules for sub in module.modules()]
-    _MEMBERS[module] = (_version, dicts, tuple(map(len, dicts)))
+    _MEMBERS[module] = (_version, dicts, tuple(map(len, dicts)), _registrations)
 
 
-_MEMBERS = weakref.WeakKeyDictionary()  # module -> (structure version, its tree's _modules dicts, their sizes)
+# module -> (structure version, its tree's _modules dicts, their sizes, the registrations then)
+_MEMBERS = weakref.WeakKeyDictionary()
 
 
 def cached(module, key, build):
