@@ -305,17 +305,23 @@ def drift_table(rows):
 
 def budget_table(rows):
     """`benchmarks/bench_budget.py` (`budget_<device>.csv`): step time against measured memory, the
-    revkernels budgets and the baselines of the same run (eager rows)."""
-    rows = [r for r in rows if r["group"] == "eager"]
-    if not rows:
+    revkernels budgets and the baselines of the same run: the eager rows, then (``--compiled``)
+    the compiled ones."""
+    eager = [r for r in rows if r["group"] == "eager"]
+    compiled = [r for r in rows if r["group"] == "compiled"]
+    if not eager:
         return []
-    lines = [f"Train step (forward + backward) of a `RevViTBlock` stack ({rows[0]['config']}), median ms, the rows "
+    lines = [f"Train step (forward + backward) of a `RevViTBlock` stack ({eager[0]['config']}), median ms, the rows "
              f"timed in rounds; saved: what the forward leaves alive for the backward, measured "
-             f"({_provenance(rows)}):", "",
-             "| method | plan | saved, MiB | step ms |", "|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['method']} | {r['plan'] or ''} | {_num(r['saved_mib']):.2f} | {_num(r['step_ms']):.1f} |")
-    return lines
+             f"({_provenance(rows)}):", ""]
+    for group, title in ((eager, "method"), (compiled, "under torch.compile (rows timed one after another; saved: "
+                                                         "the allocator's count)")):
+        if group:
+            lines += [f"| {title} | plan | saved, MiB | step ms |", "|---|---|---|---|"]
+            lines += [f"| {r['method']} | {r['plan'] or ''} | {_num(r['saved_mib']):.2f} | {_num(r['step_ms']):.1f} |"
+                      for r in group]
+            lines.append("")
+    return lines[:-1]
 
 
 TEXT_MODELS = {"autograd": "reversible, `autograd`", "sequential": "reversible, `sequential`",

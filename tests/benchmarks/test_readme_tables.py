@@ -212,7 +212,7 @@ def test_memory_table_has_the_ratios_against_autograd(tmp_path, readme_tables):
     assert "| 4 | `autograd` | 100 | 80.0 | 100 | 1.00x | 1.00x | 1.00x |" in text
 
 
-def test_budget_table_lists_the_eager_rows_with_their_plans(tmp_path, readme_tables):
+def test_budget_table_lists_the_eager_then_the_compiled_rows_with_their_plans(tmp_path, readme_tables):
     row = {"group": "eager", "budget": "", "plan": "", "planned_mib": "", "config": "dim 192, depth 6"}
     _write(tmp_path / "budget_cpu.csv", [
         dict(row, method="revkernels budget=0.5", budget=0.5, plan="RRSSKK", saved_mib=34.3375, step_ms=132.77),
@@ -221,7 +221,8 @@ def test_budget_table_lists_the_eager_rows_with_their_plans(tmp_path, readme_tab
     text = readme_tables.table("budget", str(tmp_path))
     assert "stack (dim 192, depth 6)" in text and "| method | plan | saved, MiB | step ms |" in text
     assert "| revkernels budget=0.5 | RRSSKK | 34.34 | 132.8 |" in text and "| standard |  | 73.29 | 112.3 |" in text
-    assert "compiled" not in text  # (the eager rows only)
+    eager, compiled = text.split("| under torch.compile")
+    assert "compiled" not in eager and "| standard compiled budget=0.5 |  | 20.00 | 99.0 |" in compiled
 
 
 def test_drift_text_and_attention_tables(tmp_path, readme_tables):
