@@ -488,6 +488,11 @@ mutation("budget_measures_sharded_parameters", BUDGET,  # a DTensor has no stora
 mutation("member_checks_of_two_runs_drop_the_caches_in_turn", "revkernels/engine/structure.py",
          "        if snapshot[3] == _registrations:\n            _MEMBERS[module] = (_version, *snapshot[1:])\n"
          "            return\n", "", T_BUDGET + " -k structure_caches")
+mutation("petra_cli_memory_budget_dropped", "revkernels/petra/train.py",
+         '        kwargs["memory_budget"] = args.memory_budget\n', "        pass\n",
+         "tests/petra/test_train.py -k exact_stages")
+mutation("petra_cli_exact_dropped", "revkernels/petra/train.py",
+         "args.stem, exact=args.exact)", "args.stem)", "tests/petra/test_train.py -k exact_stages")
 mutation("budget_trace_ignores_the_plan", BUDGET,  # under torch.compile every block was rebuilt
          "    made = traced_plan(seq, x1, x2, context)\n    if made is None", "    made = None\n    if made is None",
          T_BUDGET + " -k torch_compile")

@@ -114,7 +114,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from revkernels.petra.data import DATASETS, batches, load_dataset
-from revkernels.petra.partition import BALANCES, balanced_sizes, stage_costs
+from revkernels.petra.partition import BALANCES, balanced_sizes, check_stage_budget, stage_costs
 from revkernels.petra.simulate import METHODS, PIPELINED, Trainer
 
 MODELS = ("revnet18", "revnet34", "revnet50")
@@ -122,12 +122,20 @@ SMALL_DATA_LR = 0.01  # the default base lr on digits / synthetic (module docstr
 RUNTIMES = ("simulate", "distributed")
 
 
-def build_model(name, num_classes, stem="cifar"):
-    """revnet18/34/50 by name."""
+def build_model(name, num_classes, stem="cifar", exact=False):
+    """revnet18/34/50 by name; `exact`: its reversible runs in exact mode (fixed-point streams)."""
     if not isinstance(name, str) or name not in MODELS:
         raise ValueError(f"revkernels: --model must be one of {list(MODELS)}, got {name!r}")
     from revkernels import models
-    return getattr(models, name)(num_classes=num_classes, stem=stem)
+    return getattr(models, name)(num_classes=num_classes, stem=stem, exact=exact)
+
+
+def parse_budget(text):
+    """``--memory-budget``'s value: an int (bytes) for digits alone, else a float (a fraction)."""
+    try:
+        return int(text) if text.strip().isdigit() else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a fraction in [0, 1] or a number of bytes, got {text!r}") from None
 
 
 def make_parser():
@@ -145,6 +153,12 @@ def make_parser():
                    help="imagefolder: a folder of class subfolders (or train/ and test/ of them); cifar10: the folder "
                         "of the python batches (data_batch_1..5, test_batch)")
     p.add_argument("--method", default="petra", help=f"one of {', '.join(METHODS)}")
+    p.add_argument("--exact", action="store_true",
+                   help="reversible stages in exact mode: int64 fixed-point streams between them, rebuilt bit for "
+                        "bit (docs/exact.md); twice the bytes per stream message")
+    p.add_argument("--memory-budget", type=parse_budget, default=0,
+                   help="petra: reversible stages keep their inputs (no rebuild) within this budget: a fraction in "
+                        "[0, 1] of what keeping every one would hold, or a number of bytes (default 0: all rebuild)")
     p.add_argument("--runtime", default="simulate",
                    help="simulate (one process, any method) or distributed (PETRA, one process per rank: launch "
                         "under torchrun --nproc-per-node R, or pass --nproc R)")
@@ -209,6 +223,12 @@ def _check_args(args):
             raise ValueError(f"revkernels: {name} must be one of {list(choices)}, got {value!r}")
     if args.stem not in ("cifar", "imagenet"):
         raise ValueError(f"revkernels: --stem must be 'cifar' or 'imagenet', got {args.stem!r}")
+    if args.memory_budget and args.method != "petra":
+        raise ValueError(f"revkernels: --memory-budget applies to --method petra only, got {args.method!r}")
+    try:
+        check_stage_budget(args.memory_budget)
+    except (TypeError, ValueError) as e:
+        raise ValueError(str(e).replace("memory_budget", "--memory-budget", 1)) from None
     if args.runtime not in RUNTIMES:
         raise ValueError(f"revkernels: --runtime must be one of {list(RUNTIMES)}, got {args.runtime!r}")
     if args.runtime == "distributed" and args.method not in PIPELINED:
@@ -398,7 +418,7 @@ def _run(args):
 
     data = load_dataset(args.dataset, args.image_size, split_seed=args.split_seed, path=args.data)
     torch.manual_seed(args.seed)
-    model = build_model(args.model, data.num_classes, args.stem)
+    model = build_model(args.model, data.num_classes, args.stem, exact=args.exact)
     _check_workers(args, len(model.stages))  # a clear error before any rank waits on another
     batches_per_epoch = data.train_images.shape[0] // args.batch_size
     if batches_per_epoch < 1:
@@ -410,6 +430,8 @@ def _run(args):
                   warmup_steps=int(round(args.warmup_epochs * opt_steps_per_epoch)),
                   milestones=[int(round(m * opt_steps_per_epoch)) for m in args.milestones],
                   weight_decay=args.weight_decay, gamma=args.gamma, batch_size=args.batch_size)
+    if args.memory_budget:
+        kwargs["memory_budget"] = args.memory_budget
     if args.runtime == "distributed":
         from revkernels.petra import distributed
 
@@ -592,7 +614,7 @@ def _train(args, data, model, trainer, pipe, logs, device, batches_per_epoch, tq
     if logs:
         os.makedirs(out, exist_ok=True)
         config = dict(_arg_values(args), out=out, image_size=data.image_size, num_stages=trainer.num_stages,
-                      stage_kinds=[s.kind for s in trainer.stages], groups=trainer.groups,
+                      stage_kinds=[s.kind for s in trainer.stages], groups=trainer.groups, exact_stages=trainer.exact,
                       world_size=pipe.world_size if pipe is not None else 1,
                       train_images=int(data.train_images.shape[0]),
                       test_images=int(data.test_images.shape[0]), batches_per_epoch=batches_per_epoch,

@@ -131,6 +131,36 @@ def test_cli_end_to_end_digits(method, tmp_path, capsys):
         assert all(b == 0 for b in r["peak_buffer_bytes"])
 
 
+def test_cli_exact_stages_with_a_memory_budget(tmp_path, capsys):
+    # --exact: the model's runs, hence its reversible stages, in exact mode; --memory-budget: some
+    # reversible stages keep their inputs (a FIFO that holds bytes) and the others rebuild (none)
+    out = str(tmp_path / "exact")
+    main(TINY + ["--method", "petra", "--exact", "--memory-budget", "0.5", "--out", out])
+    records, _, config = _read_logs(out)
+    assert config["exact_stages"] is True and config["memory_budget"] == 0.5
+    kinds = config["stage_kinds"]
+    rev = [b for b, k in zip(records[0]["peak_buffer_bytes"], kinds) if k == "reversible"]
+    assert any(b > 0 for b in rev) and any(b == 0 for b in rev), rev
+    assert 0 < records[0]["train_loss"] < 10
+    main(TINY + ["--method", "petra", "--out", str(tmp_path / "float")])
+    assert _read_logs(str(tmp_path / "float"))[2]["exact_stages"] is False
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--memory-budget", "1.5"], r"--memory-budget as a fraction must be in \[0, 1\], got 1.5"),
+    (["--memory-budget", "0.5", "--method", "delayed"], "--memory-budget applies to --method petra only")])
+def test_cli_bad_memory_budget_names_the_flag(args, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        main(["--out", str(tmp_path), *args])
+
+
+def test_cli_memory_budget_that_is_no_number_is_an_argparse_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", str(tmp_path), "--memory-budget", "half"])
+    assert exit_info.value.code == 2
+    assert "--memory-budget: a fraction in [0, 1] or a number of bytes, got 'half'" in capsys.readouterr().err
+
+
 def test_cli_schedule_in_epochs_and_synthetic(tmp_path, capsys):
     out = str(tmp_path / "syn")
     main(["--dataset", "synthetic", "--image-size", "8", "--method", "backprop", "--accum", "2", "--epochs", "2",
