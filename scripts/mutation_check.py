@@ -493,6 +493,9 @@ mutation("petra_cli_memory_budget_dropped", "revkernels/petra/train.py",
          "tests/petra/test_train.py -k exact_stages")
 mutation("petra_cli_exact_dropped", "revkernels/petra/train.py",
          "args.stem, exact=args.exact)", "args.stem)", "tests/petra/test_train.py -k exact_stages")
+mutation("budget_compiled_engine_keeps_blocks_eagerly", BUDGET,
+         '        elif seq.engine == "compiled":  # (the block', '        elif False:  # (the block',
+         T_BUDGET + " -k compiles_its_kept")
 mutation("budget_trace_ignores_the_plan", BUDGET,  # under torch.compile every block was rebuilt
          "    made = traced_plan(seq, x1, x2, context)\n    if made is None", "    made = None\n    if made is None",
          T_BUDGET + " -k torch_compile")

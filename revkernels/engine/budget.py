@@ -60,6 +60,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from revkernels.engine.compiled import kept_forward
 from revkernels.engine.fsdp import enter, module_units, rank_zeros, storage_ptrs
 from revkernels.engine.structure import (LRU, buffers_as_before, buffers_kept, cached, record_buffers,
                                          recompute_context, running_stats_layers, spectral_norms, unique_params)
@@ -536,9 +537,11 @@ def run_within_budget(seq, x1, x2, context):
         return streams.run_autograd(list(seq.blocks)[k:], x1, x2, context, fixed if k else None, first=k)
     # (a list: a slice of the ModuleList would make a new one, a structure change dropping every
     # structure cache, each call)
-    for block, option in zip(list(seq.blocks)[k:], made.options[k:]):
+    for i, (block, option) in enumerate(zip(list(seq.blocks)[k:], made.options[k:]), start=k):
         if option == "selective":
             x1, x2 = run_selective(block, x1, x2, context, seq.preserve_rng_state)
+        elif seq.engine == "compiled":  # (the block's compiled forward step, differentiated by autograd)
+            x1, x2 = kept_forward(seq, i, x1, x2, context)
         else:
             x1, x2 = block(x1, x2, **context)
     return x1, x2

@@ -681,6 +681,24 @@ def _step(steps, name, block, position, *args):
                          f"({type(block).__name__}) failed", error) from error
 
 
+def kept_forward(seq, position, x1, x2, context=NO_CONTEXT):
+    """(y1, y2) of blocks[`position`] of `seq` (the compiled engine's run) under autograd, as a
+    memory budget keeps it: its compiled forward step differentiated by autograd (the compiled
+    training graph saves what its backward needs), or the block itself where that does not apply:
+    a block that draws random numbers (its compiled graph may draw them in another order than
+    eager), one the compiled steps run eagerly, FSDP-sharded blocks, a debugging mode."""
+    block = seq.blocks[position]
+    layout = _layout(block)
+    steps = compiled_steps(seq, x1.device.type)
+    if not (_eager_block(block, layout) or layout.key in steps.failed or _eager_call() or block.draws_random()
+            or block_units(seq) is not None):
+        try:
+            return steps.call("block_forward", block, position, block, layout.kind, x1, x2, context)
+        except StepFailed as failure:
+            failure.fall_back()
+    return block(x1, x2, **context)
+
+
 def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_state=None, context=NO_CONTEXT):
     """Walks `blocks` backwards with the pure steps; returns ``(x1, x2, dx1, dx2, param_grads)``
     with `param_grads` aligned to `params` (None for a parameter no block used). `context`: the
