@@ -12,6 +12,8 @@
 
 #include <functional>
 #include <initializer_list>
+#include <memory>
+#include <type_traits>
 #include <utility>
 
 #include "coupling_layout.h"  // check_defined: Function::apply reads every tensor argument's device
@@ -48,6 +50,18 @@ inline bool records_grad(std::initializer_list<std::reference_wrapper<const at::
 // The dtype the ops accumulate in: fp64 where an argument is fp64, else fp32.
 inline at::ScalarType accumulate_dtype(const at::Tensor& a, const at::Tensor& b) {
   return a.scalar_type() == at::kDouble || b.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// A new graph node of type T, held as torch's autograd Edge holds nodes: by std::shared_ptr up to
+// torch 2.11 at least, by c10::intrusive_ptr in 2.13 and later (pyproject allows torch >= 2.11).
+template <typename T>
+auto make_node() {
+  using Handle = decltype(std::declval<torch::autograd::Edge>().function);
+  if constexpr (std::is_same_v<Handle, std::shared_ptr<torch::autograd::Node>>) {
+    return std::make_shared<T>();
+  } else {
+    return c10::make_intrusive<T>();
+  }
 }
 
 // `op.call(args...)` below autograd (a kernel whose inputs need no graph node).

@@ -9,9 +9,7 @@
 #include <torch/csrc/autograd/generated/Functions.h>
 #include <torch/library.h>
 
-#include <memory>
 #include <type_traits>
-#include <utility>
 
 #include "autograd.h"
 
@@ -19,18 +17,6 @@ namespace revkernels {
 namespace {
 
 using CouplingOp = at::Tensor(const at::Tensor&, const at::Tensor&);
-
-// A new graph node of type T, held as torch's autograd Edge holds nodes: by std::shared_ptr up to
-// torch 2.11 at least, by c10::intrusive_ptr in 2.13 and later (pyproject allows torch >= 2.11).
-template <typename T>
-auto make_node() {
-  using Handle = decltype(std::declval<torch::autograd::Edge>().function);
-  if constexpr (std::is_same_v<Handle, std::shared_ptr<torch::autograd::Node>>) {
-    return std::make_shared<T>();
-  } else {
-    return c10::make_intrusive<T>();
-  }
-}
 
 template <bool kSub>
 at::Tensor coupling_autograd(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name) {

@@ -9,10 +9,8 @@
 #include <torch/csrc/autograd/generated/Functions.h>
 #include <torch/library.h>
 
-#include <memory>
 #include <tuple>
 #include <type_traits>
-#include <utility>
 
 #include "autograd.h"
 
@@ -21,14 +19,6 @@ namespace {
 
 using StepResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 using StepOp = StepResult(const at::Tensor&, const at::Tensor&, int64_t, at::ScalarType);
-
-// A new node of type T as torch's Edge holds it: std::shared_ptr up to torch 2.11, intrusive_ptr from 2.13.
-template <typename T>
-auto new_node() {
-  using Handle = decltype(std::declval<torch::autograd::Edge>().function);
-  if constexpr (std::is_same_v<Handle, std::shared_ptr<torch::autograd::Node>>) return std::make_shared<T>();
-  else return c10::make_intrusive<T>();
-}
 
 template <bool kSub>
 StepResult fixed_point_step_autograd(const at::Tensor& x, const at::Tensor& f, int64_t bits, at::ScalarType dtype) {
@@ -39,7 +29,7 @@ StepResult fixed_point_step_autograd(const at::Tensor& x, const at::Tensor& f, i
   check_defined(f, "f");
   StepResult result = call_below_autograd(op, x, f, bits, dtype);
   if (records_grad({x, f})) {
-    auto node = new_node<Backward>();
+    auto node = make_node<Backward>();
     node->set_next_edges(torch::autograd::collect_next_edges(at::Tensor(), f));
     node->alpha = 1;
     node->self_scalar_type = dtype;
