@@ -336,27 +336,16 @@ C10_ALWAYS_INLINE void add_total(double& sum, Block<acc_t>& part) {
 template <typename acc_t, typename out_t, typename b_t>
 void coupling_axpy_vec(out_t* out, const out_t* a, const b_t* b, acc_t alpha, const CouplingLayout& layout,
                        int64_t begin, int64_t end, bool stream) {
-  const int nd = layout.ndim;  // >= 1, unit-stride innermost dim in a and b (coupling_axpy checks)
+  // (layout.ndim >= 1, unit-stride innermost dim in a and b: coupling_axpy checks)
   const Block<acc_t> alpha_v(alpha);
-  const int64_t inner = layout.sizes[nd - 1];
-  for (int64_t linear = begin; linear < end;) {
-    // Offsets of `linear` in a and b; the run ends with the innermost dim or the range.
-    int64_t rest = linear, a_off = 0, b_off = 0;
-    for (int d = nd - 1; d >= 0; --d) {
-      const int64_t index = rest % layout.sizes[d];
-      rest /= layout.sizes[d];
-      a_off += index * layout.a_strides[d];
-      b_off += index * layout.b_strides[d];
-    }
-    const int64_t run = std::min(inner - linear % inner, end - linear);
+  for_each_layout_run(layout, begin, end, [&](int64_t linear, int64_t a_off, int64_t b_off, int64_t run) {
     out_t* o = out + linear;
     const out_t* pa = a + a_off;
     const b_t* pb = b + b_off;
     for_blocks_aligned<acc_t>(o, run, stream, [&](int64_t i, int64_t count) C10_ALWAYS_INLINE_ATTRIBUTE {
       put_block(o + i, load_block<acc_t>(pa + i, count) + alpha_v * load_block<acc_t>(pb + i, count), count, stream);
     });
-    linear += run;
-  }
+  });
   end_streaming(stream);
 }
 

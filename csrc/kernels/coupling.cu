@@ -25,13 +25,8 @@ __global__ void coupling_axpy_strided_kernel(out_t* __restrict__ out, const out_
                                              CouplingLayout layout, int64_t numel) {
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel; i += step) {
-    int64_t rest = i, a_off = 0, b_off = 0;
-    for (int d = layout.ndim - 1; d >= 0; --d) {
-      const int64_t idx = rest % layout.sizes[d];
-      rest /= layout.sizes[d];
-      a_off += idx * layout.a_strides[d];
-      b_off += idx * layout.b_strides[d];
-    }
+    int64_t a_off, b_off;
+    layout_offsets(layout, i, a_off, b_off);
     store<acc_t>(out + i, load<acc_t>(a + a_off) + alpha * load<acc_t>(b + b_off));
   }
 }

@@ -24,6 +24,31 @@ struct CouplingLayout {
   int64_t b_strides[kMaxDims] = {};
 };
 
+// The offsets in a and b of the element `linear` of the iteration space (row-major over `layout`).
+RK_HOST_DEVICE inline void layout_offsets(const CouplingLayout& layout, int64_t linear, int64_t& a_off, int64_t& b_off) {
+  a_off = b_off = 0;
+  for (int d = layout.ndim - 1; d >= 0; --d) {
+    const int64_t index = linear % layout.sizes[d];
+    linear /= layout.sizes[d];
+    a_off += index * layout.a_strides[d];
+    b_off += index * layout.b_strides[d];
+  }
+}
+
+// fn(linear, a_off, b_off, run) for each run of consecutive elements of [begin, end) along the
+// innermost dim of `layout`: out index `linear` + i reads a[a_off + i * a_inner], b[b_off + i * b_inner].
+template <typename Fn>
+void for_each_layout_run(const CouplingLayout& layout, int64_t begin, int64_t end, Fn&& fn) {
+  const int64_t inner = layout.ndim > 0 ? layout.sizes[layout.ndim - 1] : 1;
+  for (int64_t linear = begin; linear < end;) {
+    int64_t a_off, b_off;
+    layout_offsets(layout, linear, a_off, b_off);
+    const int64_t run = (inner - linear % inner) < (end - linear) ? (inner - linear % inner) : (end - linear);
+    fn(linear, a_off, b_off, run);
+    linear += run;
+  }
+}
+
 // Elements [begin, end) of the iteration space (a linear index into `out`).
 template <typename acc_t, typename out_t, typename b_t>
 void coupling_axpy_cpu(out_t* out, const out_t* a, const b_t* b, acc_t alpha,

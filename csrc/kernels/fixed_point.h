@@ -157,35 +157,10 @@ auto dispatch_fixed_point(FixedPointOp op, ScalarKind f_kind, ScalarKind view_ki
   });
 }
 
-// The offsets in a and b of the element `linear` of the iteration space (row-major over `layout`).
-RK_HOST_DEVICE inline void layout_offsets(const CouplingLayout& layout, int64_t linear, int64_t& a_off, int64_t& b_off) {
-  a_off = b_off = 0;
-  for (int d = layout.ndim - 1; d >= 0; --d) {
-    const int64_t index = linear % layout.sizes[d];
-    linear /= layout.sizes[d];
-    a_off += index * layout.a_strides[d];
-    b_off += index * layout.b_strides[d];
-  }
-}
-
 // Whether the layout is one unit-stride run (the op glue merges the dims of inputs laid out as the
 // outputs into one, or none for a single element).
 RK_HOST_DEVICE inline bool is_one_dense_run(const CouplingLayout& layout) {
   return layout.ndim == 0 || (layout.ndim == 1 && layout.a_strides[0] == 1 && layout.b_strides[0] == 1);
-}
-
-// fn(linear, a_off, b_off, run) for each run of consecutive elements of [begin, end) along the
-// innermost dim of `layout`: out index `linear` + i reads a[a_off + i * a_inner], b[b_off + i * b_inner].
-template <typename Fn>
-void for_each_layout_run(const CouplingLayout& layout, int64_t begin, int64_t end, Fn&& fn) {
-  const int64_t inner = layout.ndim > 0 ? layout.sizes[layout.ndim - 1] : 1;
-  for (int64_t linear = begin; linear < end;) {
-    int64_t a_off, b_off;
-    layout_offsets(layout, linear, a_off, b_off);
-    const int64_t run = (inner - linear % inner) < (end - linear) ? (inner - linear % inner) : (end - linear);
-    fn(linear, a_off, b_off, run);
-    linear += run;
-  }
 }
 
 // Elements [begin, end) of the iteration space (a linear index into `out` and `view`); returns
