@@ -37,12 +37,30 @@ AUTO_CUDA_CPP_BELOW = 1 << 24  # elements of the call's first tensor (see the mo
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def check_float_tensor(t, name):
-    """TypeError naming `name` unless `t` is a tensor of one of the float dtypes the kernels take."""
+def check_tensor(t, name):
+    """TypeError naming `name` unless `t` is a tensor."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"revkernels: {name} must be float32, float64, float16 or bfloat16, got {t.dtype}")
+
+
+def check_float_dtype(dtype, name):
+    """TypeError naming `name` unless `dtype` is one of the float dtypes the kernels take."""
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"revkernels: {name} must be float32, float64, float16 or bfloat16, got {dtype}")
+
+
+def check_float_tensor(t, name):
+    """TypeError naming `name` unless `t` is a tensor of one of the float dtypes the kernels take."""
+    check_tensor(t, name)
+    check_float_dtype(t.dtype, name)
+
+
+def check_same_shape_and_device(a, a_name, b, b_name):
+    """ValueError naming `b_name` and `a_name` unless `b` has the shape and the device of `a`."""
+    if a.shape != b.shape:
+        raise ValueError(f"revkernels: {b_name} must have the shape of {a_name} {tuple(a.shape)}, got {tuple(b.shape)}")
+    if a.device != b.device:
+        raise ValueError(f"revkernels: {b_name} must be on the device of {a_name} ({a.device}), got {b.device}")
 
 
 def _backend_from_env():

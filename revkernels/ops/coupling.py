@@ -35,8 +35,8 @@ is loaded (C++ checks and autograd); without it, Python functions that check the
 """
 import torch
 
-from revkernels.ops._library import (check_float_tensor, define_op, entry_point, fill_missing_kernel,
-                                     register_autograd_fallback, register_cuda_kernel)
+from revkernels.ops._library import (check_float_tensor, check_same_shape_and_device, define_op, entry_point,
+                                     fill_missing_kernel, register_autograd_fallback, register_cuda_kernel)
 
 
 def _accumulate_dtype(a, b):
@@ -62,10 +62,7 @@ _coupling_add = define_op("coupling_add", "(Tensor a, Tensor b) -> Tensor")
 def _check_pair(a, a_name, b, b_name):
     check_float_tensor(a, a_name)
     check_float_tensor(b, b_name)
-    if a.shape != b.shape:
-        raise ValueError(f"revkernels: {b_name} must have the shape of {a_name} {tuple(a.shape)}, got {tuple(b.shape)}")
-    if a.device != b.device:
-        raise ValueError(f"revkernels: {b_name} must be on the device of {a_name} ({a.device}), got {b.device}")
+    check_same_shape_and_device(a, a_name, b, b_name)
 
 
 def _checked_reference(reference, a_name, b_name):

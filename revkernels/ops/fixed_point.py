@@ -48,8 +48,9 @@ without it, Python functions that check the arguments first.
 """
 import torch
 
-from revkernels.ops._library import (FLOAT_DTYPES, check_float_tensor, define_op, entry_point, fill_missing_kernel,
-                                     register_autograd_fallback, register_cuda_kernel)
+from revkernels.ops._library import (check_float_dtype, check_float_tensor, check_same_shape_and_device, check_tensor,
+                                     define_op, entry_point, fill_missing_kernel, register_autograd_fallback,
+                                     register_cuda_kernel)
 
 DEFAULT_BITS = 32  # (also the schemas' default: csrc/ops/fixed_point.cpp)
 LIMIT = 2.0 ** 62  # |X| < LIMIT for every stored value: a sum of two never wraps
@@ -65,26 +66,17 @@ def check_bits(bits):
 
 
 def _check_stream(x, name):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(x).__name__}")
+    check_tensor(x, name)
     if x.dtype != torch.int64:
         raise TypeError(f"revkernels: {name} must be an int64 fixed-point stream, got {x.dtype}")
-
-
-def _check_view_dtype(dtype):
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"revkernels: dtype must be float32, float64, float16 or bfloat16, got {dtype}")
 
 
 def _check_coupling(x, x_name, f, bits, dtype):
     _check_stream(x, x_name)
     check_float_tensor(f, "f")
     check_bits(bits)
-    _check_view_dtype(dtype)
-    if f.shape != x.shape:
-        raise ValueError(f"revkernels: f must have the shape of {x_name} {tuple(x.shape)}, got {tuple(f.shape)}")
-    if f.device != x.device:
-        raise ValueError(f"revkernels: f must be on the device of {x_name} ({x.device}), got {f.device}")
+    check_float_dtype(dtype, "dtype")
+    check_same_shape_and_device(x, x_name, f, "f")
 
 
 def quantize_reference(f, bits):
@@ -147,7 +139,7 @@ def _check_from_float(x, bits):
 def _check_view(x, bits, dtype):
     _check_stream(x, "x")
     check_bits(bits)
-    _check_view_dtype(dtype)
+    check_float_dtype(dtype, "dtype")
 
 
 def _in_layout_of(first, outputs):
@@ -263,7 +255,7 @@ register_autograd_fallback("fixed_point_sub", _sub_backward, _setup_context)
 
 def _check_scalars(bits=DEFAULT_BITS, dtype=torch.float32):
     check_bits(bits)
-    _check_view_dtype(dtype)
+    check_float_dtype(dtype, "dtype")
 
 
 def fixed_point_from_float(x, bits=DEFAULT_BITS):
