@@ -11,17 +11,20 @@ void check_defined(const at::Tensor& t, const char* name) {
   TORCH_CHECK_TYPE(t.defined(), "revkernels: ", name, " must be a torch.Tensor, got None");
 }
 
-ScalarKind scalar_kind(const at::Tensor& t, const char* name) {
-  check_defined(t, name);
-  switch (t.scalar_type()) {
+ScalarKind scalar_kind(at::ScalarType dtype, const char* name) {
+  switch (dtype) {
     case at::kFloat: return ScalarKind::Float32;
     case at::kDouble: return ScalarKind::Float64;
     case at::kHalf: return ScalarKind::Float16;
     case at::kBFloat16: return ScalarKind::BFloat16;
     default:
-      TORCH_CHECK_TYPE(false, "revkernels: ", name, " must be float32, float64, float16 or bfloat16, got ",
-                       t.scalar_type());
+      TORCH_CHECK_TYPE(false, "revkernels: ", name, " must be float32, float64, float16 or bfloat16, got ", dtype);
   }
+}
+
+ScalarKind scalar_kind(const at::Tensor& t, const char* name) {
+  check_defined(t, name);
+  return scalar_kind(t.scalar_type(), name);
 }
 
 at::Tensor element_aligned(const at::Tensor& t) {
@@ -37,6 +40,10 @@ at::Tensor acc_vector(const at::Tensor& t, at::ScalarType acc_dtype) {
 void check_coupling_args(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name) {
   scalar_kind(a, a_name);
   scalar_kind(b, b_name);
+  check_same_shape_and_device(a, a_name, b, b_name);
+}
+
+void check_same_shape_and_device(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name) {
   TORCH_CHECK_VALUE(a.sizes() == b.sizes(), "revkernels: ", b_name, " must have the shape of ", a_name, " ",
                     a.sizes(), ", got ", b.sizes());
   TORCH_CHECK_VALUE(a.device() == b.device(), "revkernels: ", b_name, " must be on the device of ", a_name, " (",

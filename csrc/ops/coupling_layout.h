@@ -11,6 +11,9 @@ namespace revkernels {
 // TypeError naming `name` unless `t` is defined (a None passed for a Tensor argument arrives undefined).
 void check_defined(const at::Tensor& t, const char* name);
 
+// `dtype` as the kernels name it; TypeError naming `name` unless it is a float dtype they take.
+ScalarKind scalar_kind(at::ScalarType dtype, const char* name);
+
 // The dtype of `t`; TypeError naming `name` unless it is defined and a float dtype the kernels take.
 ScalarKind scalar_kind(const at::Tensor& t, const char* name);
 
@@ -25,7 +28,10 @@ at::Tensor element_aligned(const at::Tensor& t);
 // accumulation type `acc_dtype`, contiguous and element-aligned (t itself where it already is all three).
 at::Tensor acc_vector(const at::Tensor& t, at::ScalarType acc_dtype);
 
-// Checks the arguments of out = a + alpha * b: same shape and device, float dtypes.
+// ValueError naming `b_name` and `a_name` unless `b` has the shape and the device of `a`.
+void check_same_shape_and_device(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name);
+
+// Checks the arguments of out = a + alpha * b: float dtypes, same shape and device.
 void check_coupling_args(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name);
 
 // The layout of `a` and `b` in the memory order of the dense `out`, with size-1 dims dropped

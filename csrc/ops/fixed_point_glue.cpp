@@ -14,17 +14,6 @@ void check_bits(int64_t bits) {
                     "revkernels: bits must be in [1, 60] (fraction bits of the int64 streams), got ", bits);
 }
 
-ScalarKind view_kind(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kFloat: return ScalarKind::Float32;
-    case at::kDouble: return ScalarKind::Float64;
-    case at::kHalf: return ScalarKind::Float16;
-    case at::kBFloat16: return ScalarKind::BFloat16;
-    default:
-      TORCH_CHECK_TYPE(false, "revkernels: dtype must be float32, float64, float16 or bfloat16, got ", dtype);
-  }
-}
-
 }  // namespace
 
 FixedPointCall prepare_fixed_point(FixedPointOp op, const at::Tensor& x_in, const char* x_name, const at::Tensor& f_in,
@@ -39,12 +28,9 @@ FixedPointCall prepare_fixed_point(FixedPointOp op, const at::Tensor& x_in, cons
   }
   check_bits(bits);
   c.bits = static_cast<int>(bits);
-  if (op != FixedPointOp::FromFloat) c.view_kind = view_kind(dtype);
+  if (op != FixedPointOp::FromFloat) c.view_kind = scalar_kind(dtype, "dtype");
   if (op == FixedPointOp::Add || op == FixedPointOp::Sub) {
-    TORCH_CHECK_VALUE(f_in.sizes() == x_in.sizes(), "revkernels: f must have the shape of ", x_name, " ",
-                      x_in.sizes(), ", got ", f_in.sizes());
-    TORCH_CHECK_VALUE(f_in.device() == x_in.device(), "revkernels: f must be on the device of ", x_name, " (",
-                      x_in.device(), "), got ", f_in.device());
+    check_same_shape_and_device(x_in, x_name, f_in, "f");
   }
   if (op != FixedPointOp::FromFloat) c.x = align ? element_aligned(x_in) : x_in;
   if (op != FixedPointOp::View) c.f = align ? element_aligned(f_in) : f_in;
