@@ -496,20 +496,26 @@ mutation("petra_cli_exact_dropped", "revkernels/petra/train.py",
 mutation("budget_compiled_engine_keeps_blocks_eagerly", BUDGET,
          '        elif seq.engine == "compiled":  # (the block', '        elif False:  # (the block',
          T_BUDGET + " -k compiles_its_kept")
+mutation("budget_compiled_kept_block_skips_its_hooks", COMPILED,
+         "    if not (_eager_block(block, layout) or own_hooks or layout.key",
+         "    if not (_eager_block(block, layout) or layout.key", T_BUDGET + " -k own_forward_hooks")
 mutation("budget_trace_ignores_the_plan", BUDGET,  # under torch.compile every block was rebuilt
-         "    made = traced_plan(seq, x1, x2, context)\n    if made is None", "    made = None\n    if made is None",
-         T_BUDGET + " -k torch_compile")
+         "    options = traced_plan(seq, x1, x2, context)\n", "    options = None\n", T_BUDGET + " -k torch_compile")
+mutation("budget_trace_guards_on_the_plan_cache", BUDGET,  # a plan for other inputs retraced every graph
+         "    return _planned_options(run, signature(x1, x2, context, list(seq.blocks.modules())), seq.memory_budget)\n",
+         "    entry = dict.get(_budget_state(seq)[0].by_key, signature(x1, x2, context, list(seq.blocks.modules())))\n"
+         "    made = None if entry is None else entry[1].get((seq.memory_budget, False))\n"
+         "    return None if made is None else made.options\n", T_BUDGET + " -k does_not_retrace")
 mutation("budget_trace_slices_the_blocks", BUDGET,  # a new ModuleList per call: a recompile per call
-         "    for block, option in zip(list(seq.blocks)[k:], made.options[k:]):  # (a list: see",
-         "    for block, option in zip(seq.blocks[k:], made.options[k:]):  # (a list: see",
+         "    for block, option in zip(list(seq.blocks)[k:], options[k:]):  # (a list: see",
+         "    for block, option in zip(seq.blocks[k:], options[k:]):  # (a list: see",
          T_BUDGET + " -k trace_runs_the_plan")
 mutation("budget_run_slices_the_blocks", BUDGET,  # a new ModuleList per call: every structure cache dropped
-         "    for block, option in zip(list(seq.blocks)[k:], made.options[k:]):\n",
-         "    for block, option in zip(seq.blocks[k:], made.options[k:]):\n",
+         "    for i, (block, option) in enumerate(zip(list(seq.blocks)[k:], made.options[k:]), start=k):\n",
+         "    for i, (block, option) in enumerate(zip(seq.blocks[k:], made.options[k:]), start=k):\n",
          T_BUDGET + " -k structure_caches")
 mutation("budget_trace_no_warning_without_a_plan", BUDGET,
-         "    if seq.memory_budget and traced_plan(seq, x1, x2, context) is None and",
-         "    if seq.memory_budget and False and", T_BUDGET + " -k without_a_plan")
+         ' and traced_plan(seq, x1, x2, context) is None:', ' and False:', T_BUDGET + " -k without_a_plan")
 mutation("reference_vjp_skips_g_path", "revkernels/reference.py", "            dy1 = dy1 + _grad_of(y1)\n",
          "            dy1 = dy1\n", "tests/test_reference.py")
 mutation("reference_half_coupling_drops_dy1", "revkernels/reference.py", "dy2, dy1 + _grad_of(x2)", "dy2, _grad_of(x2)",

@@ -50,9 +50,11 @@ allocated, twice the parameters (optimizer state an optimizer may still create) 
 import contextlib
 import dataclasses
 import functools
+import itertools
 import numbers
 import time
 import warnings
+import weakref
 
 import torch
 from torch.nn.utils import parametrize
@@ -62,7 +64,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from revkernels.engine.compiled import kept_forward
 from revkernels.engine.fsdp import enter, module_units, rank_zeros, storage_ptrs
-from revkernels.engine.structure import (LRU, buffers_as_before, buffers_kept, cached, record_buffers,
+from revkernels.engine.structure import (LRU, assume_constant_result, buffers_as_before, buffers_kept, cached, record_buffers,
                                          recompute_context, running_stats_layers, spectral_norms, unique_params)
 
 MAX_PLANS = 8  # input signatures whose plan a run keeps
@@ -288,7 +290,8 @@ def activation_bytes(blocks, x1, x2, context):
     before, untimed: lazy initialisation). The generators are forked, BatchNorm uses batch
     statistics without updating its running ones and each block's other buffers are put back, so
     the caller sees no effect but the time."""
-    skip = storage_ptrs((*blocks.parameters(), *blocks.buffers()))
+    held = storage_ptrs((*blocks.parameters(), *blocks.buffers()))
+    skip = set(held)  # (`held` and, while a block runs, its FSDP-unsharded parameters' storages)
     devices = sorted({t.device.index for t in (x1, x2) if t.is_cuda})
     probe = _Probe(x1.device, skip)
     costs, kept = [], {}
@@ -307,7 +310,9 @@ def activation_bytes(blocks, x1, x2, context):
                 _add_storage(inputs, t, skip)
 
             def probed(a1, a2, block=block):
-                skip.update(storage_ptrs((*block.parameters(), *block.buffers())))  # (FSDP's unsharded ones)
+                # (this block's storages only: those of a block resharded since may hold activations now)
+                skip.clear()
+                skip.update(held, storage_ptrs((*block.parameters(), *block.buffers())))
                 with recompute_context(block), buffers_kept(block), probe, \
                         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     return block.forward(a1, a2, **context)
@@ -382,10 +387,13 @@ class Plans:
             return made
         if exact:  # (exact mode keeps blocks whole: a checkpoint would also keep its int64 inputs)
             costs = [dataclasses.replace(c, selective_bytes=None) for c in costs]
+        # (FSDP's ranks run rank 0's plan: its other inputs, the free memory and the checkpoint's
+        # dispatch time, are each rank's own too)
         if budget == "auto":  # (the free memory changes: planned at every call)
-            return plan(auto_budget_bytes(unique_params(blocks), x1.device), costs, sac_op_overhead_ms())
+            return rank_zeros(plan(auto_budget_bytes(unique_params(blocks), x1.device), costs, sac_op_overhead_ms()),
+                              blocks)
         budget_bytes = int(budget * sum(c.keep_bytes for c in costs)) if isinstance(budget, float) else budget
-        made = plans[budget, exact] = plan(budget_bytes, costs, sac_op_overhead_ms())
+        made = plans[budget, exact] = rank_zeros(plan(budget_bytes, costs, sac_op_overhead_ms()), blocks)
         return made
 
 
@@ -400,10 +408,13 @@ def plan_of(seq, x1, x2, context):
 
 
 def _budget_state(seq):
-    # [Plans, {k: head run}], kept in the instance dict: out of the module tree and its state
+    # [Plans, {k: head run}], kept in the instance dict: out of the module tree and its state; and
+    # the run's number for traces (`_planned_options`)
     state = seq.__dict__.get("_budget")
     if state is None:
         state = seq.__dict__["_budget"] = [Plans(), {}]
+        seq.__dict__["_planned_run"] = number = next(_RUN_NUMBERS)
+        _PLANNED[number] = seq
     return state
 
 
@@ -474,20 +485,33 @@ def run_selective(block, x1, x2, context, preserve_rng_state=True):
 
 
 def traced_plan(seq, x1, x2, context):
-    """The plan a trace of `seq` under torch.compile runs: the one an eager call or
+    """The options of the plan a trace of `seq` under torch.compile runs: the one an eager call or
     ``seq.memory_plan`` made for these inputs before (a trace cannot measure); None without one, in
     exact mode and for ``"auto"`` (planned at every call): the run is then one opaque op that
     rebuilds every block, and its kernel warns (`warn_unplanned`)."""
-    if seq.exact or seq.memory_budget == "auto":
+    run = getattr(seq, "_planned_run", None)  # (an int: the trace guards on it, one graph per run)
+    if seq.exact or seq.memory_budget == "auto" or run is None:
         return None
-    entry = dict.get(_budget_state(seq)[0].by_key,
-                     signature(x1, x2, context, list(seq.blocks.modules())))  # (a read: no LRU move)
-    return entry[1].get((seq.memory_budget, False)) if entry is not None else None
+    return _planned_options(run, signature(x1, x2, context, list(seq.blocks.modules())), seq.memory_budget)
+
+
+@assume_constant_result
+def _planned_options(run, key, budget):
+    # (run at trace time, its result a constant of the graph: a lookup traced in the graph would
+    # guard on the plan cache, and a plan made later for other inputs would retrace every graph)
+    seq = _PLANNED.get(run)
+    entry = None if seq is None else dict.get(_budget_state(seq)[0].by_key, key)  # (a read: no LRU move)
+    made = None if entry is None else entry[1].get((budget, False))
+    return None if made is None else made.options
+
+
+_PLANNED = weakref.WeakValueDictionary()  # run number -> the run (`_budget_state`)
+_RUN_NUMBERS = itertools.count()
 
 
 def warn_unplanned(seq, x1, x2, context):
     """Warns once per run whose budget a torch.compile trace could not follow (see `traced_plan`)."""
-    if seq.memory_budget and traced_plan(seq, x1, x2, context) is None and not seq.__dict__.get("_warned_unplanned"):
+    if seq.memory_budget and not seq.__dict__.get("_warned_unplanned") and traced_plan(seq, x1, x2, context) is None:
         seq.__dict__["_warned_unplanned"] = True
         why = ("in exact mode" if seq.exact else "with memory_budget='auto' (planned at every call)"
                if seq.memory_budget == "auto" else "without a plan made for these inputs before the trace "
@@ -501,13 +525,15 @@ def traced_within_budget(seq, x1, x2, context):
     op (their head run's), the kept blocks traced into the compiled graph (its partitioner decides
     what they save; selective ones checkpointed with the same policy); None where there is no such
     plan or it rebuilds every block."""
-    made = traced_plan(seq, x1, x2, context)
-    if made is None or made.first_kept == len(seq.blocks):
+    options = traced_plan(seq, x1, x2, context)
+    if options is None or options[-1] == "rebuild":  # (the rebuilt blocks are a prefix: here every block)
         return None
-    k = made.first_kept
+    k = 0
+    while options[k] == "rebuild":
+        k += 1
     if k:
         x1, x2 = _budget_state(seq)[1][k](x1, x2, **context)
-    for block, option in zip(list(seq.blocks)[k:], made.options[k:]):  # (a list: see run_within_budget)
+    for block, option in zip(list(seq.blocks)[k:], options[k:]):  # (a list: see run_within_budget)
         if option == "selective":  # (the compiled graph's functionalized recompute changes no buffer)
             x1, x2 = checkpoint(_call, block, x1, x2, context, use_reentrant=False,
                                 preserve_rng_state=seq.preserve_rng_state,

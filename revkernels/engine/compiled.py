@@ -686,12 +686,14 @@ def kept_forward(seq, position, x1, x2, context=NO_CONTEXT):
     memory budget keeps it: its compiled forward step differentiated by autograd (the compiled
     training graph saves what its backward needs), or the block itself where that does not apply:
     a block that draws random numbers (its compiled graph may draw them in another order than
-    eager), one the compiled steps run eagerly, FSDP-sharded blocks, a debugging mode."""
+    eager), one with hooks of its own (they fire, as they do for the other kept blocks), one the
+    compiled steps run eagerly, FSDP-sharded blocks, a debugging mode."""
     block = seq.blocks[position]
     layout = _layout(block)
     steps = compiled_steps(seq, x1.device.type)
-    if not (_eager_block(block, layout) or layout.key in steps.failed or _eager_call() or block.draws_random()
-            or block_units(seq) is not None):
+    own_hooks = block._forward_hooks or block._forward_pre_hooks or block._backward_hooks or block._backward_pre_hooks
+    if not (_eager_block(block, layout) or own_hooks or layout.key in steps.failed or _eager_call()
+            or block.draws_random() or block_units(seq) is not None):
         try:
             return steps.call("block_forward", block, position, block, layout.kind, x1, x2, context)
         except StepFailed as failure:

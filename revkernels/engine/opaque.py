@@ -42,15 +42,7 @@ from revkernels.engine.budget import warn_unplanned
 from revkernels.engine.sequential import eager_forward, exact_forward, reverse_blocks, with_buffers
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, BlockState, RngState, autograd_recording,
                                      block_modes, check_context, cuda_devices_of, in_mode, run_modes)
-from revkernels.engine.structure import LRU, branch_count
-
-
-def _assume_constant_result(fn):
-    """What ``torch.compiler.assume_constant_result`` does (Dynamo runs `fn` at trace time and bakes
-    its result into the graph), without importing Dynamo with revkernels: that import alone costs
-    about 2 s, more than torch's own. tests/engine/test_compile.py checks it against torch's."""
-    fn._dynamo_marked_constant = True
-    return fn
+from revkernels.engine.structure import LRU, assume_constant_result, branch_count
 
 
 _RUNS = weakref.WeakValueDictionary()
@@ -83,7 +75,7 @@ _CONTEXT_SPECS = LRU(MAX_CONTEXT_SPECS)
 _NEXT_CONTEXT = itertools.count()
 
 
-@_assume_constant_result
+@assume_constant_result
 def context_handle(names, requires_grad, number_names, values):
     """The integer naming a context's structure to the kernels (a constant of the traced graph):
     the `names` of its tensors (in the order the ops get them), whether each `requires_grad`, the
@@ -110,7 +102,7 @@ def context_spec(handle):
     return spec
 
 
-@_assume_constant_result
+@assume_constant_result
 def _raise_nested_tensors(names):
     # (raised from a function run at trace time, so the message reaches the caller as it is)
     raise TypeError(f"revkernels: under torch.compile the context's tensors must be keywords of their own, got "

@@ -95,6 +95,14 @@ class LRU(collections.OrderedDict):
             self.popitem(last=False)
 
 
+def assume_constant_result(fn):
+    """What ``torch.compiler.assume_constant_result`` does (Dynamo runs `fn` at trace time and bakes
+    its result into the graph), without importing Dynamo with revkernels: that import alone costs
+    about 2 s, more than torch's own. tests/engine/test_compile.py checks it against torch's."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def structure_version():
     """A counter that changes whenever any module registers or replaces a parameter, buffer or
     submodule."""

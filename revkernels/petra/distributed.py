@@ -437,7 +437,8 @@ class PipelineRank:
                  "fifos": {i: (self.stages[i].fifo_state(), self.stages[i].peak_buffer_bytes,
                                self.stages[i].replay_state()) for i in own},
                  "fwd_in": fwd_in, "bwd_in": bwd_in, "labels": dict(self._labels),
-                 "contexts": dict(self._contexts), "exact": tr.exact, "kept": kept_stages(tr.stages)}
+                 "contexts": dict(self._contexts), "exact": tr.exact, "kept": kept_stages(tr.stages),
+                 "memory_budget": tr.memory_budget}
         return _to_cpu(copy.deepcopy(state))
 
     def load_state_dict(self, state):
@@ -460,7 +461,7 @@ class PipelineRank:
                              f"resume from one complete set of rank files")
         dev = self.device
         state = copy.deepcopy(state)
-        tr.memory_plan = restore_kept(self.stages, state.get("kept", []), tr.memory_budget)
+        tr.memory_plan = restore_kept(self.stages, state.get("kept", []), tr.memory_budget, state.get("memory_budget"))
         for i in self._own():
             self.stages[i].module.load_state_dict(state["modules"][i])
             tr.optimizers[i].load_state_dict(state["optimizers"][i])
@@ -613,7 +614,8 @@ def merge_rank_states(states):
                           "optimizers": [optimizers[i] for i in range(n)], "fifos": [fifos[i] for i in range(n)],
                           "fwd_msgs": fwd, "bwd_msgs": bwd, "labels": labels, "contexts": contexts,
                           "inputs": {}, "analysis": [],
-                          "fed": fed, "exact": first.get("exact", False), "kept": first.get("kept", [])})
+                          "fed": fed, "exact": first.get("exact", False), "kept": first.get("kept", []),
+                          "memory_budget": first.get("memory_budget")})
 
 
 def split_trainer_state(state, rank, image_spec=None):
@@ -645,7 +647,8 @@ def split_trainer_state(state, rank, image_spec=None):
            "fifos": {i: state["fifos"][i] for i in own},
            "fwd_in": state["fwd_msgs"].get(rank - 1) if rank > 0 else None,
            "bwd_in": state["bwd_msgs"].get(rank + 1), "labels": labels, "contexts": contexts,
-           "exact": state.get("exact", False), "kept": state.get("kept", [])}
+           "exact": state.get("exact", False), "kept": state.get("kept", []),
+           "memory_budget": state.get("memory_budget")}
     return _to_cpu(copy.deepcopy(out))
 
 

@@ -246,10 +246,16 @@ def kept_stages(stages):
     return [s.index for s in stages if s.keeps_input]
 
 
-def restore_kept(stages, kept, budget):
+def restore_kept(stages, kept, budget, saved_budget=None):
     """Sets the stages' ``keeps_input`` as a checkpoint's `kept_stages` says (its pending batches
-    are in the FIFOs those stages had); ValueError where this run has no budget but the checkpoint
-    kept some. Returns the plan to use: None (made again at the next batch, as the same plan)."""
+    are in the FIFOs those stages had); ValueError where this run's `budget` is not the checkpoint's
+    `saved_budget` (None: a checkpoint from before it was saved), whose plan the next batch would
+    make again, or has none but the checkpoint kept some. Returns the plan to use: None (made again
+    at the next batch, as the same plan)."""
+    if saved_budget is not None and saved_budget != budget:
+        raise ValueError(f"revkernels: the checkpoint was made with memory_budget={saved_budget!r}, this run has "
+                         f"memory_budget={budget!r}: resume with the checkpoint's (the kept stages' FIFOs hold its "
+                         "pending batches)")
     if kept and not budget:
         raise ValueError(f"revkernels: the checkpoint's stages {list(kept)} keep their inputs for a memory_budget, "
                          "but this run has none")
@@ -602,7 +608,7 @@ class Trainer:
                  "fifos": [(s.fifo_state(), s.peak_buffer_bytes, s.replay_state()) for s in self.stages],
                  "fwd_msgs": self._fwd_msgs, "bwd_msgs": self._bwd_msgs, "labels": self._labels,
                  "contexts": self._contexts, "inputs": self._inputs, "analysis": self.analysis, "fed": self._fed,
-                 "exact": self.exact, "kept": kept_stages(self.stages)}
+                 "exact": self.exact, "kept": kept_stages(self.stages), "memory_budget": self.memory_budget}
         return copy.deepcopy(state)
 
     def load_state_dict(self, state):
@@ -612,7 +618,8 @@ class Trainer:
                 raise ValueError(f"revkernels: the checkpoint's {key} is {state.get(key, False)!r}, this trainer's "
                                  f"{getattr(self, key)!r}")
         state = copy.deepcopy(state)
-        self.memory_plan = restore_kept(self.stages, state.get("kept", []), self.memory_budget)
+        self.memory_plan = restore_kept(self.stages, state.get("kept", []), self.memory_budget,
+                                        state.get("memory_budget"))
         for s, module_state in zip(self.stages, state["modules"]):
             s.module.load_state_dict(module_state)
         for opt, opt_state in zip(self.optimizers, state["optimizers"]):

@@ -131,11 +131,15 @@ def build_model(name, num_classes, stem="cifar", exact=False):
 
 
 def parse_budget(text):
-    """``--memory-budget``'s value: an int (bytes) for digits alone, else a float (a fraction)."""
+    """``--memory-budget``'s value: up to 1 a fraction (``0.5``, ``1``: everything), above 1 a whole
+    number of bytes (``65536``, ``1e9``)."""
     try:
-        return int(text) if text.strip().isdigit() else float(text)
+        value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"a fraction in [0, 1] or a number of bytes, got {text!r}") from None
+    if value <= 1 or not value.is_integer():
+        return value  # (a fraction; `check_stage_budget` names a value outside [0, 1])
+    return int(value)
 
 
 def make_parser():

@@ -351,6 +351,40 @@ def test_under_torch_compile_the_trace_runs_the_plan_made_before_it(budget):
     assert backend.graphs == 1  # (the trace made no module: the next call runs the same graph)
 
 
+def test_a_plan_made_later_for_other_inputs_does_not_retrace_a_graph():
+    # (a plan lookup traced into the graph guarded on the plan cache's size: every compiled graph of
+    # the run traced again when a plan was made for another batch size)
+    seq, ref = _twins()
+    seq.memory_budget = 0.5
+    data = [torch.randn(5, 24) for _ in range(4)]
+    seq.memory_plan(*data[:2])
+    torch._dynamo.reset()
+    backend = _GraphOps()
+    compiled = torch.compile(seq, backend=backend, fullgraph=True)
+    run_grads(compiled, seq, *data)
+    other = torch.randn(7, 24)
+    seq.memory_plan(other, other)  # a plan for batch 7
+    _check_grads_and_statistics(compiled, seq, ref, data)
+    assert backend.graphs == 1
+
+
+def test_a_run_without_a_plan_does_not_take_another_runs_traced_plan():
+    # (a plan looked up at trace time by the run's id was a constant of a graph that Dynamo gave to
+    # any run of the same structure: the second run ran the first one's plan)
+    data = [torch.randn(5, 24) for _ in range(4)]
+    planned, _ = _twins()
+    planned.memory_budget = 0.5
+    planned.memory_plan(*data[:2])
+    torch._dynamo.reset()
+    run_grads(torch.compile(planned, backend=_GraphOps(), fullgraph=True), planned, *data)
+    other, ref = _twins()
+    other.memory_budget = 0.5
+    backend = _GraphOps()
+    with pytest.warns(UserWarning, match="without a plan made for these inputs"):
+        _check_grads_and_statistics(torch.compile(other, backend=backend, fullgraph=True), other, ref, data)
+    assert backend.ops.count("revkernels.reversible_run.default") == 1 and len(backend.ops) <= 4
+
+
 def test_the_budgets_under_torch_compile_give_every_option():
     seq = _seq(norm="batch")
     x = torch.randn(5, 24)
@@ -410,3 +444,16 @@ def test_the_compiled_engine_compiles_its_kept_blocks(budget):
     assert kept >= 1
     # a call per kept block, and one per rebuilt block in the forward and in the backward
     assert backend.calls == kept + 2 * made.first_kept, (backend.calls, made.options)
+
+
+@pytest.mark.parametrize("engine", ["sequential", "compiled"])
+def test_a_kept_blocks_own_forward_hooks_fire_once(engine):
+    # (the compiled engine's kept blocks skipped hooks on the block itself)
+    seq = _seq(engine)
+    seq.memory_budget = 1.0
+    calls = []
+    seq.blocks[-1].register_forward_hook(lambda module, args, out: calls.append(1))
+    x = torch.randn(5, 24, requires_grad=True)
+    seq.memory_plan(x, x)
+    seq(x, x)[0].sum().backward()
+    assert calls == [1]

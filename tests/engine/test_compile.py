@@ -18,7 +18,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from revkernels.engine import opaque
+from revkernels.engine import budget, opaque
 from revkernels.engine.state import NO_CONTEXT
 from revkernels.nn.reversible import HalfCouplingBlock, ReversibleBlock, ReversibleSequential
 from revkernels.nn.revvit import RevViTBlock
@@ -209,7 +209,7 @@ def test_trace_time_constants_are_marked_as_torchs_decorator_marks_them():
         pass
 
     torch.compiler.assume_constant_result(marked_by_torch)
-    for fn in (opaque.context_handle, opaque._raise_nested_tensors):
+    for fn in (opaque.context_handle, opaque._raise_nested_tensors, budget._planned_options):
         assert {k: v for k, v in vars(fn).items() if not k.startswith("__")} == vars(marked_by_torch), fn
 
 

@@ -94,6 +94,21 @@ def test_fused_and_half_blocks_rebuild_exactly(block):
         assert _exact_rebuild_checked(seq, x1, x2, autocast, **context) == [0.0] * len(blocks)
 
 
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_revnet_stages_rebuild_exactly(autocast):
+    # RevNet-18's runs (convolutions, BatchNorm in training mode) with their inputs as the model
+    # hands them over: every block input rebuilt bit for bit, in every run
+    model = revnet18(num_classes=10, stem="cifar", exact=True)
+    inputs = []
+    for run in model.runs:
+        run.register_forward_pre_hook(lambda module, args: inputs.append((module, args)))
+    with torch.no_grad():
+        model(torch.randn(2, 3, 16, 16))
+    assert len(inputs) == len(model.runs) == 4
+    for run, (x1, x2) in inputs:
+        assert _exact_rebuild_checked(run, x1, x2, autocast) == [0.0] * len(run.blocks)
+
+
 def test_check_reversibility_reports_zero_for_an_exact_run():
     blocks = [RevViTBlock(32, 4) for _ in range(12)]
     x1, x2 = torch.randn(2, 5, 32), torch.randn(2, 5, 32)

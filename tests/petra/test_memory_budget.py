@@ -49,7 +49,7 @@ def test_grads_at_every_budget_equal_the_reference_and_fifos_stay_within_it(exac
 
 def test_the_plan_costs_each_stage_by_its_workers_batches_in_flight():
     """Each reversible stage costs its input bytes per batch (int64 after an exact stage) times
-    the batches its worker holds at once, 2(R - w) - 1; groups change R and w."""
+    the batches its worker holds at once, 2(R - w) + 1; groups change R and w."""
     torch.manual_seed(0)
     x = torch.randn(5, D_IN)
     stages = partition(_stages(2), exact=True, memory_budget=1.0, example=x)
@@ -129,7 +129,15 @@ def test_a_checkpoint_keeps_the_plan_and_resumes_bit_for_bit():
     for s, t in zip(resumed.stages, whole.stages):
         for (name, a), b in zip(s.module.state_dict().items(), t.module.state_dict().values()):
             assert torch.equal(a, b), f"stage {s.index} {name}"
+    for other in (0, 1.0):  # (another budget's next plan would change which stages keep, mid-pipeline)
+        with pytest.raises(ValueError, match=rf"made with memory_budget=0.5, this run has memory_budget={other}"):
+            Trainer(copy.deepcopy(model), "petra", **{**kw, "memory_budget": other}).load_state_dict(state)
+    without = Trainer(copy.deepcopy(model), "petra", **{**kw, "memory_budget": 0})
+    run(without, batches[:3])
+    with pytest.raises(ValueError, match=r"made with memory_budget=0, this run has memory_budget=0.5"):
+        Trainer(copy.deepcopy(model), "petra", **kw).load_state_dict(without.state_dict())
+    old = {k: v for k, v in state.items() if k != "memory_budget"}  # (a checkpoint from before it was saved)
     with pytest.raises(ValueError, match="keep their inputs for a memory_budget, but this run has none"):
-        Trainer(copy.deepcopy(model), "petra", **{**kw, "memory_budget": 0}).load_state_dict(state)
+        Trainer(copy.deepcopy(model), "petra", **{**kw, "memory_budget": 0}).load_state_dict(old)
     with pytest.raises(ValueError, match="checkpoint's exact is True"):
         Trainer(copy.deepcopy(model), "petra", **{**kw, "exact": False}).load_state_dict(state)

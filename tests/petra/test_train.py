@@ -154,6 +154,13 @@ def test_cli_bad_memory_budget_names_the_flag(args, message, tmp_path):
         main(["--out", str(tmp_path), *args])
 
 
+def test_cli_memory_budget_is_a_fraction_up_to_1_and_bytes_above():
+    from revkernels.petra.train import parse_budget
+
+    assert [parse_budget(t) for t in ("0", "0.25", "1", "65536", "1e9")] == [0.0, 0.25, 1.0, 65536, 10**9]
+    assert isinstance(parse_budget("1"), float) and isinstance(parse_budget("1e9"), int)
+
+
 def test_cli_memory_budget_that_is_no_number_is_an_argparse_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--out", str(tmp_path), "--memory-budget", "half"])
