@@ -100,10 +100,11 @@ def test_revnet_stages_rebuild_exactly(autocast):
     # hands them over: every block input rebuilt bit for bit, in every run
     model = revnet18(num_classes=10, stem="cifar", exact=True)
     inputs = []
-    for run in model.runs:
-        run.register_forward_pre_hook(lambda module, args: inputs.append((module, args)))
+    hooks = [run.register_forward_pre_hook(lambda module, args: inputs.append((module, args))) for run in model.runs]
     with torch.no_grad():
         model(torch.randn(2, 3, 16, 16))
+    for hook in hooks:
+        hook.remove()
     assert len(inputs) == len(model.runs) == 4
     for run, (x1, x2) in inputs:
         assert _exact_rebuild_checked(run, x1, x2, autocast) == [0.0] * len(run.blocks)
