@@ -37,12 +37,16 @@ from revkernels.ops.coupling import coupling_add, coupling_sub
 _log = logging.getLogger("revkernels")
 
 
-def check_streams(x1, x2, names=("x1", "x2")):
-    """Raises TypeError/ValueError, naming the argument, unless x1 and x2 are matching float tensors."""
+def check_streams(x1, x2, names=("x1", "x2"), fixed_point=False):
+    """Raises TypeError/ValueError, naming the argument, unless x1 and x2 are matching float tensors
+    (`fixed_point`: int64 fixed-point streams, what an exact run's steps make)."""
     for t, name in zip((x1, x2), names):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
+        if fixed_point and t.dtype != torch.int64:
+            raise TypeError(f"revkernels: {name} must be an int64 fixed-point stream in exact mode (the int64 output "
+                            f"of the forward's exact steps), got {t.dtype}")
+        if not fixed_point and not t.is_floating_point():
             raise TypeError(f"revkernels: {name} must be a floating-point tensor, got {t.dtype}")
     a, b = names
     if x1.shape != x2.shape:
@@ -540,10 +544,7 @@ class ReversibleSequential(nn.Module):
             got = f"{len(states)} states" if isinstance(states, (list, tuple)) else type(states).__name__
             raise ValueError(f"revkernels: states must be a list of one state per block ({len(self.blocks)}; "
                              f"forward_step's, or None), got {got}")
-        if self.exact:
-            check_fixed_point_streams(y1, y2)
-        else:
-            check_streams(y1, y2, ("y1", "y2"))
+        check_streams(y1, y2, ("y1", "y2"), fixed_point=self.exact)
         check_members(self.blocks)
         if context:
             check_context(self, self.blocks, context)
@@ -579,22 +580,6 @@ class ReversibleSequential(nn.Module):
                 else:
                     p.grad.add_(grad)
         return ReverseResult(x1.detach(), x2.detach(), dx1.detach(), dx2.detach(), context_grads)
-
-
-def check_fixed_point_streams(y1, y2, names=("y1", "y2")):
-    """Raises TypeError/ValueError, naming the argument, unless y1 and y2 are matching int64
-    fixed-point streams (what an exact run's steps make)."""
-    for t, name in zip((y1, y2), names):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"revkernels: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.int64:
-            raise TypeError(f"revkernels: {name} must be an int64 fixed-point stream in exact mode (the int64 output "
-                            f"of the forward's exact steps), got {t.dtype}")
-    a, b = names
-    if y1.shape != y2.shape:
-        raise ValueError(f"revkernels: {a} and {b} must have the same shape, got {tuple(y1.shape)} and {tuple(y2.shape)}")
-    if y1.device != y2.device:
-        raise ValueError(f"revkernels: {a} and {b} must be on the same device, got {y1.device} and {y2.device}")
 
 
 @contextlib.contextmanager

@@ -88,7 +88,7 @@ from revkernels.engine.sequential import forward_step
 from revkernels.engine.state import BlockState, RngState, cuda_devices_of, maybe_replay
 from revkernels.engine.structure import draws_random, recompute_context
 from revkernels.nn.exact import FixedPointStreams, run_exact_autograd
-from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential, check_fixed_point_streams, check_streams
+from revkernels.nn.reversible import ReversibleBlock, ReversibleSequential, check_streams
 from revkernels.ops.fixed_point import check_bits, fixed_point_view
 
 KINDS = ("stem", "reversible", "down", "head")
@@ -352,7 +352,7 @@ class Stage:
             return forward_step(self.module, *x, preserve_rng_state, context)
         streams = self._streams()
         if self.fixed_point_input:
-            check_fixed_point_streams(*x, names=("x1", "x2"))
+            check_streams(*x, fixed_point=True)
             x1, x2 = x
         else:
             check_streams(*x)

@@ -13,6 +13,7 @@ from revkernels.petra import METHODS, Trainer
 from revkernels.petra.distributed import PipelineRank, init, launch, merge_rank_states, split_trainer_state
 from tests.engine.test_context import BATCH, TOKENS, WIDTH, CondMlp, MaskedAttention, _context
 from tests.helpers import assert_close_rel
+from tests.petra.test_distributed import assert_ranks_hold_the_simulators_parameters
 
 D_IN, CLASSES = 6, 3
 KW = dict(accum_k=2, base_lr=0.5, warmup_steps=1, weight_decay=1e-3)
@@ -144,10 +145,6 @@ def test_distributed_with_context_equals_simulator(tmp_path):
     trainer = Trainer(_model(), "petra", groups=3, **KW)
     losses = [trainer.train_step(x, y, **c)["loss"] for x, y, c in _batches(n)]
     losses += [r["loss"] for r in trainer.flush()]
-    for r, res in enumerate(results):
-        assert res is not None, open(tmp_path / f"rank{r}.err").read()
-        assert res["contexts_left"] == 0
-        for i, state in res["state"].items():
-            for name, t in trainer.stages[i].module.state_dict().items():
-                assert torch.equal(state[name], t), f"rank {r} stage {i} {name}"
+    assert_ranks_hold_the_simulators_parameters(results, trainer, tmp_path)
+    assert all(res["contexts_left"] == 0 for res in results)
     assert results[-1]["losses"] == losses

@@ -73,12 +73,8 @@ def test_distributed_equals_simulator(layout, groups, batched, tmp_path):
     results = launch(_train_rank, 3, (layout, groups, n, 20.0, batched), log_dir=str(tmp_path), timeout=120)
     model, trainer, sim_losses = _simulate(layout, groups, n)
     assert len(trainer.workers) == 3
+    assert_ranks_hold_the_simulators_parameters(results, trainer, tmp_path)
     for r, res in enumerate(results):
-        assert res is not None, open(tmp_path / f"rank{r}.err").read()
-        for i, state in res["state"].items():
-            for name, t in trainer.stages[i].module.state_dict().items():
-                assert torch.equal(state[name], t), f"rank {r} stage {i} {name}: max diff " \
-                    f"{(state[name].double() - t.double()).abs().max().item() if t.is_floating_point() else 'int'}"
         assert res["steps"] == [trainer.optimizers[i].steps for i in trainer.groups[r]]
         assert res["ticks"] == trainer.tick
         assert res["schedule"] == {k: v for k, v in trainer.schedule.items() if k[1] in trainer.groups[r]}
@@ -179,10 +175,18 @@ def test_pipeline_rank_takes_a_list_of_stage_modules(tmp_path):
     """As `Trainer` and `partition` do: 5 stage modules in a list, on 2 ranks, train as the simulator's."""
     results = launch(_train_rank, 2, ("S r D r H", 2, 4, 20.0, None, "petra", True), log_dir=str(tmp_path), timeout=120)
     _, trainer, _ = _simulate("S r D r H", 2, 4)
+    assert_ranks_hold_the_simulators_parameters(results, trainer, tmp_path)
+
+
+def assert_ranks_hold_the_simulators_parameters(results, trainer, log_dir):
+    """Each rank finished (else its stderr is the message) and every stage it owns holds the
+    simulator `trainer`'s parameters and buffers bit for bit."""
     for r, res in enumerate(results):
-        assert res is not None, open(tmp_path / f"rank{r}.err").read()
+        assert res is not None, open(os.path.join(log_dir, f"rank{r}.err")).read()
         for i, state in res["state"].items():
-            assert all(torch.equal(state[name], t) for name, t in trainer.stages[i].module.state_dict().items()), i
+            for name, t in trainer.stages[i].module.state_dict().items():
+                assert torch.equal(state[name], t), f"rank {r} stage {i} {name}: max diff " \
+                    f"{(state[name].double() - t.double()).abs().max().item() if t.is_floating_point() else 'int'}"
 
 
 def _fault_time(err_path):
@@ -379,11 +383,7 @@ def test_distributed_delayed_equals_simulator(tmp_path):
     n = 6
     results = launch(_train_rank, 3, ("S r D r r H", 3, n, 20.0, None, "delayed"), log_dir=str(tmp_path), timeout=120)
     model, trainer, sim_losses = _simulate("S r D r r H", 3, n, "delayed")
-    for r, res in enumerate(results):
-        assert res is not None, open(tmp_path / f"rank{r}.err").read()
-        for i, state in res["state"].items():
-            for name, t in trainer.stages[i].module.state_dict().items():
-                assert torch.equal(state[name], t), f"rank {r} stage {i} {name}"
+    assert_ranks_hold_the_simulators_parameters(results, trainer, tmp_path)
     assert results[-1]["losses"] == sim_losses
     stats = results[0]["stats"]
     assert [s["peak_bytes"] for s in stats] == [s["peak_bytes"] for s in trainer.buffer_stats()]

@@ -16,6 +16,7 @@ from revkernels.engine.sequential import exact_forward
 from revkernels.petra import Trainer, partition
 from revkernels.petra.distributed import PipelineRank, boundary_specs, init, launch
 from tests.helpers import assert_close_rel
+from tests.petra.test_distributed import assert_ranks_hold_the_simulators_parameters
 from tests.petra.test_simulate import Mix, Split, TwoStreamHead, synthetic_stages
 from tests.petra.test_simulate import _batches as simulate_batches
 
@@ -315,11 +316,7 @@ def test_distributed_exact_stages_equal_the_simulator(tmp_path):
     model = synthetic_stages(layout)
     trainer = Trainer(model, "petra", groups=groups, memory_budget=budget, **DIST_KW)
     losses = [trainer.train_step(x, y)["loss"] for x, y in simulate_batches(n)] + [r["loss"] for r in trainer.flush()]
-    for r, res in enumerate(results):
-        assert res is not None, open(tmp_path / f"rank{r}.err").read()
-        for i, state in res["state"].items():
-            for name, t in trainer.stages[i].module.state_dict().items():
-                assert torch.equal(state[name], t), f"rank {r} stage {i} {name}"
+    assert_ranks_hold_the_simulators_parameters(results, trainer, tmp_path)
     assert results[-1]["losses"] == losses
     assert results[0]["stats"] == trainer.buffer_stats()
     assert trainer.memory_plan.kept == [2, 4] and trainer.stages[2].peak_buffer_bytes > 0
