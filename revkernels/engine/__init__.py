@@ -1,25 +1,9 @@
 """Engines: how a `ReversibleSequential` runs its blocks under autograd.
 
-    autograd    reference: ordinary autograd through every block (stores all activations)
-    sequential  one autograd Function over the run: saves only the outputs; the backward rebuilds
-                each block's input from its output and computes its grads, last block first
-    pareprop    the sequential engine with the backward on two CUDA streams: block i-1's rebuild
-                overlaps block i's gradients (sequential schedule on CPU)
-    graphs      the run's forward and backward (pareprop schedule) captured as CUDA graphs per
-                input signature and replayed: no launch overhead; eager pareprop where a graph
-                cannot be used: silently on CPU inputs or with grad disabled, with a warning (once
-                per run and reason) otherwise (dropout/drop-path to replay, capture failure, ...;
-                see `revkernels.engine.graphs`)
-    auto        the default: per call, graphs for CUDA inputs when the run can be captured (no
-                randomness to replay, no context keywords, not sharded block by block), the
-                sequential engine otherwise (`choose_engine`); ``seq.engine_in_use`` names the pick
-    compiled    the sequential schedule with each block's forward and backward step as a pure
-                function (torch.func), compiled once per block signature and shared by every block
-                with that signature (see `revkernels.engine.compiled`)
-
-Blocks sharded one by one by FSDP2 (``fully_shard`` on each block, or on F and G) make a
-memory-saving engine run one autograd node per block, entered through FSDP's forward logic (see
-`revkernels.engine.fsdp`).
+autograd (the reference), sequential, pareprop, graphs, compiled, and auto (the default, picked
+per call by `choose_engine`): what each saves and how it schedules the backward is the docs' page
+"Choosing an engine" (docs/engines.md). Blocks sharded one by one by FSDP2 run one autograd node
+per block (`revkernels.engine.fsdp`).
 
 An engine is a function ``engine(seq, x1, x2, context=NO_CONTEXT) -> (y1, y2)``; `context` is
 the dict of keywords every F and G is called with (``seq(x1, x2, **context)``).

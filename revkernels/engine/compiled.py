@@ -29,32 +29,8 @@ bounds the signatures per step; past it Dynamo runs the step eagerly). Guards th
 need are left out (`keeps_guard`: module hook dicts, which the walkers check before each step, and
 library code); a ``guard_filter_fn`` in the compile options replaces that filter.
 
-- BatchNorm: the forward step updates the running statistics (an input mutation of the compiled
-  graph); the backward step runs with `recompute_context` (batch statistics, no update).
-- Randomness: a block that draws random numbers runs its two branches as separate steps
-  (`branch_forward`, `branch_backward`), with the generator state taken before each branch in the
-  forward and replayed around it in the backward. The steps are compiled with inductor's
-  ``fallback_random`` (random ops call ATen on the global generator, as eager does), so the
-  recompute draws the forward's numbers and the stream after a step is eager's. The branch steps
-  have static shapes (``F.dropout`` under ``torch.func.vjp`` takes no symbolic sizes), except for
-  blocks whose random layers are all revkernels' own (`DropPath`, `ResidualDropout`:
-  ``draws_with_symbolic_sizes``), which share a second pair of branch steps with the block steps'
-  dynamic shapes (`_any_shape`).
-- Parametrized modules (``torch.nn.utils.parametrize``, e.g. ``weight_norm``) run under a class
-  shared by every module of the same class with the same parametrized tensors (see
-  `_shared_classes`): parametrize makes a class per module, which would be a signature per block.
-- Buffers a forward step changed (an EMA, a counter: `revkernels.engine.structure.BufferRecord`)
-  go into the block's state with their old values; such a block's backward runs the eager steps,
-  whose recompute puts copies of the old values in (``torch.func.vjp`` rejects a change in place).
-- A block whose pure step fails (to compile, or eagerly: ``torch.func.vjp`` takes no saved-tensor
-  hooks, such as torch.utils.checkpoint's, nor an autograd.Function without ``setup_context``, such
-  as a nested reversible run's) runs the sequential engine's eager steps from then on, and so do
-  the blocks of its structure, without trying again; one warning names it (`StepFailed`).
-- Blocks with module hooks below them, and subclasses whose forward is not the plain coupling
-  (other than `RevViTBlock`, whose forward is), run the sequential engine's eager steps
-  (``forward_with_state``, ``recompute``, ``grads``): hooks fire in the forward and in the
-  recompute as with that engine (a full backward hook, an autograd Function without
-  ``setup_context``, cannot run under ``torch.func.vjp``).
+What the engine does with BatchNorm, randomness, shapes, parametrized modules, failing steps
+and hooks: docs/compile.md.
 """
 import contextlib
 import functools
@@ -181,7 +157,7 @@ class CompiledSteps:
         # `any_shape` below)
         self.branch_dynamic = options.get("dynamic", False)
         if backend == "inductor":
-            # fallback_random: random ops draw from the global generator as in eager (see module doc)
+            # fallback_random: random ops draw from the global generator as in eager (docs/compile.md)
             mode = options.pop("mode", None)
             inductor = dict(torch._inductor.list_mode_options(mode, options.get("dynamic")) if mode else {})
             inductor.update(options.pop("options", None) or {})
@@ -256,22 +232,10 @@ class CompiledSteps:
             raise StepFailed(self.failed, _layout(block).key, what, error) from error
 
 
-# A compiled step's call goes through Dynamo's frame hook (state set-up and tear-down around the
-# call, the cache lookup) before the code of its cache entry runs, and a host-bound run makes two
-# such calls per block and step. `run_step` does what the hook does on a cache hit: the first
-# entry of the step's code whose guards (Dynamo's guard manager, given the same arguments) pass runs
-# its code, which gathers the graph's inputs from the arguments and calls the compiled graph. No
-# entry passing (a new signature) calls the compiled function, which compiles, or runs eagerly past
-# the recompile limit (or with ``torch._dynamo.config.disable`` set), as before; so does any call
-# where Dynamo's hook would do more than a lookup: a callback already set (inside another compiled
-# frame), a stance other than the default (``torch.compiler.set_stance``), or a torch without these
-# internals. (Like the hook, it runs a cached entry whatever ``config.disable`` says: Dynamo reads
-# that flag only when it would compile.) Under ``set_stance(skip_guard_eval_unsafe=True)`` it checks
-# what the hook then checks: each entry's differentiating guards (tensors, and what told the entries
-# apart at a recompile), not the block's structure and hyperparameters: the user's promise that no new
-# signature comes after the warm-up (a LayerNorm eps changed, a `model.eval()` first seen then, runs
-# a graph compiled for the old one, as any torch.compile'd code does under that stance), and where no
-# entry passes them it raises, as the hook does, instead of compiling.
+# `run_step` does what Dynamo's frame hook does on a cache hit, without the hook's set-up and
+# tear-down (a host-bound run makes two step calls per block); docs/compile.md, "Guards and the step
+# call", says when it defers to the hook. Like the hook, it runs a cached entry whatever
+# ``torch._dynamo.config.disable`` says (Dynamo reads that flag only when it would compile).
 _eval_frame = torch._C._dynamo.eval_frame
 _DIRECT = [None]  # whether this torch has what `run_step` uses (looked up at its first call: importing
 #                   revkernels imports no Dynamo); cleared if its cache entries turn out to differ
@@ -362,17 +326,10 @@ def _with_guard_filter(options):
     return {**options, "options": inner}
 
 
-# Dynamo guards on everything a compiled step read, and a small step's call checks them all
-# (452 guard entries for a ViT block's backward step, torch 2.13). Two kinds check nothing the engine needs:
-# - the module hook dicts of every submodule: the walkers route a block with module hooks (its
-#   submodules' or global ones) to the eager steps before each step call (`_eager_block`);
-# - library code reached from a step: the identity of the modules, functions, closures and
-#   defaults of torch (torch.func, nn.Module.__call__, pytree's registry, F.*), of revkernels and of
-#   Python's standard library, the builtins, and this module's own globals: a monkeypatch of these
-#   after the first compile is not seen by the steps compiled before it.
-# Everything else stays guarded: the block's structure, hyperparameters and training flags, tensors,
-# global state (grad mode, autocast), and the globals of any other module (a user's F reading a
-# module-level constant recompiles when it changes), library values that are not code included.
+# Dynamo guards on everything a compiled step read (452 guard entries for a ViT block's backward
+# step, torch 2.13); `keeps_guard` leaves out the two kinds docs/compile.md names ("Guards and the
+# step call"): module hook dicts, and library code (torch, revkernels, the standard library, the
+# builtins, this module's globals). Library values that are not code stay guarded.
 _CODE_ATTRIBUTES = ("__defaults__", "__kwdefaults__", "__closure__", "cell_contents", "_LEAF_SPEC")
 
 

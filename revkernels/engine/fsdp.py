@@ -1,30 +1,11 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) with blocks sharded one by one.
 
-FSDP2 hangs everything on a unit's forward call: its pre-forward all-gathers the unit's parameters
-(and makes the backward reduce-scatter their grads once the grad reaches the forward's inputs), its
-post-forward frees them (``reshard_after_forward``) and makes the backward all-gather them again,
-prefetching the unit that ran before, when the grad of the forward's outputs arrives. The
-memory-saving engines call a block's steps, not the block, so a run whose blocks (or their F and
-G, or a module inside them) are FSDP units takes another shape:
-
-- every block is one autograd node (`BlockStep`) entered through the forward of each of the
-  block's units: FSDP's public ``register_fsdp_forward_method`` makes a method of the unit run
-  its pre- and post-forward, so the all-gathers, the reshards, the backward's prefetch and the
-  reduce-scatter of the block's grads happen per block, exactly as for an ordinary module. The
-  node's inputs are the block's unsharded parameters, so its grads accumulate where FSDP
-  reduce-scatters them from;
-- a node saves nothing but, for the last block, the run's outputs: its backward takes its block's
-  output from the backward of the block after it (the input that block rebuilt), rebuilds its own
-  input with the engine's step and hands it on. Activation memory stays O(1) in depth, and at most
-  two blocks' parameters are unsharded in the backward (the block stepped and the one prefetched).
-
-The schedule is the sequential engine's, one block at a time, with the engine's own steps (eager,
-or compiled for ``engine="compiled"``): pareprop's second stream cannot rebuild block i-1 before
-FSDP all-gathers its parameters, which it does after block i's node, and collectives cannot be
-captured in a CUDA graph. FSDP overlaps the communication instead.
-
-A run sharded as one unit (``fully_shard(seq)`` or a module above it, blocks not sharded) needs
-none of this: the unit's forward unshards every block before the engine runs.
+FSDP2 hangs its all-gathers, reshards and reduce-scatters on a unit's forward call, and the
+memory-saving engines call a block's steps, not the block: each block runs as one autograd node
+(`BlockStep`) entered through the forward of each of its units (FSDP's
+``register_fsdp_forward_method``). The node's inputs are the block's unsharded parameters, so its
+grads accumulate where FSDP reduce-scatters them from. What this gives and costs (schedule,
+memory, engines): docs/distributed.md.
 """
 import functools
 import sys

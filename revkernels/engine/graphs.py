@@ -24,27 +24,8 @@ buffer; a new one
 is captured (the last ``MAX_GRAPHS`` are kept). The parameters are read in place at each replay,
 so optimizer steps are seen; replacing a parameter's storage triggers a new capture.
 
-Where a graph cannot be used the call runs the pareprop engine eagerly (the sequential schedule
-on CPU): without a warning when the inputs are not on a CUDA device or grad is disabled (a plain
-forward), and otherwise with a warning, once per run and reason:
-
-- a block that draws random numbers now (its ``draws_random()``, the rule every engine uses:
-  dropout, ``nn.MultiheadAttention`` dropout, drop-path, a module that declares ``draws_random``)
-  with ``preserve_rng_state``: a captured recompute cannot replay the forward's random numbers;
-- the previous forward of the same signature still awaits its backward (its static buffers are
-  in use: two forwards before one backward, such as a run called twice in one step);
-- a block synchronises with the host (``.item()``, a data-dependent shape, ...): the second
-  warm-up iteration runs under ``torch.cuda.set_sync_debug_mode("error")``, so such a run is found
-  before any capture is attempted;
-- capture failed; the warning carries the error and the signature is not tried again (the
-  failed capture is ended and the caller's stream restored, so the process stays usable);
-- context keywords (``seq(x1, x2, **context)``): runs are captured without context only;
-- blocks sharded by FSDP2 one by one (`revkernels.engine.fsdp`): FSDP's collectives cannot be
-  captured.
-
-Under torch.compile no engine is called: `ReversibleSequential` runs as the opaque op
-``revkernels::reversible_run`` (`revkernels.engine.opaque`), whose backward op runs the sequential
-schedule eagerly; no graph is captured there.
+Where a graph cannot be used the call runs the pareprop engine eagerly, silently or with a
+warning once per run and reason (`eager_reason`, `_captured`; the list: docs/engines.md).
 
 Forward hooks of the blocks run during warm-up and capture only, not at replay.
 """

@@ -278,16 +278,10 @@ class ReversibleSequential(nn.Module):
 
     Args:
         *blocks: `ReversibleBlock` instances (or subclasses such as fused blocks), at least one.
-        engine: "auto" (default: per call, "graphs" for CUDA inputs when the run can be captured,
-            else "sequential"; ``seq.engine_in_use`` names the engine the last call ran, see
-            `revkernels.engine.choose_engine`), "sequential" (saves only the run's outputs and
-            rebuilds each block's input in the backward), "pareprop" (the same with the backward on two CUDA streams),
-            "graphs" (the pareprop run captured as CUDA graphs and replayed, for static shapes;
-            see `revkernels.engine.graphs`) or "autograd" (reference: ordinary autograd, stores
-            activations), or "compiled" (the sequential schedule with each block's steps compiled
-            once per block signature; options in ``seq.compile_options``, see
-            `revkernels.engine.compiled`). Under torch.compile a memory-saving run is one opaque
-            op of the graph (`revkernels.engine.opaque`): it still saves only its outputs.
+        engine: "auto" (the default: picked per call, ``seq.engine_in_use`` names the pick),
+            "sequential", "pareprop", "graphs", "compiled" (options in ``seq.compile_options``)
+            or "autograd" (the reference: stores activations); see the docs' "Choosing an
+            engine" (docs/engines.md).
         preserve_rng_state: replay each block's randomness (dropout, drop-path) in the recompute.
             Costs a few KB of host memory per block; turn off only for deterministic blocks.
         memory_budget: activations the run may keep beyond its outputs (0, the default: none): a
