@@ -45,7 +45,7 @@ from torch.func import functional_call, vjp
 from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
-from revkernels.engine.fsdp import block_units, run_sharded_compiled
+from revkernels.engine.fsdp import block_units, run_sharded
 from revkernels.engine.sequential import (add_param_grads, block_grads, forward_step, recompute_step, reverse_blocks,
                                           run_reversible, with_buffers)
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, BlockState, RngState, autograd_recording,
@@ -779,10 +779,20 @@ def run_compiled(seq, x1, x2, context=NO_CONTEXT):
                           "engine's schedule): its compiled steps do not keep the streams in fixed point yet",
                           UserWarning, stacklevel=3)
         return run_reversible(seq, x1, x2, reverse_blocks, context)
+    steps = compiled_steps(seq, x1.device.type)
+
+    def walker(blocks, states, y1, y2, dy1, dy2, params, autocast_state, monitor=None, context=NO_CONTEXT):
+        return backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_state, context)
+
     units = block_units(seq)
     if units is not None:  # blocks sharded by FSDP2 one by one: one autograd node per block
-        return run_sharded_compiled(seq, x1, x2, units, context)
-    steps = compiled_steps(seq, x1.device.type)
+
+        def block_step(block, a1, a2, preserve_rng_state, block_context, exact_steps):
+            # (`exact_steps` is None: exact mode ran the eager engine above)
+            b1, b2, states = forward_blocks([block], a1, a2, steps, preserve_rng_state, block_context)
+            return b1, b2, states[0]
+
+        return run_sharded(seq, x1, x2, units, walker, block_step, context)
     params = unique_grad_params(seq.blocks)
     if not records_graph(x1, x2, params, grad_tensors(context)):
         y1, y2, _ = forward_blocks(list(seq.blocks), x1, x2, steps, False, context)
@@ -791,8 +801,5 @@ def run_compiled(seq, x1, x2, context=NO_CONTEXT):
     def forward(seq, x1, x2, context):
         y1, y2, states = forward_blocks(list(seq.blocks), x1, x2, steps, seq.preserve_rng_state, context)
         return y1, y2, states, None
-
-    def walker(blocks, states, y1, y2, dy1, dy2, params, autocast_state, monitor=None, context=NO_CONTEXT):
-        return backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_state, context)
 
     return run_reversible(seq, x1, x2, walker, context, forward=forward)

@@ -151,7 +151,8 @@ class BlockStep(torch.autograd.Function):
             x1, x2 = run.fixed
         if run.monitor is not None:
             run.samples[index] = run.monitor.sample(x1, x2)
-        y1, y2, ctx.state = run.forward_step(block, x1, x2, run.preserve_rng_state, context, **_steps_of(run, index))
+        y1, y2, ctx.state = run.forward_step(block, x1, x2, run.preserve_rng_state, context,
+                                             None if run.steps is None else run.steps[index])
         ctx.run, ctx.index, ctx.params = run, index, list(tensors[:n_params])
         ctx.modes = module_modes(block)  # (the backward rebuilds the block in them: `in_mode`)
         ctx.last = index == len(run.blocks) - 1
@@ -190,13 +191,8 @@ class BlockStep(torch.autograd.Function):
         return (None, None, None, None, dx1, dx2, *grads)
 
 
-def _steps_of(run, index):
-    """The `forward_step` keyword of block `index`'s exact steps (none outside exact mode)."""
-    return {} if run.steps is None else {"steps": run.steps[index]}
-
-
-def _plain_step(forward_step, block, x1, x2, context, steps=None):
-    return forward_step(block, x1, x2, False, context, **({} if steps is None else {"steps": steps}))[:2]
+def _plain_step(forward_step, block, steps, x1, x2, context):
+    return forward_step(block, x1, x2, False, context, steps)[:2]
 
 
 def _step_node(run, index, x1, x2, context):
@@ -207,24 +203,25 @@ def _step_node(run, index, x1, x2, context):
 
 def run_sharded(seq, x1, x2, units, walker, forward_step, context=NO_CONTEXT, streams=None):
     """Runs `seq`, whose blocks hold the FSDP `units` (from `block_units`), one `BlockStep` node
-    per block. `forward_step(block, x1, x2, preserve_rng_state, context) -> (y1, y2, state)` and
-    `walker` (`reverse_blocks`' signature, called with one block) are the engine's steps. In exact
-    mode (`streams`) the nodes step the int64 streams by the blocks' exact steps (`ShardedRun`)."""
+    per block. `forward_step(block, x1, x2, preserve_rng_state, context, steps) -> (y1, y2, state)`
+    (`steps`: the block's exact steps in exact mode, else None) and `walker` (`reverse_blocks`'
+    signature, called with one block) are the engine's steps. In exact mode (`streams`) the nodes
+    step the int64 streams by the blocks' exact steps (`ShardedRun`)."""
     fixed = None
     if streams is not None:
         with torch.no_grad():
             fixed = (streams.enter(x1)[1], streams.enter(x2)[1])
     if not records_graph(x1, x2, unique_grad_params(seq.blocks), grad_tensors(context)):
         # a plain forward that keeps nothing
-        if streams is not None:
-            for block, step, unit_list in zip(seq.blocks, streams.steps(seq.blocks), units):
-                fixed = enter(unit_list, functools.partial(_plain_step, forward_step, block, steps=step), *fixed,
-                              context)
-            streams.raise_on_overflow()
-            return streams.view(fixed[0]), streams.view(fixed[1])
-        for block, unit_list in zip(seq.blocks, units):
-            x1, x2 = enter(unit_list, functools.partial(_plain_step, forward_step, block), x1, x2, context)
-        return x1, x2
+        steps = [None] * len(seq.blocks) if streams is None else streams.steps(seq.blocks)
+        if fixed is not None:
+            x1, x2 = fixed
+        for block, step, unit_list in zip(seq.blocks, steps, units):
+            x1, x2 = enter(unit_list, functools.partial(_plain_step, forward_step, block, step), x1, x2, context)
+        if streams is None:
+            return x1, x2
+        streams.raise_on_overflow()
+        return streams.view(x1), streams.view(x2)
     run = ShardedRun(seq, forward_step, walker, x1.device.type, streams)
     run.fixed = fixed
     for index, unit_list in enumerate(units):
@@ -232,20 +229,4 @@ def run_sharded(seq, x1, x2, units, walker, forward_step, context=NO_CONTEXT, st
     return x1, x2
 
 
-def run_sharded_compiled(seq, x1, x2, units, context=NO_CONTEXT):
-    """`run_sharded` with the compiled engine's steps."""
-    from revkernels.engine import compiled
-
-    steps = compiled.compiled_steps(seq, x1.device.type)
-
-    def forward_step(block, a1, a2, preserve_rng_state, block_context):
-        y1, y2, states = compiled.forward_blocks([block], a1, a2, steps, preserve_rng_state, block_context)
-        return y1, y2, states[0]
-
-    def walker(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None, context=NO_CONTEXT):
-        return compiled.backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_state, context)
-
-    return run_sharded(seq, x1, x2, units, walker, forward_step, context)
-
-
-__all__ = ["block_units", "module_units", "enter", "run_sharded", "run_sharded_compiled", "BlockStep", "ShardedRun"]
+__all__ = ["block_units", "module_units", "enter", "run_sharded", "BlockStep", "ShardedRun"]
