@@ -6,8 +6,8 @@ memory for time, all measured in one run on the same blocks.
     python benchmarks/bench_budget.py --quick                # a small configuration, seconds
 
 Rows (each a train step of the same RevViTBlock stack, forward + backward, median ms after warm-up,
-the eager rows timed in rounds: one untimed and one timed step of every row per round, so a change
-of load on the machine hits them alike;
+timed in rounds, the eager rows together and the compiled rows together: one untimed and one timed
+step of every row per round, so a change of load on the machine hits them alike;
 ``saved_mib`` is what the forward leaves alive for the backward, parameters aside, *measured* over one
 forward: the eager rows by `revkernels.bench.report.retained_bytes` (what autograd saves, what a
 checkpoint keeps beside it (its inputs, selective checkpointing's cache of matrix-product outputs) and
@@ -17,7 +17,7 @@ the outputs, each storage once; ``measured_by`` "storages"), the compiled rows b
 
 - ``revkernels budget=b``: the sequential engine with ``memory_budget=b`` for b in 0, 0.1, 0.25,
   0.5, 0.75, 1.0: the planner of `revkernels.engine.budget` gives each block rebuild, selective or
-  keep (column ``plan``: one letter a block, R/S/K; ``planned_mib``: the bytes it expects to keep);
+  keep (column ``plan``: one letter a block, R/C/S/K; ``planned_mib``: the bytes it expects to keep);
 - ``standard``: ordinary autograd through the blocks (the autograd engine);
 - ``checkpoint every k``: torch.utils.checkpoint (non-reentrant) around each group of k blocks;
 - ``selective checkpoint``: torch's selective activation checkpointing around each block, saving the
@@ -25,15 +25,19 @@ the outputs, each storage once; ``measured_by`` "storages"), the compiled rows b
   selective option, `revkernels.engine.budget.save_matmuls`).
 
 With ``--compiled``, the same under torch.compile: the run (compiled engine) at each budget under
-``torch.compile`` (the rebuilt blocks one opaque op running the compiled steps, the kept blocks
-compiled into the graph) against the standard stack compiled with
-``torch._functorch.config.activation_memory_budget`` at the same fractions (compiled against compiled). Writes ``budget_<device>.csv`` (with the commit,
-device and versions on every row) and ``budget_<device>.png``: step time against saved memory.
+``torch.compile``, following the plan for torch.compile (``plan.under_compile``: the rebuilt blocks
+one opaque op running the compiled steps, the others compiled into the graph, checkpointed (C),
+selectively checkpointed or kept) against the standard stack compiled with
+``torch._functorch.config.activation_memory_budget`` at the same fractions (compiled against
+compiled). Writes ``budget_<device>.csv`` (with the commit, device and versions on every row) and
+``budget_<device>.png``: step time against saved memory.
 """
 import argparse
 import functools
+import itertools
 import os
 import statistics
+import types
 
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
@@ -97,7 +101,7 @@ def measure(args, device):
     held = [*seq.parameters(), *seq.buffers(), x]  # (not counted: held whatever the method)
     rows = []
 
-    rounds = []  # (row, step) of the eager rows, timed together in rounds
+    rounds = {"eager": [], "compiled": []}  # (row, step) of each group's rows, timed together in rounds
 
     def show(row):
         print(f"{row['group']:8s} {row['method']:28s} {row['step_ms']:9.2f} ms  saved {row['saved_mib']:9.2f} MiB  "
@@ -120,10 +124,16 @@ def measure(args, device):
         if plan is not None:
             row.update(plan="".join(o[0].upper() for o in plan.options), planned_mib=round(plan.kept_bytes / 2**20, 4))
         rows.append(row)
-        if group == "eager":
-            rounds.append((row, step))
-        else:
-            row["step_ms"] = round(statistics.median(timed_ms(step, device, args.reps)), 3)
+        rounds[group].append((row, step))
+
+    def time_in_rounds(group):
+        times = {id(row): [] for row, _ in rounds[group]}
+        for _ in range(args.reps):
+            for row, step in rounds[group]:
+                step()  # (untimed: the timed step finds the caches as this row's own step leaves them)
+                times[id(row)] += timed_ms(step, device, 1)
+        for row, _ in rounds[group]:
+            row["step_ms"] = round(statistics.median(times[id(row)]), 3)
             show(row)
 
     for budget in BUDGETS:
@@ -136,31 +146,35 @@ def measure(args, device):
     for every in sorted({1, 2, 3, args.depth // 2} - {0}):
         record(f"checkpoint every {every}", "eager", "", checkpointed(seq, every))
     record("selective checkpoint", "eager", "", checkpointed(seq, 1, selective=True))
-    times = {id(row): [] for row, _ in rounds}
-    for _ in range(args.reps):
-        for row, step in rounds:
-            step()  # (untimed: the timed step finds the caches as this row's own step leaves them)
-            times[id(row)] += timed_ms(step, device, 1)
-    for row, _ in rounds:
-        row["step_ms"] = round(statistics.median(times[id(row)]), 3)
-        show(row)
+    time_in_rounds("eager")
 
     if args.compiled:
         from torch._functorch import config as functorch_config
 
-        seq.engine = "compiled"
+        torch._dynamo.reset()
         for budget in BUDGETS:
-            torch._dynamo.reset()
-            seq.memory_budget = budget
-            plan = seq.memory_plan(x, x)  # (made eagerly: the trace runs the plan made for its inputs)
-            record(f"revkernels compiled budget={budget:g}", "compiled", budget, torch.compile(seq), plan)
-        seq.memory_budget, seq.engine = 0, "sequential"
+            run = rk.nn.ReversibleSequential(*seq.blocks, engine="compiled", memory_budget=budget)
+            plan = run.memory_plan(x, x).under_compile  # (made eagerly: the trace follows it)
+            record(f"revkernels compiled budget={budget:g}", "compiled", budget, torch.compile(own_frame(run)), plan)
         for budget in BUDGETS:
-            torch._dynamo.reset()
-            with functorch_config.patch(activation_memory_budget=budget):
-                compiled = torch.compile(standard)
+            with functorch_config.patch(activation_memory_budget=budget):  # (read when record compiles)
+                compiled = torch.compile(own_frame(rk.nn.ReversibleSequential(*seq.blocks, engine="autograd")))
                 record(f"standard compiled budget={budget:g}", "compiled", budget, compiled)
+        time_in_rounds("compiled")
     return rows
+
+
+_FRAMES = itertools.count()
+
+
+def own_frame(module):
+    """A function calling `module` with a code object of its own: Dynamo keeps compiled graphs per
+    code object and, inlining modules, does not guard on which module of a structure it traced, so
+    every compiled row calling ReversibleSequential.forward would run the first row's graph."""
+    def call(x1, x2):
+        return module(x1, x2)
+    code = call.__code__.replace(co_name=f"row_{next(_FRAMES)}")
+    return types.FunctionType(code, call.__globals__, code.co_name, None, call.__closure__)
 
 
 @plotted((7.5, 4.8))

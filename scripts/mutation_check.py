@@ -514,6 +514,17 @@ mutation("budget_run_slices_the_blocks", BUDGET,  # a new ModuleList per call: e
          "    for i, (block, option) in enumerate(zip(list(seq.blocks)[k:], made.options[k:]), start=k):\n",
          "    for i, (block, option) in enumerate(zip(seq.blocks[k:], made.options[k:]), start=k):\n",
          T_BUDGET + " -k structure_caches")
+mutation("budget_trace_checkpoint_runs_plain", BUDGET,
+         '        elif option == "checkpoint":  # (the partitioner', "        elif False:  # (the partitioner",
+         T_BUDGET + " -k trace_runs_the_plan")
+mutation("budget_trace_plan_without_checkpoint", BUDGET, "under_compile=plan(budget_bytes, costs, traced=True)",
+         "under_compile=plan(budget_bytes, costs, traced=False)", T_BUDGET + " -k every_option")
+mutation("budget_needed_ms_keeps_written_storages", BUDGET, "            need = (need - written) | (read - inputs)",
+         "            need = need | (read - inputs)", T_BUDGET + " -k needed_ms")
+mutation("budget_measurement_times_one_pass", BUDGET, "TIMING_PASSES = 3", "TIMING_PASSES = 1",
+         T_BUDGET + " -k least_time")
+mutation("budget_measurement_keeps_the_slowest_time", BUDGET, "= min(self.calls[self.at][1], ms)",
+         "= max(self.calls[self.at][1], ms)", T_BUDGET + " -k least_time")
 mutation("budget_trace_no_warning_without_a_plan", BUDGET,
          ' and traced_plan(seq, x1, x2, context) is None:', ' and False:', T_BUDGET + " -k without_a_plan")
 mutation("reference_vjp_skips_g_path", "revkernels/reference.py", "            dy1 = dy1 + _grad_of(y1)\n",

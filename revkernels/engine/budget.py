@@ -3,14 +3,17 @@ mix that fits.
 
 A memory-saving run saves only its outputs and pays one extra forward per block in the backward
 (the rebuild). Given room for part of the activations, ``ReversibleSequential(...,
-memory_budget=b)`` gives each block one of three options:
+memory_budget=b)`` gives each block one of these options:
 
 - ``rebuild``: no activations; the backward runs the block's forward again (one forward);
 - ``selective``: torch's selective activation checkpointing inside the block
   (``torch.utils.checkpoint.checkpoint(..., use_reentrant=False, context_fn=...)`` with
   `save_matmuls`): the block keeps its inputs and the outputs of its matrix products and attention,
   and the backward recomputes only the cheap ops between them (norms, activations, adds, views);
-- ``keep``: everything plain autograd saves; nothing is recomputed.
+- ``keep``: everything plain autograd saves; nothing is recomputed;
+- ``checkpoint``, under torch.compile only: the block's inputs; the compiled graph's partitioner
+  recomputes only the ops whose outputs the backward reads (eagerly a checkpoint reruns the whole
+  forward: a rebuild's time, more memory).
 
 The rebuilt blocks are a prefix of the run, run as one memory-saving node of the engine (it saves
 its outputs); the others run after it under autograd, each plain (keep) or inside the checkpoint
@@ -28,14 +31,16 @@ block's other buffers as the forward left them: `selective_contexts`).
 **Measured, once per input signature** (shapes, dtypes, device, autocast, training flags, context
 shapes; `activation_bytes`): one forward of the run under autograd, one block's graph alive at a
 time, counting per block the bytes autograd saves (``keep``), the bytes of its inputs and of the
-outputs of its matrix products and attention (``selective``), and the time of its ops (a forward,
-what a rebuild costs) and of the ops selective keeping recomputes. The generators are forked and
+outputs of its matrix products and attention (``selective``), and the least time of its ops over
+`TIMING_PASSES` forwards: all of them (a rebuild), those selective keeping recomputes, those a
+recompute from its inputs needs (``checkpoint``, `needed_ms`). The generators are forked and
 the buffers put back: the caller's random stream and BatchNorm statistics see nothing of it.
 
 **Planned** (`plan`): every block starts at ``rebuild``; a greedy pass then takes, while one fits,
-the upgrade that saves the most time per byte: the last rebuilt block to ``selective`` (saves its
-forward less its selective recompute) or to ``keep`` (saves its forward), or a selective block to
-``keep`` (saves its recompute). Ties go to the later block (the backward reaches it first). A
+the change that saves the most time per byte: the last rebuilt block or a block after it to an
+option that recomputes less. Ties go to the later block (the backward reaches it first). A plan for
+torch.compile (``MemoryPlan.under_compile``, what a trace follows) also offers ``checkpoint`` and
+counts no selective dispatch. A
 selective block's cost also counts the selective checkpoint's own per-op dispatch, forward and
 recompute (`sac_op_overhead_ms`, timed once per process): where it exceeds the time selective
 keeping saves, a block is not kept selectively. The bytes counted are each option's measured ones,
@@ -68,7 +73,8 @@ from revkernels.engine.structure import (LRU, assume_constant_result, buffers_as
                                          recompute_context, running_stats_layers, spectral_norms, unique_params)
 
 MAX_PLANS = 8  # input signatures whose plan a run keeps
-OPTIONS = ("rebuild", "selective", "keep")
+TIMING_PASSES = 3  # forwards of each block measured: each op's least time counts
+OPTIONS = ("rebuild", "checkpoint", "selective", "keep")
 
 
 def _ops(*names):
@@ -121,8 +127,10 @@ class BlockCost:
     ``keep_bytes``: what plain autograd saves for it; ``selective_bytes``: what selective keeping
     keeps (its inputs and the outputs of `SAVED_OPS`), None where the block does not take it (a
     parametrized block: spectral norm's power iteration must not run again); ``input_bytes``: its
-    inputs; ``forward_ms``: its ops' time (a rebuild); ``recompute_ms``: the time of the ops
-    selective keeping recomputes; ``ops``: the ops it dispatches."""
+    inputs (what ``checkpoint`` keeps); ``forward_ms``: its ops' time (a rebuild); ``recompute_ms``:
+    the time of the ops selective keeping recomputes; ``ops``: the ops it dispatches;
+    ``checkpoint_ms``: the time of the ops a recompute from its inputs needs to give the backward
+    what autograd saves (`needed_ms`; None where selective is not offered either)."""
 
     keep_bytes: int
     selective_bytes: object
@@ -130,9 +138,21 @@ class BlockCost:
     forward_ms: float
     recompute_ms: float
     ops: int
+    checkpoint_ms: object = None
 
     def bytes_of(self, option):
-        return {"rebuild": 0, "selective": self.selective_bytes, "keep": self.keep_bytes}[option]
+        return {"rebuild": 0, "checkpoint": self.input_bytes, "selective": self.selective_bytes,
+                "keep": self.keep_bytes}[option]
+
+    def cost_ms(self, option, overhead_ms):
+        """The backward's extra time of the block under `option`."""
+        return {"rebuild": self.forward_ms, "checkpoint": self.checkpoint_ms, "selective": self.selective_ms(overhead_ms),
+                "keep": 0.0}[option]
+
+    def offers(self, option, traced):
+        """Whether the block can take `option` (checkpoint only in a plan for torch.compile)."""
+        return {"checkpoint": traced and self.checkpoint_ms is not None,
+                "selective": self.selective_bytes is not None}.get(option, True)
 
     def selective_ms(self, overhead_ms):
         """The backward's extra time of the block kept selectively: its recomputed ops and the
@@ -144,21 +164,25 @@ class BlockCost:
 class MemoryPlan:
     """How each block of a run spends a memory budget (`revkernels.engine.budget`); ``print`` it.
 
-    ``options[i]``: ``"rebuild"``, ``"selective"`` or ``"keep"`` for block i; ``costs[i]``: its
-    measured `BlockCost`; ``budget_bytes``: the budget in bytes; ``kept_bytes``: the activation
-    bytes the run is expected to keep under the plan (at most the budget: the options' measured
-    bytes, and the node's outputs where they count); ``overhead_ms``: the selective checkpoint's
-    dispatch per op (`sac_op_overhead_ms`)."""
+    ``options[i]``: ``"rebuild"``, ``"selective"`` or ``"keep"`` for block i (and ``"checkpoint"``
+    in a plan for torch.compile); ``costs[i]``: its measured `BlockCost`; ``budget_bytes``: the
+    budget in bytes; ``kept_bytes``: the activation bytes the run is expected to keep under the plan
+    (at most the budget: the options' measured bytes, and the node's outputs where they count);
+    ``overhead_ms``: the selective checkpoint's dispatch per op (`sac_op_overhead_ms`);
+    ``under_compile``: the plan a torch.compile trace of the run follows (same budget and costs,
+    ``checkpoint`` offered, no dispatch overhead), None where a trace has none (exact mode,
+    ``"auto"``)."""
 
     options: tuple
     costs: tuple
     budget_bytes: int
     kept_bytes: int
     overhead_ms: float = 0.0
+    under_compile: object = None
 
     @property
     def kept(self):
-        """Per block: whether it keeps activations (selectively or all) and skips its rebuild."""
+        """Per block: whether it keeps activations (its inputs, selectively or all) and skips its rebuild."""
         return tuple(o != "rebuild" for o in self.options)
 
     @property
@@ -178,25 +202,29 @@ class MemoryPlan:
 
     @property
     def recompute_ms(self):
-        """The backward's estimated extra time: the rebuilt blocks' forwards and the selective
-        blocks' recompute."""
-        return sum(c.forward_ms if o == "rebuild" else c.selective_ms(self.overhead_ms) if o == "selective" else 0.0
-                   for o, c in zip(self.options, self.costs))
+        """The backward's estimated extra time: the rebuilt blocks' forwards, the checkpointed and
+        selective blocks' recompute."""
+        return sum(c.cost_ms(o, self.overhead_ms) for o, c in zip(self.options, self.costs))
+
+    def _summary(self):
+        count = ", ".join(f"{self.options.count(o)} {o}" for o in reversed(OPTIONS) if o != "checkpoint" or o in self.options)
+        return (f"{count}: skips {self.rebuilds_saved} of {len(self.options)} rebuilds; the backward recomputes "
+                f"~{self.recompute_ms:.2f} ms (~{sum(c.forward_ms for c in self.costs):.2f} ms rebuilding every block)")
 
     def __str__(self):
         mib = 2.0 ** 20
-        count = {o: self.options.count(o) for o in OPTIONS}
-        rebuild_all = sum(c.forward_ms for c in self.costs)
         lines = [f"memory plan: budget {self.budget_bytes / mib:.2f} MiB of the {self.autograd_bytes / mib:.2f} MiB "
-                 f"plain autograd saves; keeps {self.kept_bytes / mib:.2f} MiB",
-                 f"  {count['keep']} keep, {count['selective']} selective, {count['rebuild']} rebuild: skips "
-                 f"{self.rebuilds_saved} of {len(self.options)} rebuilds; the backward recomputes ~"
-                 f"{self.recompute_ms:.2f} ms (~{rebuild_all:.2f} ms rebuilding every block)"]
+                 f"plain autograd saves; keeps {self.kept_bytes / mib:.2f} MiB", f"  {self._summary()}"]
         for i, (o, c) in enumerate(zip(self.options, self.costs)):
             selective = "n/a" if c.selective_bytes is None else f"{c.selective_bytes / mib:.2f}"
             lines.append(f"  blocks[{i}]: {o:9s} {c.bytes_of(o) / mib:8.2f} MiB   (keep {c.keep_bytes / mib:.2f}, "
                          f"selective {selective} MiB; rebuild ~{c.forward_ms:.2f} ms, selective ~"
                          f"{c.selective_ms(self.overhead_ms):.2f} ms)")
+        if self.under_compile is not None:
+            traced = self.under_compile
+            lines.append(f"  under torch.compile: {' '.join(o[0].upper() for o in traced.options)} (Rebuild, "
+                         f"Checkpoint: keeps its inputs, Selective, Keep); keeps {traced.kept_bytes / mib:.2f} MiB; "
+                         f"{traced._summary()}")
         return "\n".join(lines)
 
 
@@ -213,20 +241,20 @@ def _added(options, costs, k, i, option):
     return costs[i].bytes_of(option) - costs[i].bytes_of(options[i]) + head - _head_outputs(options, costs, k)
 
 
-def plan(budget_bytes, costs, overhead_ms=0.0):
+def plan(budget_bytes, costs, overhead_ms=0.0, traced=False):
     """The `MemoryPlan` for `costs` (one `BlockCost` per block) within `budget_bytes`: from every
-    block rebuilt, a greedy pass takes the upgrade that fits and saves the most time per byte
-    (ties: the later block; see the module docstring)."""
+    block rebuilt, a greedy pass takes the change that fits and saves the most time per byte
+    (ties: the later block; see the module docstring). `traced`: a plan for a torch.compile trace,
+    where the ``checkpoint`` option is offered."""
     n = len(costs)
     options, used, k = ["rebuild"] * n, 0, n  # blocks[k:] are not rebuilt
     while True:
-        upgrades = []  # (time saved, block, option)
-        if k:  # the last rebuilt block (the rebuilt blocks stay a prefix)
-            c = costs[k - 1]
-            upgrades.append((c.forward_ms, k - 1, "keep"))
-            if c.selective_bytes is not None:
-                upgrades.append((c.forward_ms - c.selective_ms(overhead_ms), k - 1, "selective"))
-        upgrades += [(costs[i].selective_ms(overhead_ms), i, "keep") for i in range(k, n) if options[i] == "selective"]
+        upgrades = []  # (time saved, block, option): the last rebuilt block (the rebuilt blocks stay
+        # a prefix) or a block after it, to any option it offers that recomputes less
+        for i in range(max(k - 1, 0), n):
+            now = costs[i].cost_ms(options[i], overhead_ms)
+            upgrades += [(now - costs[i].cost_ms(o, overhead_ms), i, o) for o in OPTIONS[1:]
+                         if o != options[i] and costs[i].offers(o, traced)]
         best = None  # (time saved per byte, block, option, bytes added)
         for saved, i, option in upgrades:
             added = _added(options, costs, k, i, option)
@@ -241,7 +269,9 @@ def plan(budget_bytes, costs, overhead_ms=0.0):
 
 
 class _Probe(TorchDispatchMode):
-    """Times each op a block dispatches and counts the storages of the outputs of `SAVED_OPS`."""
+    """Times each op a block dispatches (the least time of the passes since `reset`) and, in the
+    first pass, notes what each op reads and writes (for `needed_ms`) and counts the storages of the
+    outputs of `SAVED_OPS`."""
 
     def __init__(self, device, skip):
         super().__init__()
@@ -250,7 +280,19 @@ class _Probe(TorchDispatchMode):
         self.reset()
 
     def reset(self):
-        self.saved, self.forward_ms, self.recompute_ms, self.ops = {}, 0.0, 0.0, 0
+        self.saved, self.calls, self.at = {}, [], None  # calls: [op, ms, read, written]
+
+    def again(self):
+        """The next forward repeats the first pass's ops: their times update the least ones."""
+        self.at = 0
+
+    @property
+    def forward_ms(self):
+        return sum(ms for _, ms, _, _ in self.calls)
+
+    @property
+    def recompute_ms(self):
+        return sum(ms for op, ms, _, _ in self.calls if op not in SAVED_OPS)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.sync()
@@ -258,14 +300,15 @@ class _Probe(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.sync()
         ms = (time.perf_counter() - start) * 1e3
-        self.ops += 1
-        self.forward_ms += ms
-        if func in SAVED_OPS:
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    _add_storage(self.saved, t, self.skip)
-        else:
-            self.recompute_ms += ms
+        if self.at is None:
+            self.calls.append([func, ms, _storages((args, kwargs), self.skip), _storages(out, self.skip)])
+            if func in SAVED_OPS:
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        _add_storage(self.saved, t, self.skip)
+        elif self.at < len(self.calls) and self.calls[self.at][0] is func:  # (a pass that strays is not timed on)
+            self.calls[self.at][1] = min(self.calls[self.at][1], ms)
+            self.at += 1
         return out
 
 
@@ -274,6 +317,29 @@ def _add_storage(into, t, skip):
     ptr = storage.data_ptr()
     if ptr not in skip and storage.device.type != "meta":
         into[ptr] = storage.nbytes()
+
+
+def _storages(tree, skip):
+    found = {}
+    for t in tree_leaves(tree):
+        if isinstance(t, torch.Tensor):
+            _add_storage(found, t, skip)
+    return frozenset(found)
+
+
+def needed_ms(calls, saved, inputs):
+    """The time of the ops a recompute from a block's `inputs` needs to give its backward the
+    storages autograd `saved` (what torch.compile's partitioner recomputes for a checkpointed block):
+    walking `calls` (op, time, storages read, storages written) back from the last, an op is needed if
+    it writes a storage still needed; then what it read is needed instead (a storage written is
+    needed no further back: an earlier op writing the same address wrote a freed one)."""
+    inputs = frozenset(inputs)
+    need, ms = set(saved) - inputs, 0.0
+    for _, op_ms, read, written in reversed(calls):
+        if not need.isdisjoint(written):
+            ms += op_ms
+            need = (need - written) | (read - inputs)
+    return ms
 
 
 def _selective_offered(block):
@@ -297,7 +363,8 @@ def activation_bytes(blocks, x1, x2, context):
     costs, kept = [], {}
 
     def pack(t):
-        _add_storage(kept, t, skip)
+        if probe.at is None:  # (the first pass)
+            _add_storage(kept, t, skip)
         return t
 
     a1, a2 = (t.detach().requires_grad_(t.is_floating_point()) for t in (x1, x2))
@@ -317,11 +384,17 @@ def activation_bytes(blocks, x1, x2, context):
                         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     return block.forward(a1, a2, **context)
 
-            b1, b2 = enter(module_units(block), probed, a1, a2)  # (an FSDP block: all-gathered for it)
+            for timing in range(TIMING_PASSES):
+                if timing:
+                    probe.again()
+                    del b1, b2
+                b1, b2 = enter(module_units(block), probed, a1, a2)  # (an FSDP block: all-gathered for it)
             if i:
+                offered = _selective_offered(block)
                 costs.append(BlockCost(
-                    sum(kept.values()), sum({**inputs, **probe.saved}.values()) if _selective_offered(block) else None,
-                    sum(inputs.values()), probe.forward_ms, probe.recompute_ms, probe.ops))
+                    sum(kept.values()), sum({**inputs, **probe.saved}.values()) if offered else None,
+                    sum(inputs.values()), probe.forward_ms, probe.recompute_ms, len(probe.calls),
+                    needed_ms(probe.calls, kept, inputs.keys()) if offered else None))
                 a1, a2 = b1.detach().requires_grad_(), b2.detach().requires_grad_()
             del b1, b2
     return costs
@@ -393,7 +466,10 @@ class Plans:
             return rank_zeros(plan(auto_budget_bytes(unique_params(blocks), x1.device), costs, sac_op_overhead_ms()),
                               blocks)
         budget_bytes = int(budget * sum(c.keep_bytes for c in costs)) if isinstance(budget, float) else budget
-        made = plans[budget, exact] = rank_zeros(plan(budget_bytes, costs, sac_op_overhead_ms()), blocks)
+        made = plan(budget_bytes, costs, sac_op_overhead_ms())
+        if not exact:  # (a trace's plan: compiled code has no selective-checkpoint dispatch per op)
+            made = dataclasses.replace(made, under_compile=plan(budget_bytes, costs, traced=True))
+        made = plans[budget, exact] = rank_zeros(made, blocks)
         return made
 
 
@@ -402,8 +478,8 @@ def plan_of(seq, x1, x2, context):
     per input signature (`Plans`); the run of the blocks it rebuilds made with it (what a trace under
     torch.compile calls: `traced_within_budget`)."""
     made = _budget_state(seq)[0].get(seq.memory_budget, seq.blocks, x1, x2, context, seq.exact)
-    if 0 < made.first_kept < len(seq.blocks):
-        _head_run(seq, made.first_kept)
+    for k in {made.first_kept, getattr(made.under_compile, "first_kept", 0)} - {0, len(seq.blocks)}:
+        _head_run(seq, k)
     return made
 
 
@@ -502,7 +578,7 @@ def _planned_options(run, key, budget):
     seq = _PLANNED.get(run)
     entry = None if seq is None else dict.get(_budget_state(seq)[0].by_key, key)  # (a read: no LRU move)
     made = None if entry is None else entry[1].get((budget, False))
-    return None if made is None else made.options
+    return None if made is None else made.under_compile.options
 
 
 _PLANNED = weakref.WeakValueDictionary()  # run number -> the run (`_budget_state`)
@@ -538,6 +614,9 @@ def traced_within_budget(seq, x1, x2, context):
             x1, x2 = checkpoint(_call, block, x1, x2, context, use_reentrant=False,
                                 preserve_rng_state=seq.preserve_rng_state,
                                 context_fn=functools.partial(create_selective_checkpoint_contexts, save_matmuls))
+        elif option == "checkpoint":  # (the partitioner recomputes only what the backward reads)
+            x1, x2 = checkpoint(_call, block, x1, x2, context, use_reentrant=False,
+                                preserve_rng_state=seq.preserve_rng_state)
         else:
             x1, x2 = block(x1, x2, **context)
     return x1, x2

@@ -1,6 +1,7 @@
 """revkernels.engine.budget: under a memory budget each block is rebuilt, kept selectively (torch's
-selective checkpoint: matrix-product outputs kept, the rest recomputed) or kept; the run never keeps
-more than it was given beyond its outputs, and its gradients are plain autograd's at every budget.
+selective checkpoint: matrix-product outputs kept, the rest recomputed) or kept, and under
+torch.compile also checkpointed (its inputs kept); the run never keeps more than it was given beyond
+its outputs, and its gradients are plain autograd's at every budget.
 
 The plans here come from the measured bytes with fixed times (`fixed_times`), so that they are the
 same on every machine; `test_the_measurement_times_and_counts_each_block` checks the real timing."""
@@ -22,11 +23,11 @@ MEASURE = budget_module.activation_bytes  # (the real measurement: `fixed_times`
 
 @pytest.fixture(autouse=True)
 def fixed_times(monkeypatch):
-    """Measured bytes, fixed times: a block's forward 1 ms, its selective recompute 0.2 ms, no
-    dispatch overhead. With make_seq's blocks (selective keeps ~2/3 of their bytes) the budgets of
-    `BUDGETS` then give plans with every option."""
+    """Measured bytes, fixed times: a block's forward 1 ms, its selective recompute 0.2 ms, the
+    recompute from its inputs 0.6 ms, no dispatch overhead. With make_seq's blocks (selective keeps
+    ~2/3 of their bytes) the budgets of `BUDGETS` then give plans with every option."""
     def measure(*args):
-        return [dataclasses.replace(c, forward_ms=1.0, recompute_ms=0.2, ops=0) for c in MEASURE(*args)]
+        return [dataclasses.replace(c, forward_ms=1.0, recompute_ms=0.2, ops=0, checkpoint_ms=0.6) for c in MEASURE(*args)]
 
     monkeypatch.setattr(budget_module, "activation_bytes", measure)
 
@@ -176,8 +177,8 @@ def test_the_plan_keeps_selectively_where_only_that_fits():
     assert seq.memory_plan(x, x).options == ("rebuild",) * 5 + ("keep",)
 
 
-def _costs(n, keep=100, selective=60, inputs=10, forward_ms=1.0, recompute_ms=0.2, ops=0):
-    return [BlockCost(keep, selective, inputs, forward_ms, recompute_ms, ops) for _ in range(n)]
+def _costs(n, keep=100, selective=60, inputs=10, forward_ms=1.0, recompute_ms=0.2, ops=0, checkpoint_ms=None):
+    return [BlockCost(keep, selective, inputs, forward_ms, recompute_ms, ops, checkpoint_ms) for _ in range(n)]
 
 
 def test_the_greedy_plan():
@@ -210,15 +211,100 @@ def test_the_greedy_plan():
             assert made.kept_bytes == sum(c.bytes_of(o) for c, o in zip(costs, made.options)) + node <= budget
 
 
+def test_the_plan_for_torch_compile_checkpoints_first():
+    # checkpoint saves 0.4 ms for the 10 input bytes (0.04 ms a byte) before selective (0.8 ms for
+    # 60) or keep (1 ms for 100 and the node's outputs); then a checkpointed block moves on to
+    # selective (0.4 ms for 50 more bytes) before keep (0.6 ms for 90 more)
+    costs = _costs(4, checkpoint_ms=0.6)
+    assert plan(30, costs, traced=True).options == ("rebuild",) + ("checkpoint",) * 3
+    made = plan(89, costs, traced=True)
+    assert made.options == ("checkpoint",) * 4 and made.kept_bytes == 40
+    assert made.recompute_ms == pytest.approx(2.4)
+    made = plan(90, costs, traced=True)
+    assert made.options == ("checkpoint",) * 3 + ("selective",) and made.kept_bytes == 90
+    assert plan(400, costs, traced=True).options == ("keep",) * 4
+    assert "checkpoint" not in plan(90, costs).options  # (eager: a checkpoint recomputes the whole forward)
+    assert plan(30, _costs(4), traced=True).options == ("rebuild",) * 4  # (not offered: no checkpoint_ms)
+    for budget in range(0, 800, 7):  # within the budget; the rebuilt blocks a prefix
+        made = plan(budget, costs, traced=True)
+        k = made.options.count("rebuild")
+        assert made.options[:k] == ("rebuild",) * k
+        node = costs[k].input_bytes if 0 < k < len(costs) and made.options[k] == "keep" else 0
+        assert made.kept_bytes == sum(c.bytes_of(o) for c, o in zip(costs, made.options)) + node <= budget
+
+
+def test_needed_ms_walks_back_from_what_autograd_saved():
+    # (op, ms, storages read, storages written); the block's input is storage 0, it saves 2 and 5
+    calls = [("a", 1.0, {0}, {1}), ("b", 2.0, {1}, {2}), ("c", 4.0, {2}, {3}),  # 3: freed, its address reused
+             ("d", 8.0, {0}, {3}), ("e", 16.0, {3}, {5}), ("f", 32.0, {5}, {6}), ("g", 64.0, {0, 5}, {5})]
+    calls = [(op, ms, frozenset(r), frozenset(w)) for op, ms, r, w in calls]
+    # g (writes 5 in place: reads 5) <- e (writes 5) <- d (writes 3: c's 3 is another, earlier tensor);
+    # b (writes 2) <- a; f's output is not saved
+    assert budget_module.needed_ms(calls, {2, 5}, {0}) == 64 + 16 + 8 + 2 + 1
+    assert budget_module.needed_ms(calls, {0}, {0}) == 0  # (only the input saved: nothing to recompute)
+
+
+class _Clock:
+    """A `time` stand-in whose clock advances `step` seconds a call: each op timed (two calls) takes
+    `step` s."""
+
+    def __init__(self, step):
+        self.now, self.step = 0.0, step
+
+    def perf_counter(self):
+        self.now += self.step
+        return self.now
+
+
+def test_the_measurement_counts_each_ops_least_time_and_what_a_checkpoint_recomputes(monkeypatch):
+    # F = Linear-Tanh-Linear, G alike: a recompute from the block's inputs needs every op of F (G's
+    # first Linear saves y1 = x1 + F(x2)) and G's first Linear and Tanh; not G's last Linear (its input, Tanh's output, is saved) nor
+    # the add making y2, nor the weights' transposes (they write parameter storages), nor
+    # promote_types (no tensor)
+    torch.manual_seed(0)
+    block = rk.nn.ReversibleBlock(*(nn.Sequential(nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 24)) for _ in range(2)))
+    ops = []
+
+    class Names(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(5, 24)
+    with Names():
+        block(x, x)
+    ops = [op for op in ops if op != "detach"]  # (autograd's of Tanh's saved output: none under a saved-tensor hook)
+    computing = [op for op in ops if op not in ("t", "promote_types")]
+    assert computing == ["addmm", "tanh", "addmm", "add"] * 2
+    needed = len(ops) - ops.count("t") - ops.count("promote_types") - 2
+    clock = _Clock(5.0)  # (each block's first pass: 5 s an op; its later passes 1 s)
+    reset, again = budget_module._Probe.reset, budget_module._Probe.again
+
+    def paced(step, method):
+        def call(probe):
+            clock.step = step
+            method(probe)
+        return call
+
+    monkeypatch.setattr(budget_module, "time", clock)
+    monkeypatch.setattr(budget_module._Probe, "reset", paced(5.0, reset))
+    monkeypatch.setattr(budget_module._Probe, "again", paced(1.0, again))
+    cost = MEASURE(nn.ModuleList([block]), x, x, {})[0]
+    assert cost.ops == len(ops) and cost.forward_ms == pytest.approx(len(ops) * 1e3)
+    assert cost.recompute_ms == pytest.approx((len(ops) - 4) * 1e3)  # (all but the four addmm)
+    assert cost.checkpoint_ms == pytest.approx(needed * 1e3)
+
+
 def test_the_measurement_times_and_counts_each_block():
     torch.manual_seed(0)
     seq = _seq(depth=2)
     x = torch.randn(5, 24)
     for cost in MEASURE(seq.blocks, x, x, {}):
-        assert 0 < cost.recompute_ms < cost.forward_ms and cost.ops > 0
+        assert 0 < cost.recompute_ms < cost.forward_ms and 0 < cost.checkpoint_ms < cost.forward_ms and cost.ops > 0
         assert cost.input_bytes <= cost.selective_bytes < cost.keep_bytes
     normed = rk.nn.ReversibleBlock(nn.utils.parametrizations.spectral_norm(nn.Linear(24, 24)), nn.Linear(24, 24))
-    assert MEASURE(nn.ModuleList([normed]), x, x, {})[0].selective_bytes is None  # (no second power iteration)
+    normed_cost = MEASURE(nn.ModuleList([normed]), x, x, {})[0]
+    assert normed_cost.selective_bytes is None and normed_cost.checkpoint_ms is None  # (no second power iteration)
 
 
 def _backward_ops(seq, x):
@@ -279,9 +365,14 @@ def test_memory_plan_reads_as_a_table():
     text = str(seq.memory_plan(x, x))
     assert "0 keep, 2 selective, 1 rebuild: skips 2 of 3 rebuilds" in text
     assert "the backward recomputes ~1.40 ms (~3.00 ms rebuilding every block)" in text
-    rows = text.splitlines()[2:]
+    rows = text.splitlines()[2:5]
     assert [row.split()[1] for row in rows] == ["rebuild", "selective", "selective"]
     assert all("keep " in row and "selective " in row and "rebuild ~1.00 ms" in row for row in rows)
+    # under torch.compile: every block checkpointed first (0.4 ms for its inputs), then the last
+    # block kept (0.6 ms more for fewer bytes per ms than selective's 0.4 ms)
+    assert text.splitlines()[5].startswith("  under torch.compile: C C K (Rebuild, Checkpoint: keeps its inputs")
+    assert "1 keep, 0 selective, 2 checkpoint, 0 rebuild: skips 3 of 3 rebuilds; the backward recomputes ~1.20 ms" \
+        in text.splitlines()[5]
 
 
 @pytest.mark.parametrize("bad,error", [(-0.5, ValueError), (1.5, ValueError), (float("nan"), ValueError),
@@ -332,7 +423,7 @@ def _check_grads_and_statistics(run, seq, ref, data):
         assert_close_rel(mine, theirs)
 
 
-@pytest.mark.parametrize("budget", [0.25, 0.5, 1.0])
+@pytest.mark.parametrize("budget", [0.1, 0.25, 0.5, 1.0])
 def test_under_torch_compile_the_trace_runs_the_plan_made_before_it(budget):
     # (a trace cannot measure: it follows the plan memory_plan made; the rebuilt blocks are one
     # opaque op, the kept ones traced into the graph, the selective ones checkpointed in it)
@@ -344,11 +435,24 @@ def test_under_torch_compile_the_trace_runs_the_plan_made_before_it(budget):
     backend = _GraphOps()
     compiled = torch.compile(seq, backend=backend, fullgraph=True)
     _check_grads_and_statistics(compiled, seq, ref, data)
-    assert backend.count("revkernels.reversible_run.default") == (1 if made.first_kept else 0)
-    assert backend.count("tag_activation_checkpoint") == made.options.count("selective")
-    assert made.options.count("rebuild") == made.first_kept
+    traced = made.under_compile.options
+    assert backend.count("revkernels.reversible_run.default") == (1 if "rebuild" in traced else 0)
+    assert backend.count("tag_activation_checkpoint") == traced.count("selective") + traced.count("checkpoint")
     run_grads(compiled, seq, *data)
     assert backend.graphs == 1  # (the trace made no module: the next call runs the same graph)
+
+
+@pytest.mark.parametrize("budget", [0.1, 0.25])
+def test_under_torch_compile_checkpointed_blocks_replay_their_dropout_masks(budget):
+    seq, ref = _twins(dropout=0.2, drop_path=0.1)
+    seq.memory_budget = budget
+    data = [torch.randn(5, 24) for _ in range(4)]
+    assert "checkpoint" in seq.memory_plan(*data[:2]).under_compile.options
+    torch._dynamo.reset()
+    got = run_grads(torch.compile(seq, backend="aot_eager", fullgraph=True), seq, *data, seed=3)
+    expected = run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data, seed=3)
+    for a, e in zip(got, expected, strict=True):
+        assert_close_rel(a, e)
 
 
 def test_a_plan_made_later_for_other_inputs_does_not_retrace_a_graph():
@@ -389,10 +493,10 @@ def test_the_budgets_under_torch_compile_give_every_option():
     seq = _seq(norm="batch")
     x = torch.randn(5, 24)
     options = set()
-    for budget in (0.25, 0.5, 1.0):
+    for budget in (0.05, 0.25, 0.5, 1.0):
         seq.memory_budget = budget
-        options.update(seq.memory_plan(x, x).options)
-    assert options == {"rebuild", "selective", "keep"}
+        options.update(seq.memory_plan(x, x).under_compile.options)
+    assert options == {"rebuild", "checkpoint", "selective", "keep"}
 
 
 def test_under_torch_compile_without_a_plan_the_run_rebuilds_every_block_and_warns():
