@@ -49,7 +49,7 @@ from revkernels.engine.fsdp import block_units, run_sharded
 from revkernels.engine.sequential import (add_param_grads, block_grads, forward_step, recompute_step, reverse_blocks,
                                           run_reversible, with_buffers)
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, BlockState, RngState, autograd_recording,
-                                     check_randomness_after, cuda_devices_of, grad_tensors, maybe_replay,
+                                     check_randomness_after, cuda_devices_of, grad_names, grad_tensors, maybe_replay,
                                      randomness_before, records_graph)
 from revkernels.engine.structure import (LRU, cached, check_residual, coupling_kind, invalidate, param_slots, recompute_context,
                                          record_buffers, stochastic_modules, submodule_hooked,
@@ -670,7 +670,7 @@ def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_st
     # A loss like y.sum() hands down expanded (stride-0) grads, which would be a signature of their own
     y1, y2, dy1, dy2 = y1.detach(), y2.detach(), _unexpanded(dy1.detach()), _unexpanded_or_none(dy2)
     # The steps take detached tensors; which context tensors they differentiate is the dict they are in.
-    leaves = {k: v for k, v in context.items() if isinstance(v, torch.Tensor) and v.requires_grad}
+    leaves = {k: context[k] for k in grad_names(context)}
     grad_context = {k: v.detach() for k, v in leaves.items()}
     plain_context = _detached({k: v for k, v in context.items() if k not in leaves})
     failed = _failed(steps)

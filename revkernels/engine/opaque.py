@@ -41,7 +41,7 @@ from revkernels.engine import compiled
 from revkernels.engine.budget import warn_unplanned
 from revkernels.engine.sequential import eager_forward, exact_forward, reverse_blocks, with_buffers
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, BlockState, RngState, autograd_recording,
-                                     block_modes, check_context, cuda_devices_of, in_mode, run_modes)
+                                     block_modes, check_context, cuda_devices_of, in_mode, run_modes, with_grad_leaves)
 from revkernels.engine.structure import LRU, assume_constant_result, branch_count
 
 
@@ -113,12 +113,10 @@ def _context(handle, tensors, numbers, leaves=False):
     """The context dict of `handle` around `tensors` and `numbers`; with `leaves`, each tensor that
     requires grad replaced by a detached leaf requiring grad. Returns ``(context, leaves)``."""
     names, requires_grad, number_names, values = context_spec(handle)
-    context, grad_leaves = {**dict(values), **dict(zip(number_names, numbers))}, []
-    for name, t, grad in zip(names, tensors, requires_grad):
-        context[name] = t.detach().requires_grad_() if leaves and grad else t
-        if leaves and grad:
-            grad_leaves.append(context[name])
-    return context, grad_leaves
+    context = {**dict(values), **dict(zip(number_names, numbers)), **dict(zip(names, tensors))}
+    if not leaves:
+        return context, []
+    return with_grad_leaves(context, [name for name, grad in zip(names, requires_grad) if grad])
 
 
 def _grad_params(seq):

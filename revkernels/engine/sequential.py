@@ -26,8 +26,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from revkernels.engine.fsdp import block_units, run_sharded
 from revkernels.engine.state import (CONTEXT_CONTAINERS, NO_CONTEXT, AutocastState, BlockState, block_modes,
-                                     check_param_versions, differentiated_once, grad_tensors, in_mode, param_versions,
-                                     check_randomness_after, randomness_before, records_graph, run_modes)
+                                     call_with_context, check_param_versions, differentiated_once, grad_tensors,
+                                     in_mode, param_versions, check_randomness_after, randomness_before, records_graph,
+                                     run_modes, with_grad_leaves)
 from revkernels.engine.structure import (buffers_as_before, buffers_kept, invalidate, param_slots,
                                          parametrize_cache_off, record_buffers, swapped_params, unique_params,
                                          y2_only_params)
@@ -53,7 +54,6 @@ def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None
         # (no forward record, `seq.reverse`: the recompute leaves the buffers as it found them)
         with autocast(), buffers_kept(block) if states is None else contextlib.nullcontext():
             state = None if states is None else states[i]
-            # Without context, the steps' pre-context signature (blocks that override them still work)
             rec = recompute_step(block, y1, y2, state, context)
         if monitor is not None:
             errors[i] = monitor[0].error(monitor[1][i], rec.x1, rec.x2)
@@ -79,9 +79,8 @@ def add_param_grads(param_grads, index, pairs):
 
 
 def forward_step(block, x1, x2, preserve_rng_state, context=NO_CONTEXT, steps=None):
-    """``block.forward_with_state`` (without context: the steps' pre-context signature, so blocks
-    that override them still work), under ``parametrize.cached()`` without filling its cache
-    (`parametrize_cache_off`: the forward runs without grad). The buffers the forward changed go
+    """``block.forward_with_state`` (`call_with_context`), under ``parametrize.cached()`` without
+    filling its cache (`parametrize_cache_off`: the forward runs without grad). The buffers the forward changed go
     into the returned state with their old values (`record_buffers`), for `recompute_step`.
     `steps`: an object whose ``forward_with_state`` runs instead of the block's (exact mode's
     steps on fixed-point streams, ``revkernels.nn.exact.ExactSteps``)."""
@@ -99,14 +98,8 @@ def forward_step(block, x1, x2, preserve_rng_state, context=NO_CONTEXT, steps=No
 def _uncached_forward_with_state(block, steps, x1, x2, preserve_rng_state, context):
     if parametrize._cache_enabled:
         with parametrize_cache_off(block):
-            return _forward_with_state(steps, x1, x2, preserve_rng_state, context)
-    return _forward_with_state(steps, x1, x2, preserve_rng_state, context)
-
-
-def _forward_with_state(block, x1, x2, preserve_rng_state, context):
-    if context:
-        return block.forward_with_state(x1, x2, preserve_rng_state, context)
-    return block.forward_with_state(x1, x2, preserve_rng_state)
+            return call_with_context(steps.forward_with_state, x1, x2, preserve_rng_state, context=context)
+    return call_with_context(steps.forward_with_state, x1, x2, preserve_rng_state, context=context)
 
 
 def with_buffers(state, changed):
@@ -127,19 +120,13 @@ def with_buffers(state, changed):
 
 
 def recompute_step(block, y1, y2, state, context=NO_CONTEXT):
-    """``block.recompute`` (without context: the pre-context signature, as `forward_step`), with
-    the buffers the forward changed as they were before it (`buffers_as_before`)."""
+    """``block.recompute`` (`call_with_context`), with the buffers the forward changed as they were
+    before it (`buffers_as_before`)."""
     changed = getattr(state, "buffers", ())
     if changed:
         with buffers_as_before(changed):
-            return _recompute(block, y1, y2, state, context)
-    return _recompute(block, y1, y2, state, context)
-
-
-def _recompute(block, y1, y2, state, context):
-    if context:
-        return block.recompute(y1, y2, state, context)
-    return block.recompute(y1, y2, state)
+            return call_with_context(block.recompute, y1, y2, state, context=context)
+    return call_with_context(block.recompute, y1, y2, state, context=context)
 
 
 @contextlib.contextmanager
@@ -241,11 +228,8 @@ def saved_with_context(ctx, count):
     saved = ctx.saved_tensors
     if not ctx.context_names and not ctx.context_containers:
         return saved[:count], ctx.context_values or NO_CONTEXT, []
-    context, leaves = dict(ctx.context_values), []
-    for name, t, grad in zip(ctx.context_names, saved[count:], ctx.context_grad):
-        context[name] = t.detach().requires_grad_() if grad else t.detach()
-        if grad:
-            leaves.append(context[name])
+    context = {**ctx.context_values, **{name: t.detach() for name, t in zip(ctx.context_names, saved[count:])}}
+    context, leaves = with_grad_leaves(context, [n for n, grad in zip(ctx.context_names, ctx.context_grad) if grad])
     nested = iter(saved[count + len(ctx.context_names):])
     for name, (values, spec) in ctx.context_containers.items():
         context[name] = tree_unflatten([next(nested) if v is None else v for v in values], spec)

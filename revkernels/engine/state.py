@@ -167,9 +167,28 @@ class BlockState:
 CONTEXT_CONTAINERS = (tuple, list, dict)
 
 
+def grad_names(context):
+    """The names of the context tensors that require grad."""
+    return [k for k, v in context.items() if isinstance(v, torch.Tensor) and v.requires_grad] if context else []
+
+
 def grad_tensors(context):
     """The context tensors that require grad (inputs of the engines' autograd nodes)."""
-    return [v for v in context.values() if isinstance(v, torch.Tensor) and v.requires_grad] if context else []
+    return [context[k] for k in grad_names(context)]
+
+
+def with_grad_leaves(context, names):
+    """``(context, leaves)``: `context` with each tensor named in `names` replaced by a fresh
+    detached leaf that requires grad (what a backward differentiates like a parameter), and those
+    leaves in the order of `names`."""
+    leaves = [context[k].detach().requires_grad_() for k in names]
+    return {**context, **dict(zip(names, leaves))}, leaves
+
+
+def call_with_context(method, *args, context):
+    """``method(*args, context=context)``, or ``method(*args)`` without context: the blocks' steps'
+    signature before context, so a block that overrides them without it still works."""
+    return method(*args, context=context) if context else method(*args)
 
 
 def records_graph(x1, x2, params, grad_context):

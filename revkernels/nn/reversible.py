@@ -27,8 +27,9 @@ from torch.autograd.graph import _engine_run_backward
 from torch.func import functional_call
 from torch.nn.parameter import is_lazy
 
-from revkernels.engine.state import (NO_CONTEXT, BlockState, RngState, check_context, check_context_grads,
-                                     cuda_devices_of, grad_tensors, maybe_replay, records_graph)
+from revkernels.engine.state import (NO_CONTEXT, BlockState, RngState, call_with_context, check_context,
+                                     check_context_grads, cuda_devices_of, grad_names, grad_tensors, maybe_replay,
+                                     records_graph, with_grad_leaves)
 from revkernels.engine.structure import (buffers_as_before, buffers_kept, cached, check_members, check_residual,
                                          detached_aliases, draws_random, param_slots, recompute_context,
                                          unique_grad_params, unique_params)
@@ -55,11 +56,6 @@ def check_streams(x1, x2, names=("x1", "x2"), fixed_point=False):
         raise ValueError(f"revkernels: {a} and {b} must have the same dtype, got {x1.dtype} and {x2.dtype}")
     if x1.device != x2.device:
         raise ValueError(f"revkernels: {a} and {b} must be on the same device, got {x1.device} and {x2.device}")
-
-
-def _context_leaves(context):
-    """{tensor: tensor} for the context tensors that require grad (what the local graphs differentiate)."""
-    return {t: t for t in context.values() if isinstance(t, torch.Tensor) and t.requires_grad}
 
 
 @dataclass
@@ -203,7 +199,7 @@ def _call_with_aliases(module, x, context=NO_CONTEXT):
                 out = module(x, **context)
         wrt = {slots.params[i]: alias for i, alias in aliases.items()}
     if context:
-        wrt.update(_context_leaves(context))
+        wrt.update((t, t) for t in grad_tensors(context))
     return out, wrt
 
 
@@ -501,7 +497,7 @@ class ReversibleSequential(nn.Module):
                 y1, y2 = step.inverse(y1, y2, context=context)
             return streams.view(y1), streams.view(y2)
         for block in reversed(self.blocks):
-            y1, y2 = block.inverse(y1, y2, context=context) if context else block.inverse(y1, y2)
+            y1, y2 = call_with_context(block.inverse, y1, y2, context=context)
         return y1, y2
 
     def reverse(self, y1, y2, dy1, dy2, **context):
@@ -553,12 +549,12 @@ class ReversibleSequential(nn.Module):
             if not grad.is_floating_point():
                 raise TypeError(f"revkernels: {name} must be a floating-point tensor, got {grad.dtype}")
         params = unique_grad_params(self.blocks)
-        leaves = {name: v.detach().requires_grad_() for name, v in context.items()
-                  if isinstance(v, torch.Tensor) and v.requires_grad}
+        names = grad_names(context)
+        context, leaves = with_grad_leaves(context, names)
         with torch.no_grad(), _walked_blocks(self, dy1, dy2, states) as (blocks, states):
-            x1, x2, dx1, dx2, grads = reverse_blocks(blocks, states, y1, y2, dy1, dy2,
-                                                     params + list(leaves.values()), context={**context, **leaves})
-            context_grads = dict(zip(leaves, grads[len(params):]))
+            x1, x2, dx1, dx2, grads = reverse_blocks(blocks, states, y1, y2, dy1, dy2, params + leaves,
+                                                     context=context)
+            context_grads = dict(zip(names, grads[len(params):]))
             # A parameter's grad may be dy1/dy2 themselves, a returned grad or another
             # parameter's grad (e.g. an additive table's): such a grad is stored as a copy, so
             # that nothing written to .grad later reaches the caller's tensors or another .grad.
