@@ -514,6 +514,10 @@ mutation("budget_run_slices_the_blocks", BUDGET,  # a new ModuleList per call: e
          "    for i, (block, option) in enumerate(zip(list(seq.blocks)[k:], made.options[k:]), start=k):\n",
          "    for i, (block, option) in enumerate(zip(seq.blocks[k:], made.options[k:]), start=k):\n",
          T_BUDGET + " -k structure_caches")
+mutation("petra_checkpoint_ignores_exact_bits", "revkernels/petra/simulate.py",
+         "        check_exact_bits(state, self.exact_bits)\n", "", "tests/petra/test_exact_stages.py -k exact_bits")
+mutation("petra_rank_checkpoint_ignores_exact_bits", "revkernels/petra/distributed.py",
+         "        check_exact_bits(state, tr.exact_bits)\n", "", "tests/petra/test_exact_stages.py -k exact_bits")
 mutation("budget_trace_checkpoint_runs_plain", BUDGET,
          '        elif option == "checkpoint":  # (the partitioner', "        elif False:  # (the partitioner",
          T_BUDGET + " -k trace_runs_the_plan")

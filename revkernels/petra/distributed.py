@@ -91,8 +91,8 @@ from torch import nn
 
 from revkernels.engine.state import NO_CONTEXT
 from revkernels.petra.partition import _stage_modules, input_specs
-from revkernels.petra.simulate import (PIPELINED, Trainer, check_batch, first_batch_size, kept_stages,
-                                       restore_kept)
+from revkernels.petra.simulate import (PIPELINED, Trainer, check_batch, check_exact_bits, first_batch_size,
+                                       kept_stages, restore_kept)
 
 FAULT_ENV = "REVKERNELS_PETRA_FAULT_AFTER"
 ATTEMPT_ENV = "REVKERNELS_PETRA_ATTEMPT"
@@ -437,7 +437,8 @@ class PipelineRank:
                  "fifos": {i: (self.stages[i].fifo_state(), self.stages[i].peak_buffer_bytes,
                                self.stages[i].replay_state()) for i in own},
                  "fwd_in": fwd_in, "bwd_in": bwd_in, "labels": dict(self._labels),
-                 "contexts": dict(self._contexts), "exact": tr.exact, "kept": kept_stages(tr.stages),
+                 "contexts": dict(self._contexts), "exact": tr.exact, "exact_bits": tr.exact_bits,
+                 "kept": kept_stages(tr.stages),
                  "memory_budget": tr.memory_budget}
         return _to_cpu(copy.deepcopy(state))
 
@@ -452,6 +453,7 @@ class PipelineRank:
                           ("exact", tr.exact)):
             if state.get(key, False) != mine:  # (exact: False in checkpoints from before it)
                 raise ValueError(f"revkernels: the checkpoint's {key} is {state.get(key, False)!r}, this rank's {mine!r}")
+        check_exact_bits(state, tr.exact_bits)
         if self.tick or self.batches_in:
             raise RuntimeError("revkernels: load_state_dict into a fresh PipelineRank (before any train_step)")
         ticks = [None] * self.world_size
@@ -614,8 +616,8 @@ def merge_rank_states(states):
                           "optimizers": [optimizers[i] for i in range(n)], "fifos": [fifos[i] for i in range(n)],
                           "fwd_msgs": fwd, "bwd_msgs": bwd, "labels": labels, "contexts": contexts,
                           "inputs": {}, "analysis": [],
-                          "fed": fed, "exact": first.get("exact", False), "kept": first.get("kept", []),
-                          "memory_budget": first.get("memory_budget")})
+                          "fed": fed, "exact": first.get("exact", False), "exact_bits": first.get("exact_bits"),
+                          "kept": first.get("kept", []), "memory_budget": first.get("memory_budget")})
 
 
 def split_trainer_state(state, rank, image_spec=None):
@@ -647,7 +649,7 @@ def split_trainer_state(state, rank, image_spec=None):
            "fifos": {i: state["fifos"][i] for i in own},
            "fwd_in": state["fwd_msgs"].get(rank - 1) if rank > 0 else None,
            "bwd_in": state["bwd_msgs"].get(rank + 1), "labels": labels, "contexts": contexts,
-           "exact": state.get("exact", False), "kept": state.get("kept", []),
+           "exact": state.get("exact", False), "exact_bits": state.get("exact_bits"), "kept": state.get("kept", []),
            "memory_budget": state.get("memory_budget")}
     return _to_cpu(copy.deepcopy(out))
 

@@ -355,6 +355,14 @@ class Worker:
         return [batch for stage, what, batch in events if stage == first and what == "backward"]
 
 
+def check_exact_bits(state, bits):
+    """ValueError naming exact_bits where checkpoint `state` holds int64 streams on another grid than
+    `bits` (checkpoints from before exact_bits was saved, None, are not checked)."""
+    if state.get("exact_bits") not in (None, bits):
+        raise ValueError(f"revkernels: the checkpoint's exact_bits is {state['exact_bits']!r}, this run's {bits!r}: its "
+                         f"in-flight int64 streams are on that grid; resume with exact_bits={state['exact_bits']!r}")
+
+
 class Trainer:
     """Trains `model` by `method` ("petra", "delayed", "backprop" or "revbackprop") one batch at a time.
 
@@ -426,6 +434,7 @@ class Trainer:
 
         self.stages = partition(model, delayed=method == "delayed", exact=exact, exact_bits=exact_bits)
         self.exact = any(s.exact for s in self.stages)
+        self.exact_bits = next((s.exact_bits for s in self.stages if s.exact), None)  # (the streams' grid)
         self.memory_budget = check_stage_budget(memory_budget, method == "delayed")
         if self.memory_budget and method not in PIPELINED:
             raise ValueError(f"revkernels: memory_budget applies to method 'petra' only, got method {method!r}")
@@ -608,7 +617,8 @@ class Trainer:
                  "fifos": [(s.fifo_state(), s.peak_buffer_bytes, s.replay_state()) for s in self.stages],
                  "fwd_msgs": self._fwd_msgs, "bwd_msgs": self._bwd_msgs, "labels": self._labels,
                  "contexts": self._contexts, "inputs": self._inputs, "analysis": self.analysis, "fed": self._fed,
-                 "exact": self.exact, "kept": kept_stages(self.stages), "memory_budget": self.memory_budget}
+                 "exact": self.exact, "exact_bits": self.exact_bits, "kept": kept_stages(self.stages),
+                 "memory_budget": self.memory_budget}
         return copy.deepcopy(state)
 
     def load_state_dict(self, state):
@@ -617,6 +627,7 @@ class Trainer:
             if state.get(key, False) != getattr(self, key):  # (exact: False in checkpoints from before it)
                 raise ValueError(f"revkernels: the checkpoint's {key} is {state.get(key, False)!r}, this trainer's "
                                  f"{getattr(self, key)!r}")
+        check_exact_bits(state, self.exact_bits)
         state = copy.deepcopy(state)
         self.memory_plan = restore_kept(self.stages, state.get("kept", []), self.memory_budget,
                                         state.get("memory_budget"))

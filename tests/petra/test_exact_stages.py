@@ -2,6 +2,7 @@
 stages, rebuilt bit for bit; grads equal to the exact autograd engine run as a whole network;
 dropout replayed; overflow and dtype errors; `ReversibleSequential.reverse` on int64 streams."""
 import copy
+import types
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from revkernels.nn.exact import FixedPointStreams, run_exact_autograd
 from revkernels.ops.fixed_point import fixed_point_view
 from revkernels.engine.sequential import exact_forward
 from revkernels.petra import Trainer, partition
-from revkernels.petra.distributed import PipelineRank, boundary_specs, init, launch
+from revkernels.petra.distributed import RANK_STATE_KIND, PipelineRank, boundary_specs, init, launch
 from tests.helpers import assert_close_rel
 from tests.petra.test_distributed import assert_ranks_hold_the_simulators_parameters
 from tests.petra.test_simulate import Mix, Split, TwoStreamHead, synthetic_stages
@@ -297,8 +298,9 @@ def _exact_rank(layout, groups, n, budget):
     own = pr.trainer.groups[pr.rank]
     state = {i: {k: v.clone() for k, v in pr.stages[i].module.state_dict().items()} for i in own}
     stats = pr.buffer_stats()
+    bits = pr.state_dict()["exact_bits"]
     pr.close()
-    return {"state": state, "losses": losses, "stats": stats}
+    return {"state": state, "losses": losses, "stats": stats, "exact_bits": bits}
 
 
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -319,6 +321,28 @@ def test_distributed_exact_stages_equal_the_simulator(tmp_path):
     assert_ranks_hold_the_simulators_parameters(results, trainer, tmp_path)
     assert results[-1]["losses"] == losses
     assert results[0]["stats"] == trainer.buffer_stats()
+    assert [r["exact_bits"] for r in results] == [BITS, BITS]  # (saved in each rank's checkpoint)
     assert trainer.memory_plan.kept == [2, 4] and trainer.stages[2].peak_buffer_bytes > 0
     assert [spec[1:] for spec in boundary_specs(trainer.stages, trainer.groups, (4, 8))[0]] == \
         [(torch.int64, torch.float32)] * 2  # (what crossed the wire)
+
+
+def test_a_checkpoint_resumes_only_on_its_exact_bits():
+    # (the in-flight int64 streams are on the checkpoint's grid: another grid reads them 2^k off)
+    torch.manual_seed(0)
+    model = _stages(1)
+    trainer = Trainer(model, "petra", accum_k=2, exact=True, exact_bits=BITS)
+    images, labels = _batches(1)[0]
+    trainer.train_step(images, labels)
+    state = trainer.state_dict()
+    assert state["exact_bits"] == BITS
+    with pytest.raises(ValueError, match="exact_bits is 8, this run's 12"):
+        Trainer(copy.deepcopy(model), "petra", accum_k=2, exact=True, exact_bits=12).load_state_dict(state)
+    Trainer(copy.deepcopy(model), "petra", accum_k=2, exact=True, exact_bits=BITS).load_state_dict(state)
+    # a rank's checkpoint too (a stand-in rank: the check comes before any collective)
+    fresh = Trainer(copy.deepcopy(model), "petra", accum_k=2, exact=True, exact_bits=12)
+    rank = types.SimpleNamespace(trainer=fresh, rank=0, world_size=1, tick=0, batches_in=0)
+    rank_state = {"kind": RANK_STATE_KIND, "rank": 0, "world_size": 1, "method": "petra", "num_stages": fresh.num_stages,
+                  "groups": fresh.groups, "accum_k": 2, "exact": True, "exact_bits": BITS}
+    with pytest.raises(ValueError, match="exact_bits is 8, this run's 12"):
+        PipelineRank.load_state_dict(rank, rank_state)
