@@ -40,7 +40,7 @@ import torch
 from revkernels.engine.fsdp import block_units
 from revkernels.engine.pareprop import reverse_blocks_two_streams, run_pareprop
 from revkernels.engine.sequential import reverse_blocks, run_reversible
-from revkernels.engine.state import NO_CONTEXT, check_param_versions, differentiated_once, param_versions
+from revkernels.engine.state import NO_CONTEXT, check_param_versions, differentiated_once, param_versions, records_graph
 from revkernels.engine.structure import LRU, cached, unique_grad_params
 
 MAX_GRAPHS = 4  # captured signatures kept per run (each holds its memory pool)
@@ -333,8 +333,7 @@ def _captured(seq, x1, x2, params):
 
 def run_graphs(seq, x1, x2, context=NO_CONTEXT):
     params = unique_grad_params(seq.blocks)
-    needs_grad = torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad or params)
-    if not (x1.is_cuda and needs_grad):
+    if not (x1.is_cuda and records_graph(x1, x2, params, ())):
         return run_pareprop(seq, x1, x2, context)
     reason = eager_reason(seq, context)
     captured = None

@@ -41,7 +41,7 @@ from revkernels.engine import compiled
 from revkernels.engine.budget import warn_unplanned
 from revkernels.engine.sequential import eager_forward, exact_forward, reverse_blocks, with_buffers
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, BlockState, RngState, autograd_recording,
-                                     block_modes, check_context, cuda_devices_of, in_mode, run_modes, with_grad_leaves)
+                                     check_context, cuda_devices_of, in_run_modes, run_modes, with_grad_leaves)
 from revkernels.engine.structure import LRU, assume_constant_result, branch_count
 
 
@@ -119,8 +119,9 @@ def _context(handle, tensors, numbers, leaves=False):
     return with_grad_leaves(context, [name for name, grad in zip(names, requires_grad) if grad])
 
 
-def _grad_params(seq):
-    return [p for p in seq.parameters() if p.requires_grad]
+def grad_params(module):
+    """The parameters of `module` that require grad, read at every call (traced by Dynamo)."""
+    return [p for p in module.parameters() if p.requires_grad]
 
 
 def _autocast(device_type, dtype):
@@ -286,8 +287,7 @@ def reversible_run_backward(handle: torch.Tensor, y1: torch.Tensor, y2: torch.Te
     autocast_state = AutocastState(y1.device.type, autocast_dtype is not None, autocast_dtype or torch.float32, True)
     context, leaves = _context(context, context_tensors, context_numbers, leaves=True)
     with contextlib.ExitStack() as stack:
-        for block, mode in zip(blocks, block_modes(forward.modes)):
-            stack.enter_context(in_mode(block, mode))
+        in_run_modes(stack, blocks, forward.modes)
         states = _unpack(rng, blocks, _random_flags(seq), cuda_devices_of(y1, y2))
         for i, changed in enumerate(forward.buffers):
             states[i] = with_buffers(states[i], changed)
@@ -352,6 +352,6 @@ def run_opaque(seq, x1, x2, context=NO_CONTEXT):
         _raise_nested_tensors(nested)
     tensors, numbers = [context[k] for k in names], [context[k] for k in number_names]
     handle = context_handle(names, tuple(t.requires_grad for t in tensors), number_names, values)
-    y1, y2, _, _ = reversible_run(seq._opaque_handle, x1, x2, _grad_params(seq), handle, tensors, numbers,
+    y1, y2, _, _ = reversible_run(seq._opaque_handle, x1, x2, grad_params(seq), handle, tensors, numbers,
                                   autocast_dtype, _random_rows(seq), seq.exact)
     return y1, y2

@@ -25,9 +25,9 @@ from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from revkernels.engine.fsdp import block_units, run_sharded
-from revkernels.engine.state import (CONTEXT_CONTAINERS, NO_CONTEXT, AutocastState, BlockState, block_modes,
+from revkernels.engine.state import (CONTEXT_CONTAINERS, NO_CONTEXT, AutocastState, BlockState,
                                      call_with_context, check_param_versions, differentiated_once, grad_tensors,
-                                     in_mode, param_versions, check_randomness_after, randomness_before, records_graph,
+                                     in_run_modes, param_versions, check_randomness_after, randomness_before, records_graph,
                                      run_modes, with_grad_leaves)
 from revkernels.engine.structure import (buffers_as_before, buffers_kept, invalidate, param_slots,
                                          parametrize_cache_off, record_buffers, swapped_params, unique_params,
@@ -146,8 +146,7 @@ def as_in_the_forward(ctx):
         yield
         return
     with contextlib.ExitStack() as stack:
-        for block, mode in zip(ctx.blocks, block_modes(ctx.modes)):
-            stack.enter_context(in_mode(block, mode))
+        in_run_modes(stack, ctx.blocks, ctx.modes)
         if swapped:
             stack.callback(invalidate)  # runs last: after the parameters are back
             for block in ctx.blocks:

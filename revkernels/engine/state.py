@@ -83,6 +83,13 @@ def _run_modules(blocks):
             [(len(modules), len(slots)) for modules, slots in per_block])
 
 
+def in_run_modes(stack, blocks, modes):
+    """Enters `in_mode` of each block of `blocks` with its part of `modes` (`run_modes`) on `stack`
+    (a ``contextlib.ExitStack``)."""
+    for block, mode in zip(blocks, block_modes(modes)):
+        stack.enter_context(in_mode(block, mode))
+
+
 def block_modes(modes):
     """`run_modes`' ``((flags, rates), counts)`` split into each block's `module_modes`."""
     (flags, rates), counts = modes

@@ -428,8 +428,9 @@ class ReversibleSequential(nn.Module):
                     raise NotImplementedError("revkernels: a run in exact mode cannot be exported yet (its steps "
                                               "run inside an op of this process); export it with exact=False")
                 return run_opaque(self, x1, x2, context)
-            if _exporting() or not records_graph(
-                    x1, x2, [p for p in self.blocks.parameters() if p.requires_grad], grad_tensors(context)):
+            from revkernels.engine.opaque import grad_params, run_opaque
+
+            if _exporting() or not records_graph(x1, x2, grad_params(self.blocks), grad_tensors(context)):
                 # Nothing to differentiate (inference): the blocks' forward is traced, for the
                 # compiler to optimize; and an exported program must not call an op whose kernel
                 # looks the run up in this process
@@ -445,8 +446,6 @@ class ReversibleSequential(nn.Module):
             # Under torch.compile a memory-saving run is one opaque op (its backward rebuilds the
             # inputs), so the compiled graph saves only the run's outputs and context
             # (revkernels.engine.opaque, which also checks the context keywords, at trace time).
-            from revkernels.engine.opaque import run_opaque
-
             return run_opaque(self, x1, x2, context)
         if (self._memory_budget and self._engine_name != "autograd"
                 and records_graph(x1, x2, unique_grad_params(self.blocks), grad_tensors(context))):
