@@ -518,6 +518,9 @@ mutation("petra_checkpoint_ignores_exact_bits", "revkernels/petra/simulate.py",
          "        check_exact_bits(state, self.exact_bits)\n", "", "tests/petra/test_exact_stages.py -k exact_bits")
 mutation("petra_rank_checkpoint_ignores_exact_bits", "revkernels/petra/distributed.py",
          "        check_exact_bits(state, tr.exact_bits)\n", "", "tests/petra/test_exact_stages.py -k exact_bits")
+mutation("budget_trace_head_keeps_the_plans_settings", BUDGET,  # an engine set after memory_plan was not traced
+         "    if 0 < k < len(made.options):  # (the head run takes", "    if False:  # (the head run takes",
+         T_BUDGET + " -k take_the_runs_settings")
 mutation("budget_trace_checkpoint_runs_plain", BUDGET,
          '        elif option == "checkpoint":  # (the partitioner', "        elif False:  # (the partitioner",
          T_BUDGET + " -k trace_runs_the_plan")

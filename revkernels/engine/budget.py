@@ -578,7 +578,12 @@ def _planned_options(run, key, budget):
     seq = _PLANNED.get(run)
     entry = None if seq is None else dict.get(_budget_state(seq)[0].by_key, key)  # (a read: no LRU move)
     made = None if entry is None else entry[1].get((budget, False))
-    return None if made is None else made.under_compile.options
+    if made is None:
+        return None
+    k = made.under_compile.first_kept
+    if 0 < k < len(made.options):  # (the head run takes the run's settings now, not the plan's time's)
+        _head_run(seq, k)
+    return made.under_compile.options
 
 
 _PLANNED = weakref.WeakValueDictionary()  # run number -> the run (`_budget_state`)

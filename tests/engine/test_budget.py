@@ -455,6 +455,20 @@ def test_under_torch_compile_checkpointed_blocks_replay_their_dropout_masks(budg
         assert_close_rel(a, e)
 
 
+def test_under_torch_compile_the_rebuilt_blocks_take_the_runs_settings_at_the_trace():
+    # (the rebuilt blocks' run took the run's engine when the plan was made: an engine or its
+    # compile options set after memory_plan were not the ones the trace ran)
+    seq, ref = _twins()
+    seq.memory_budget = 0.1
+    data = [torch.randn(5, 24) for _ in range(4)]
+    assert seq.memory_plan(*data[:2]).under_compile.options[0] == "rebuild"
+    steps = _GraphOps()
+    seq.engine, seq.compile_options = "compiled", {"backend": steps}
+    torch._dynamo.reset()
+    _check_grads_and_statistics(torch.compile(seq, backend="aot_eager", fullgraph=True), seq, ref, data)
+    assert steps.graphs > 0  # (the rebuilt blocks ran the compiled engine's steps)
+
+
 def test_a_plan_made_later_for_other_inputs_does_not_retrace_a_graph():
     # (a plan lookup traced into the graph guarded on the plan cache's size: every compiled graph of
     # the run traced again when a plan was made for another batch size)
