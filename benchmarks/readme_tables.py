@@ -314,8 +314,7 @@ def budget_table(rows):
     lines = [f"Train step (forward + backward) of a `RevViTBlock` stack ({eager[0]['config']}), median ms, the rows "
              f"timed in rounds; saved: what the forward leaves alive for the backward, measured "
              f"({_provenance(rows)}):", ""]
-    for group, title in ((eager, "method"), (compiled, "under torch.compile (rows timed one after another; saved: "
-                                                         "the allocator's count)")):
+    for group, title in ((eager, "method"), (compiled, "under torch.compile (saved: the allocator's count)")):
         if group:
             lines += [f"| {title} | plan | saved, MiB | step ms |", "|---|---|---|---|"]
             lines += [f"| {r['method']} | {r['plan'] or ''} | {_num(r['saved_mib']):.2f} | {_num(r['step_ms']):.1f} |"

@@ -217,9 +217,10 @@ class MemoryPlan:
                  f"plain autograd saves; keeps {self.kept_bytes / mib:.2f} MiB", f"  {self._summary()}"]
         for i, (o, c) in enumerate(zip(self.options, self.costs)):
             selective = "n/a" if c.selective_bytes is None else f"{c.selective_bytes / mib:.2f}"
+            checkpoint = "" if c.checkpoint_ms is None else f", checkpoint ~{c.checkpoint_ms:.2f} ms"
             lines.append(f"  blocks[{i}]: {o:9s} {c.bytes_of(o) / mib:8.2f} MiB   (keep {c.keep_bytes / mib:.2f}, "
                          f"selective {selective} MiB; rebuild ~{c.forward_ms:.2f} ms, selective ~"
-                         f"{c.selective_ms(self.overhead_ms):.2f} ms)")
+                         f"{c.selective_ms(self.overhead_ms):.2f} ms{checkpoint})")
         if self.under_compile is not None:
             traced = self.under_compile
             lines.append(f"  under torch.compile: {' '.join(o[0].upper() for o in traced.options)} (Rebuild, "

@@ -367,7 +367,8 @@ def test_memory_plan_reads_as_a_table():
     assert "the backward recomputes ~1.40 ms (~3.00 ms rebuilding every block)" in text
     rows = text.splitlines()[2:5]
     assert [row.split()[1] for row in rows] == ["rebuild", "selective", "selective"]
-    assert all("keep " in row and "selective " in row and "rebuild ~1.00 ms" in row for row in rows)
+    assert all("keep " in row and "selective " in row and "rebuild ~1.00 ms" in row and "checkpoint ~0.60 ms" in row
+               for row in rows)
     # under torch.compile: every block checkpointed first (0.4 ms for its inputs), then the last
     # block kept (0.6 ms more for fewer bytes per ms than selective's 0.4 ms)
     assert text.splitlines()[5].startswith("  under torch.compile: C C K (Rebuild, Checkpoint: keeps its inputs")
