@@ -480,7 +480,8 @@ mutation("budget_plan_ignores_training_flags", BUDGET,
          "            tuple(m.training for m in modules), ctx)", "            (), ctx)",
          T_BUDGET + " -k once_per_signature")
 mutation("budget_plans_per_rank_under_fsdp", "revkernels/engine/fsdp.py",  # ranks' own timings, own plans
-         "    box = [value]\n    dist.broadcast_object_list(box, src=0)\n    return box[0]", "    return value",
+         "    box = [value]\n    for group in groups:\n        torch.distributed.broadcast_object_list(box, group_src=0, "
+         "group=group)\n    return box[0]", "    return value",
          "tests/engine/test_fsdp.py -k budget")
 mutation("budget_measures_sharded_parameters", BUDGET,  # a DTensor has no storage here: the plan raised
          "            b1, b2 = enter(module_units(block), probed, a1, a2)", "            b1, b2 = probed(a1, a2)",
@@ -502,10 +503,14 @@ mutation("budget_compiled_kept_block_skips_its_hooks", COMPILED,
 mutation("budget_trace_ignores_the_plan", BUDGET,  # under torch.compile every block was rebuilt
          "    options = traced_plan(seq, x1, x2, context)\n", "    options = None\n", T_BUDGET + " -k torch_compile")
 mutation("budget_trace_guards_on_the_plan_cache", BUDGET,  # a plan for other inputs retraced every graph
-         "    return _planned_options(run, signature(x1, x2, context, list(seq.blocks.modules())), seq.memory_budget)\n",
-         "    entry = dict.get(_budget_state(seq)[0].by_key, signature(x1, x2, context, list(seq.blocks.modules())))\n"
-         "    made = None if entry is None else entry[1].get((seq.memory_budget, False))\n"
-         "    return None if made is None else made.options\n", T_BUDGET + " -k does_not_retrace")
+         "            return _planned_options(run, planned, seq.memory_budget)\n",
+         "            entry = dict.get(_budget_state(seq)[0].by_key, planned)\n"
+         "            made = None if entry is None else entry[1].get((seq.memory_budget, False))\n"
+         "            return None if made is None else made.under_compile.options\n", T_BUDGET + " -k does_not_retrace")
+mutation("budget_trace_key_not_specialized", BUDGET,  # dynamic sizes: the key was no constant (fullgraph raised)
+         "    for planned in _planned_keys(run):  # (comparing the sizes",
+         "    return _planned_options(run, key, seq.memory_budget)\n    for planned in _planned_keys(run):  # (comparing the sizes",
+         T_BUDGET + " -k second_batch_size")
 mutation("budget_trace_slices_the_blocks", BUDGET,  # a new ModuleList per call: a recompile per call
          "    for block, option in zip(list(seq.blocks)[k:], options[k:]):  # (a list: see",
          "    for block, option in zip(seq.blocks[k:], options[k:]):  # (a list: see",
@@ -521,6 +526,9 @@ mutation("petra_rank_checkpoint_ignores_exact_bits", "revkernels/petra/distribut
 mutation("budget_trace_head_keeps_the_plans_settings", BUDGET,  # an engine set after memory_plan was not traced
          "    if 0 < k < len(made.options):  # (the head run takes", "    if False:  # (the head run takes",
          T_BUDGET + " -k take_the_runs_settings")
+mutation("fsdp_plan_broadcast_over_the_default_group", "revkernels/engine/fsdp.py",  # replicas got rank 0's plan
+         "    return tuple(mesh.get_group(dim) for dim in range(mesh.ndim) if mesh.size(dim) > 1)",
+         "    return (None,)", "tests/engine/test_fsdp.py -k for_itself")
 mutation("budget_trace_checkpoint_runs_plain", BUDGET,
          '        elif option == "checkpoint":  # (the partitioner', "        elif False:  # (the partitioner",
          T_BUDGET + " -k trace_runs_the_plan")

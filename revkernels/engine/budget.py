@@ -68,7 +68,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from revkernels.engine.compiled import kept_forward
-from revkernels.engine.fsdp import enter, module_units, rank_zeros, storage_ptrs
+from revkernels.engine.fsdp import enter, lockstep_groups, module_units, rank_zeros, storage_ptrs
 from revkernels.engine.structure import (LRU, assume_constant_result, buffers_as_before, buffers_kept, cached, record_buffers,
                                          recompute_context, running_stats_layers, spectral_norms, unique_params)
 
@@ -447,30 +447,32 @@ class Plans:
     """A run's measurements and plans, for its most recent `MAX_PLANS` signatures."""
 
     def __init__(self):
-        self.by_key = LRU(MAX_PLANS)  # signature -> (block costs, {budget: plan})
+        self.by_key = LRU(MAX_PLANS)  # signature -> (block costs, {budget: plan}, FSDP's lockstep groups)
 
     def get(self, budget, blocks, x1, x2, context, exact=False):
         key = signature(x1, x2, context, cached(blocks, "modules", lambda m: list(m.modules())))
         entry = self.by_key.get(key)
         if entry is None:
-            # (FSDP's ranks plan from rank 0's measurement: timings differ from rank to rank)
-            entry = self.by_key[key] = (rank_zeros(activation_bytes(blocks, x1, x2, context), blocks), {})
-        costs, plans = entry
+            # (FSDP's ranks plan from the first rank's measurement: timings differ from rank to rank;
+            # the groups read before it, while the parameters are sharded)
+            groups = lockstep_groups(blocks)
+            entry = self.by_key[key] = (rank_zeros(activation_bytes(blocks, x1, x2, context), groups), {}, groups)
+        costs, plans, groups = entry
         made = plans.get((budget, exact)) if budget != "auto" else None
         if made is not None:  # (a step's usual path: the cached plan)
             return made
         if exact:  # (exact mode keeps blocks whole: a checkpoint would also keep its int64 inputs)
             costs = [dataclasses.replace(c, selective_bytes=None) for c in costs]
-        # (FSDP's ranks run rank 0's plan: its other inputs, the free memory and the checkpoint's
-        # dispatch time, are each rank's own too)
+        # (FSDP's ranks run the first rank's plan: its other inputs, the free memory and the
+        # checkpoint's dispatch time, are each rank's own too)
         if budget == "auto":  # (the free memory changes: planned at every call)
             return rank_zeros(plan(auto_budget_bytes(unique_params(blocks), x1.device), costs, sac_op_overhead_ms()),
-                              blocks)
+                              groups)
         budget_bytes = int(budget * sum(c.keep_bytes for c in costs)) if isinstance(budget, float) else budget
         made = plan(budget_bytes, costs, sac_op_overhead_ms())
         if not exact:  # (a trace's plan: compiled code has no selective-checkpoint dispatch per op)
             made = dataclasses.replace(made, under_compile=plan(budget_bytes, costs, traced=True))
-        made = plans[budget, exact] = rank_zeros(made, blocks)
+        made = plans[budget, exact] = rank_zeros(made, groups)
         return made
 
 
@@ -569,7 +571,29 @@ def traced_plan(seq, x1, x2, context):
     run = getattr(seq, "_planned_run", None)  # (an int: the trace guards on it, one graph per run)
     if seq.exact or seq.memory_budget == "auto" or run is None:
         return None
-    return _planned_options(run, signature(x1, x2, context, list(seq.blocks.modules())), seq.memory_budget)
+    key = signature(x1, x2, context, list(seq.blocks.modules()))  # (its sizes symbolic where Dynamo made them dynamic)
+    for planned in _planned_keys(run):  # (comparing the sizes specializes the graph on those of a plan)
+        if _same(key, planned):
+            return _planned_options(run, planned, seq.memory_budget)
+    return None
+
+
+def _same(key, planned):
+    if isinstance(planned, tuple):
+        if not isinstance(key, tuple) or len(key) != len(planned):
+            return False
+        for a, b in zip(key, planned):
+            if not _same(a, b):
+                return False
+        return True
+    return key == planned
+
+
+@assume_constant_result
+def _planned_keys(run):
+    # (the signatures the run has plans for, a constant of the trace: see `_planned_options`)
+    seq = _PLANNED.get(run)
+    return () if seq is None else tuple(_budget_state(seq)[0].by_key)
 
 
 @assume_constant_result

@@ -83,17 +83,27 @@ def enter(units, fn, *args):
     return getattr(units[0], _ENTRY)(lambda *inner: enter(units[1:], fn, *inner), *args)
 
 
-def rank_zeros(value, module):
-    """`value` as rank 0 of the default process group has it, where `module` holds FSDP units (its
-    ranks run it in step), else `value`: what each rank measures for itself (a memory plan's
-    timings) must not split the ranks' choices, nor their collectives with them."""
+def lockstep_groups(module):
+    """The process groups that reach, from the first of them, the ranks running `module`'s FSDP
+    units in step: one per dimension of the units' device mesh (read from a sharded parameter; the
+    default group where none is sharded now); () without units."""
     if not module_units(module):
-        return value
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return value
+        return ()
+    dtensor = torch.distributed.tensor.DTensor
+    mesh = next((p.device_mesh for p in module.parameters() if isinstance(p, dtensor)), None)
+    if mesh is None:
+        return (None,)
+    return tuple(mesh.get_group(dim) for dim in range(mesh.ndim) if mesh.size(dim) > 1)
+
+
+def rank_zeros(value, groups):
+    """`value` as the first rank of `lockstep_groups` has it (broadcast from group rank 0 along
+    each in turn): what each rank measures for itself (a memory plan's timings) must not split the
+    choices of ranks that run in step, nor their collectives with them; `value` where `groups` is
+    empty."""
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    for group in groups:
+        torch.distributed.broadcast_object_list(box, group_src=0, group=group)
     return box[0]
 
 

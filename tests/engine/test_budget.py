@@ -470,6 +470,21 @@ def test_under_torch_compile_the_rebuilt_blocks_take_the_runs_settings_at_the_tr
     assert steps.graphs > 0  # (the rebuilt blocks ran the compiled engine's steps)
 
 
+def test_under_torch_compile_a_second_batch_size_follows_its_own_plan():
+    # (the second shape made Dynamo's sizes dynamic: the plan's key, symbolic, failed to become a
+    # trace-time constant, and fullgraph=True raised; a last, smaller batch of an epoch)
+    seq, ref = _twins()
+    seq.memory_budget = 0.25
+    data = [torch.randn(5, 24) for _ in range(4)]
+    smaller = [t[:3] for t in data]
+    seq.memory_plan(*data[:2])
+    seq.memory_plan(*smaller[:2])
+    torch._dynamo.reset()
+    compiled = torch.compile(seq, backend="aot_eager", fullgraph=True)
+    for batch in (data, smaller, data):
+        _check_grads_and_statistics(compiled, seq, ref, batch)
+
+
 def test_a_plan_made_later_for_other_inputs_does_not_retrace_a_graph():
     # (a plan lookup traced into the graph guarded on the plan cache's size: every compiled graph of
     # the run traced again when a plan was made for another batch size)
@@ -501,7 +516,8 @@ def test_a_run_without_a_plan_does_not_take_another_runs_traced_plan():
     backend = _GraphOps()
     with pytest.warns(UserWarning, match="without a plan made for these inputs"):
         _check_grads_and_statistics(torch.compile(other, backend=backend, fullgraph=True), other, ref, data)
-    assert backend.ops.count("revkernels.reversible_run.default") == 1 and len(backend.ops) <= 4
+    tensor_ops = [op for op in backend.ops if not op.startswith("<built-in function")]  # (not size arithmetic)
+    assert tensor_ops.count("revkernels.reversible_run.default") == 1 and len(tensor_ops) <= 4, backend.ops
 
 
 def test_the_budgets_under_torch_compile_give_every_option():
@@ -523,7 +539,8 @@ def test_under_torch_compile_without_a_plan_the_run_rebuilds_every_block_and_war
     with pytest.warns(UserWarning, match=r"rebuilds every block whatever its memory_budget without a plan made for "
                                          r"these inputs before the trace \(call seq.memory_plan"):
         got = run_grads(compiled, seq, *data)
-    assert backend.ops.count("revkernels.reversible_run.default") == 1 and len(backend.ops) <= 4
+    tensor_ops = [op for op in backend.ops if not op.startswith("<built-in function")]  # (not size arithmetic)
+    assert tensor_ops.count("revkernels.reversible_run.default") == 1 and len(tensor_ops) <= 4, backend.ops
     expected = run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data)
     for a, e in zip(got, expected, strict=True):
         assert_close_rel(a, e)

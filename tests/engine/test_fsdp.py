@@ -34,6 +34,7 @@ from revkernels.models.staged import StagedModel
 from tests.helpers import assert_close_rel, loss_of, make_seq, residual_fn
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402 (after the FSDP check)
 
 WIDTH, DEPTH, TOKENS, BATCH, STEPS = 16, 3, 4, 4, 2
 # The streams stay fp32 (no input cast; F and G compute in bf16 under autocast): bf16 streams would
@@ -63,6 +64,8 @@ CASES = {
     "exact-block-raf": ("exact", "block", True, "sequential", False),  # exact mode: int64 streams node to node
     "exact-fg-keep": ("exact", "fg", False, "sequential", False),
     "budget-block-raf": ("budget", "block", True, "sequential", False),  # memory_budget=0.5: kept and rebuilt blocks
+    # each rank its own one-rank FSDP mesh (a replica: not in step with the other): its own plan
+    "budget-replicas-raf": ("budget", "replicas", True, "sequential", False),
     "dropout-block-switch": ("dropout", "block", True, "sequential", False),  # eval() or new rates before backward
 }
 SLOW_CASES = {"revnet18-stage-raf": ("revnet18", "block", True, "sequential", False),
@@ -172,13 +175,15 @@ def _loss(model, kind, batch, y1_only=False):
 
 def _shard(model, kind, units, raf, mixed):
     options = dict(reshard_after_forward=raf, mp_policy=BF16 if mixed else fsdp.MixedPrecisionPolicy())
+    if units == "replicas":
+        options["mesh"] = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))["shard"]
     for block in (model.stages if kind in ("revnet18", "staged") else model.blocks if units != "none" else []):
         if units == "fg":
             fsdp.fully_shard(block.f, **options)
             fsdp.fully_shard(block.g, **options)
         else:
             fsdp.fully_shard(block, **options)
-    fsdp.fully_shard(model, mp_policy=options["mp_policy"])
+    fsdp.fully_shard(model, mp_policy=options["mp_policy"], mesh=options.get("mesh"))
 
 
 def _is_sharded(block):
@@ -372,7 +377,8 @@ def _check_case(name, case, data, result):
         assert result["after_forward"] == [raf] * len(result["after_forward"]), f"{name}: sharded after forward"
 
 
-@pytest.mark.parametrize("name", [n for n, case in CASES.items() if not case[4] and not n.endswith(("-retain", "-switch"))])
+@pytest.mark.parametrize("name", [n for n, case in CASES.items()
+                                  if not case[4] and not n.endswith(("-retain", "-switch", "-replicas-raf"))])
 def test_two_gloo_processes_match_one_process(two_ranks, name):
     data, results = two_ranks
     _check_case(name, CASES[name], data[name], results[name])
@@ -383,6 +389,15 @@ def test_revnet18_and_inductor_compiled_steps(tmp_path):
     data, results = _two_ranks(tmp_path, SLOW_CASES)
     for name, case in SLOW_CASES.items():
         _check_case(name, case, data[name], results[name])
+
+
+def test_ranks_not_in_one_fsdp_mesh_plan_each_for_itself(two_ranks):
+    """Each rank shards over a one-rank mesh of its own (replicas): nothing runs in step between
+    them, so rank 1 keeps its own plan (every block rebuilt: its measurement saw no time to save);
+    a plan broadcast over the default group gave it rank 0's, and would hang ranks that run other
+    models (pipeline stages)."""
+    plans = two_ranks[1]["budget-replicas-raf"]["plans"]
+    assert plans[1] == ("rebuild",) * DEPTH and plans[0] != plans[1], plans
 
 
 def test_second_backward_with_retain_graph_replays_the_same_dropout(two_ranks):
