@@ -283,9 +283,9 @@ class ReversibleSequential(nn.Module):
         memory_budget: activations the run may keep beyond its outputs (0, the default: none): a
             fraction in [0, 1] of what plain autograd would save, a number of bytes, or "auto"
             (CUDA's free memory). Each block is rebuilt, kept selectively (matmul outputs kept,
-            the rest recomputed) or kept whole, the fastest mix that fits; the rebuilt ones are a
-            prefix of the run. ``seq.memory_plan(x1, x2)`` shows the plan (see
-            `revkernels.engine.budget`).
+            the rest recomputed) or kept whole, and under torch.compile also checkpointed (its
+            inputs kept), the fastest mix that fits; the rebuilt ones are a prefix of the run.
+            ``seq.memory_plan(x1, x2)`` shows the plan (see `revkernels.engine.budget`).
         exact: keep the streams between blocks in fixed point (int64 with ``seq.exact_bits``
             fraction bits, 32 by default: values below 2^30 in magnitude), so that the backward
             rebuilds every block's input bit for bit, in any precision and at any depth. The run
@@ -362,7 +362,8 @@ class ReversibleSequential(nn.Module):
     def memory_plan(self, x1, x2, **context):
         """The `revkernels.engine.budget.MemoryPlan` a call with these inputs runs under: each
         block's option (rebuild, selective or keep) and bytes, the budget in bytes, the rebuilds
-        saved and the estimated recompute time (``print`` it). Measured once per input signature,
+        saved and the estimated recompute time (``print`` it); ``.under_compile``: the plan a
+        torch.compile trace follows (checkpoint offered too). Measured once per input signature,
         then cached."""
         from revkernels.engine.budget import plan_of
 
