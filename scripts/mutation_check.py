@@ -529,6 +529,9 @@ mutation("budget_trace_head_keeps_the_plans_settings", BUDGET,  # an engine set 
 mutation("fsdp_plan_broadcast_over_the_default_group", "revkernels/engine/fsdp.py",  # replicas got rank 0's plan
          "    return tuple(mesh.get_group(dim) for dim in range(mesh.ndim) if mesh.size(dim) > 1)",
          "    return (None,)", "tests/engine/test_fsdp.py -k for_itself")
+mutation("fsdp_exact_plain_forward_drops_its_outputs", "revkernels/engine/fsdp.py",
+         "        streams.outputs = x1, x2  # (a caller may go on", "        pass  # (a caller may go on",
+         "tests/engine/test_fsdp.py -k exact-block-raf")
 mutation("budget_trace_checkpoint_runs_plain", BUDGET,
          '        elif option == "checkpoint":  # (the partitioner', "        elif False:  # (the partitioner",
          T_BUDGET + " -k trace_runs_the_plan")

@@ -231,6 +231,7 @@ def run_sharded(seq, x1, x2, units, walker, forward_step, context=NO_CONTEXT, st
         if streams is None:
             return x1, x2
         streams.raise_on_overflow()
+        streams.outputs = x1, x2  # (a caller may go on from them exactly, as from a node's)
         return streams.view(x1), streams.view(x2)
     run = ShardedRun(seq, forward_step, walker, x1.device.type, streams)
     run.fixed = fixed
