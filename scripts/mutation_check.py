@@ -532,6 +532,10 @@ mutation("fsdp_plan_broadcast_over_the_default_group", "revkernels/engine/fsdp.p
 mutation("fsdp_exact_plain_forward_drops_its_outputs", "revkernels/engine/fsdp.py",
          "        streams.outputs = x1, x2  # (a caller may go on", "        pass  # (a caller may go on",
          "tests/engine/test_fsdp.py -k exact-block-raf")
+mutation("bench_budget_rows_share_one_frame", "benchmarks/bench_budget.py",  # every amb row ran budget 0's graph
+         'compiled = torch.compile(own_frame(rk.nn.ReversibleSequential(*seq.blocks, engine="autograd")))',
+         'compiled = torch.compile(rk.nn.ReversibleSequential(*seq.blocks, engine="autograd"))',
+         "tests/benchmarks/test_bench_budget.py -k quick_run")
 mutation("budget_trace_checkpoint_runs_plain", BUDGET,
          '        elif option == "checkpoint":  # (the partitioner', "        elif False:  # (the partitioner",
          T_BUDGET + " -k trace_runs_the_plan")
