@@ -536,6 +536,11 @@ mutation("bench_budget_rows_share_one_frame", "benchmarks/bench_budget.py",  # e
          'compiled = torch.compile(own_frame(rk.nn.ReversibleSequential(*seq.blocks, engine="autograd")))',
          'compiled = torch.compile(rk.nn.ReversibleSequential(*seq.blocks, engine="autograd"))',
          "tests/benchmarks/test_bench_budget.py -k quick_run")
+mutation("budget_key_sorts_context_items", BUDGET,  # a trace cannot sort (name, tensor) pairs: fullgraph raised
+         "    ctx = tuple((k, tuple(context[k].shape), context[k].dtype) if isinstance(context[k], torch.Tensor)\n"
+         "                else (k, repr(context[k])) for k in sorted(context)) if context else ()",
+         "    ctx = tuple((k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, repr(v))\n"
+         "                for k, v in sorted(context.items())) if context else ()", T_BUDGET + " -k context_mask")
 mutation("budget_trace_checkpoint_runs_plain", BUDGET,
          '        elif option == "checkpoint":  # (the partitioner', "        elif False:  # (the partitioner",
          T_BUDGET + " -k trace_runs_the_plan")

@@ -437,8 +437,8 @@ def signature(x1, x2, context, modules):
     the training flags of `modules` and the context tensors' shapes."""
     autocast = (torch.is_autocast_enabled(x1.device.type), torch.get_autocast_dtype(x1.device.type)) \
         if x1.device.type in ("cpu", "cuda") else None
-    ctx = tuple((k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, repr(v))
-                for k, v in sorted(context.items())) if context else ()
+    ctx = tuple((k, tuple(context[k].shape), context[k].dtype) if isinstance(context[k], torch.Tensor)
+                else (k, repr(context[k])) for k in sorted(context)) if context else ()  # (names: a trace sorts those)
     return (x1.shape, x2.shape, x1.dtype, x2.dtype, x1.device, autocast,
             tuple(m.training for m in modules), ctx)
 

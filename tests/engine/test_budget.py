@@ -485,6 +485,27 @@ def test_under_torch_compile_a_second_batch_size_follows_its_own_plan():
         _check_grads_and_statistics(compiled, seq, ref, batch)
 
 
+def test_under_torch_compile_a_run_with_a_context_mask_follows_its_plan():
+    # (the plan's key sorted the context's (name, tensor) pairs, which a trace cannot sort:
+    # fullgraph=True raised)
+    torch.manual_seed(0)
+    seq = rk.nn.ReversibleSequential(*[rk.nn.RevTransformerBlock(32, 4) for _ in range(4)], memory_budget=0.3)
+    perturb_parameters(seq)
+    ref = rk.nn.ReversibleSequential(*[rk.nn.RevTransformerBlock(32, 4) for _ in range(4)], engine="autograd")
+    ref.load_state_dict(seq.state_dict())
+    x = torch.randn(2, 9, 32)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, 6:] = False
+    assert seq.memory_plan(x, x, attn_mask=mask).under_compile.options[-1] != "rebuild"
+    torch._dynamo.reset()
+    compiled = torch.compile(seq, backend="aot_eager", fullgraph=True)
+    data = [x, x, torch.randn_like(x), torch.randn_like(x)]
+    got = run_grads(lambda a, b: compiled(a, b, attn_mask=mask), seq, *data)
+    expected = run_grads(lambda a, b: ref(a, b, attn_mask=mask), ref, *data)
+    for a, e in zip(got, expected, strict=True):
+        assert_close_rel(a, e)
+
+
 def test_a_plan_made_later_for_other_inputs_does_not_retrace_a_graph():
     # (a plan lookup traced into the graph guarded on the plan cache's size: every compiled graph of
     # the run traced again when a plan was made for another batch size)
