@@ -541,6 +541,10 @@ mutation("budget_key_sorts_context_items", BUDGET,  # a trace cannot sort (name,
          "                else (k, repr(context[k])) for k in sorted(context)) if context else ()",
          "    ctx = tuple((k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, repr(v))\n"
          "                for k, v in sorted(context.items())) if context else ()", T_BUDGET + " -k context_mask")
+mutation("budget_copy_keeps_the_plan_cache", "revkernels/nn/reversible.py",  # deepcopy/pickle raised (an LRU)
+         'if k not in ("_budget", "_planned_run")}', 'if k not in ("_planned_run",)}', T_BUDGET + " -k copies_and_pickles")
+mutation("budget_copy_keeps_the_plan_number", "revkernels/nn/reversible.py",  # a copy's trace took its original's plan
+         'if k not in ("_budget", "_planned_run")}', 'if k not in ("_budget",)}', T_BUDGET + " -k copies_and_pickles")
 mutation("budget_trace_checkpoint_runs_plain", BUDGET,
          '        elif option == "checkpoint":  # (the partitioner', "        elif False:  # (the partitioner",
          T_BUDGET + " -k trace_runs_the_plan")

@@ -325,10 +325,13 @@ class ReversibleSequential(nn.Module):
         self.exact = exact
         self._opaque_handle = _new_handle(self)
 
+    def __getstate__(self):
+        # (plans, head runs and the plan's run number are the original's: remade for a copy)
+        return {k: v for k, v in self.__dict__.items() if k not in ("_budget", "_planned_run")}
+
     def __setstate__(self, state):
         # A copy (copy.deepcopy, pickle) is a run of its own: it must not name its original to the
         # torch.compile ops' kernels (revkernels.engine.opaque.new_handle).
-        state.pop("_budget", None)  # (plans and the head run are remade for the copy)
         super().__setstate__(state)
         self._opaque_handle = _new_handle(self)
         if "engine_in_use" not in self.__dict__:  # (pickled before engine="auto" existed)

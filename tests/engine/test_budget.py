@@ -5,7 +5,9 @@ its outputs, and its gradients are plain autograd's at every budget.
 
 The plans here come from the measured bytes with fixed times (`fixed_times`), so that they are the
 same on every machine; `test_the_measurement_times_and_counts_each_block` checks the real timing."""
+import copy
 import dataclasses
+import pickle
 
 import pytest
 import torch
@@ -504,6 +506,27 @@ def test_under_torch_compile_a_run_with_a_context_mask_follows_its_plan():
     expected = run_grads(lambda a, b: ref(a, b, attn_mask=mask), ref, *data)
     for a, e in zip(got, expected, strict=True):
         assert_close_rel(a, e)
+
+
+def test_a_run_with_a_plan_copies_and_pickles_as_a_run_of_its_own():
+    # (copy.deepcopy and pickle of a run with a plan raised TypeError: its plan cache, an LRU, could
+    # not be rebuilt; and a copy kept its original's plan number, whose trace ran the original's blocks)
+    seq, ref = _twins()
+    seq.memory_budget = 0.1
+    data = [torch.randn(5, 24) for _ in range(4)]
+    seq.memory_plan(*data[:2])
+    pickle.loads(pickle.dumps(seq))
+    twin = copy.deepcopy(seq)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(1.5)
+    ref.load_state_dict(twin.state_dict())
+    torch._dynamo.reset()  # a copy compiled before a plan of its own: none (not its original's), a warning
+    with pytest.warns(UserWarning, match="without a plan made for these inputs"):
+        _check_grads_and_statistics(torch.compile(twin, backend="aot_eager", fullgraph=True), twin, ref, data)
+    assert twin.memory_plan(*data[:2]).under_compile.options[0] == "rebuild"
+    torch._dynamo.reset()
+    _check_grads_and_statistics(torch.compile(twin, backend="aot_eager", fullgraph=True), twin, ref, data)
 
 
 def test_a_plan_made_later_for_other_inputs_does_not_retrace_a_graph():
