@@ -634,9 +634,7 @@ def traced_within_budget(seq, x1, x2, context):
     options = traced_plan(seq, x1, x2, context)
     if options is None or options[-1] == "rebuild":  # (the rebuilt blocks are a prefix: here every block)
         return None
-    k = 0
-    while options[k] == "rebuild":
-        k += 1
+    k = options.count("rebuild")
     if k:
         x1, x2 = _budget_state(seq)[1][k](x1, x2, **context)
     for block, option in zip(list(seq.blocks)[k:], options[k:]):  # (a list: see run_within_budget)

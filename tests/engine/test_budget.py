@@ -50,6 +50,18 @@ def _twins(engine="sequential", **kwargs):
     return seq, ref
 
 
+def _planned(budget, **kwargs):
+    """(run, plain-autograd twin, batch (x1, x2, w1, w2), plan) with `budget`, the plan made before
+    any trace (a trace follows it) and Dynamo reset (another test's graphs of
+    ReversibleSequential.forward are not this one's to count)."""
+    seq, ref = _twins(**kwargs)
+    seq.memory_budget = budget
+    data = [torch.randn(5, 24) for _ in range(4)]
+    made = seq.memory_plan(*data[:2])
+    torch._dynamo.reset()
+    return seq, ref, data, made
+
+
 def _all_selective_bytes(seq, x):
     return sum(c.selective_bytes for c in seq.memory_plan(x, x).costs)
 
@@ -430,11 +442,7 @@ def _check_grads_and_statistics(run, seq, ref, data):
 def test_under_torch_compile_the_trace_runs_the_plan_made_before_it(budget):
     # (a trace cannot measure: it follows the plan memory_plan made; the rebuilt blocks are one
     # opaque op, the kept ones traced into the graph, the selective ones checkpointed in it)
-    seq, ref = _twins(norm="batch")
-    seq.memory_budget = budget
-    data = [torch.randn(5, 24) for _ in range(4)]
-    made = seq.memory_plan(*data[:2])
-    torch._dynamo.reset()  # (another test's graphs of ReversibleSequential.forward: not this one's to count)
+    seq, ref, data, made = _planned(budget, norm="batch")
     backend = _GraphOps()
     compiled = torch.compile(seq, backend=backend, fullgraph=True)
     _check_grads_and_statistics(compiled, seq, ref, data)
@@ -446,12 +454,11 @@ def test_under_torch_compile_the_trace_runs_the_plan_made_before_it(budget):
 
 
 @pytest.mark.parametrize("budget", [0.1, 0.25])
-def test_under_torch_compile_checkpointed_blocks_replay_their_dropout_masks(budget):
-    seq, ref = _twins(dropout=0.2, drop_path=0.1)
-    seq.memory_budget = budget
-    data = [torch.randn(5, 24) for _ in range(4)]
-    assert "checkpoint" in seq.memory_plan(*data[:2]).under_compile.options
-    torch._dynamo.reset()
+def test_under_torch_compile_checkpointed_blocks_with_dropout_give_autograds_grads(budget):
+    # (the compiled graph keeps what its random ops drew: its recompute redraws nothing, replayed
+    # or not; what this checks is the checkpoint's grads with dropout and drop-path)
+    seq, ref, data, made = _planned(budget, dropout=0.2, drop_path=0.1)
+    assert "checkpoint" in made.under_compile.options
     got = run_grads(torch.compile(seq, backend="aot_eager", fullgraph=True), seq, *data, seed=3)
     expected = run_grads(lambda a, b: plain_forward(ref, a, b), ref, *data, seed=3)
     for a, e in zip(got, expected, strict=True):
@@ -461,13 +468,10 @@ def test_under_torch_compile_checkpointed_blocks_replay_their_dropout_masks(budg
 def test_under_torch_compile_the_rebuilt_blocks_take_the_runs_settings_at_the_trace():
     # (the rebuilt blocks' run took the run's engine when the plan was made: an engine or its
     # compile options set after memory_plan were not the ones the trace ran)
-    seq, ref = _twins()
-    seq.memory_budget = 0.1
-    data = [torch.randn(5, 24) for _ in range(4)]
-    assert seq.memory_plan(*data[:2]).under_compile.options[0] == "rebuild"
+    seq, ref, data, made = _planned(0.1)
+    assert made.under_compile.options[0] == "rebuild"
     steps = _GraphOps()
     seq.engine, seq.compile_options = "compiled", {"backend": steps}
-    torch._dynamo.reset()
     _check_grads_and_statistics(torch.compile(seq, backend="aot_eager", fullgraph=True), seq, ref, data)
     assert steps.graphs > 0  # (the rebuilt blocks ran the compiled engine's steps)
 
@@ -475,13 +479,9 @@ def test_under_torch_compile_the_rebuilt_blocks_take_the_runs_settings_at_the_tr
 def test_under_torch_compile_a_second_batch_size_follows_its_own_plan():
     # (the second shape made Dynamo's sizes dynamic: the plan's key, symbolic, failed to become a
     # trace-time constant, and fullgraph=True raised; a last, smaller batch of an epoch)
-    seq, ref = _twins()
-    seq.memory_budget = 0.25
-    data = [torch.randn(5, 24) for _ in range(4)]
+    seq, ref, data, _ = _planned(0.25)
     smaller = [t[:3] for t in data]
-    seq.memory_plan(*data[:2])
     seq.memory_plan(*smaller[:2])
-    torch._dynamo.reset()
     compiled = torch.compile(seq, backend="aot_eager", fullgraph=True)
     for batch in (data, smaller, data):
         _check_grads_and_statistics(compiled, seq, ref, batch)
@@ -511,10 +511,7 @@ def test_under_torch_compile_a_run_with_a_context_mask_follows_its_plan():
 def test_a_run_with_a_plan_copies_and_pickles_as_a_run_of_its_own():
     # (copy.deepcopy and pickle of a run with a plan raised TypeError: its plan cache, an LRU, could
     # not be rebuilt; and a copy kept its original's plan number, whose trace ran the original's blocks)
-    seq, ref = _twins()
-    seq.memory_budget = 0.1
-    data = [torch.randn(5, 24) for _ in range(4)]
-    seq.memory_plan(*data[:2])
+    seq, ref, data, _ = _planned(0.1)
     pickle.loads(pickle.dumps(seq))
     twin = copy.deepcopy(seq)
     with torch.no_grad():
@@ -532,11 +529,7 @@ def test_a_run_with_a_plan_copies_and_pickles_as_a_run_of_its_own():
 def test_a_plan_made_later_for_other_inputs_does_not_retrace_a_graph():
     # (a plan lookup traced into the graph guarded on the plan cache's size: every compiled graph of
     # the run traced again when a plan was made for another batch size)
-    seq, ref = _twins()
-    seq.memory_budget = 0.5
-    data = [torch.randn(5, 24) for _ in range(4)]
-    seq.memory_plan(*data[:2])
-    torch._dynamo.reset()
+    seq, ref, data, _ = _planned(0.5)
     backend = _GraphOps()
     compiled = torch.compile(seq, backend=backend, fullgraph=True)
     run_grads(compiled, seq, *data)
