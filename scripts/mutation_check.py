@@ -113,7 +113,7 @@ mutation("batchnorm_act_stats_updated_in_recompute", BNACT,
          "if self.training and self.running_mean is not None:",
          "tests/models/test_revnet.py::test_one_training_step_matches_plain_autograd[revnet18]")
 mutation("engine_no_autocast_reentry", SEQ,
-         "        with autocast(), buffers_kept(block)", "        with contextlib.nullcontext(), buffers_kept(block)",
+         "    with autocast():\n        rec = recompute_step", "    with contextlib.nullcontext():\n        rec = recompute_step",
          f"{T_SEQ} -k autocast")
 mutation("engine_skips_1d_param_grads", SEQ,
          "        if grad is None or k is None:\n            continue",

@@ -46,14 +46,11 @@ from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
 from revkernels.engine.fsdp import block_units, run_sharded
-from revkernels.engine.sequential import (add_param_grads, block_grads, forward_step, recompute_step, reverse_blocks,
-                                          run_reversible, with_buffers)
+from revkernels.engine.sequential import eager_backward, reverse_blocks, run_reversible, walk_forward
 from revkernels.engine.state import (NO_CONTEXT, AutocastState, BlockState, RngState, autograd_recording,
-                                     check_randomness_after, cuda_devices_of, grad_names, grad_tensors, maybe_replay,
-                                     randomness_before, records_graph)
+                                     cuda_devices_of, grad_names, grad_tensors, maybe_replay, records_graph)
 from revkernels.engine.structure import (LRU, cached, check_residual, coupling_kind, invalidate, param_slots, recompute_context,
-                                         record_buffers, stochastic_modules, submodule_hooked,
-                                         unique_grad_params)
+                                         stochastic_modules, submodule_hooked, unique_grad_params)
 
 
 # ---- pure steps ----
@@ -534,11 +531,9 @@ def _grad_slots(layout, slots):
 # ---- the walkers ----
 
 def forward_blocks(blocks, x1, x2, steps, preserve_rng_state=True, context=NO_CONTEXT):
-    """Runs `blocks` forward without autograd; returns ``(y1, y2, states)`` with each block's
-    `BlockState` (None: nothing to replay). `steps`: a `CompiledSteps`, or None for eager steps.
-    `context`: the keywords of every F and G."""
-    states = []
-    failed = _failed(steps)
+    """Runs `blocks` forward without autograd through the pure steps (`PureSteps`); returns
+    ``(y1, y2, states)`` with each block's `BlockState` (None: nothing to replay). `steps`: a
+    `CompiledSteps`, or None for eager pure steps. `context`: the keywords of every F and G."""
     # requires_grad of the run's inputs and context must not split signatures
     x1, x2, context = x1.detach(), x2.detach(), _detached(context)
     if torch.is_inference_mode_enabled():
@@ -546,36 +541,36 @@ def forward_blocks(blocks, x1, x2, steps, preserve_rng_state=True, context=NO_CO
         # first gets an inference tensor: the first gets one too, or it is a signature of its own
         x1, x2 = _inference_tensor(x1), _inference_tensor(x2)
         context = {k: _inference_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in context.items()}
-    with torch.no_grad():
-        for i, block in enumerate(blocks):
-            layout = _layout(block)
-            if _eager_block(block, layout) or (failed and layout.key in failed) or _eager_call():
-                x1, x2, state = forward_step(block, x1, x2, preserve_rng_state, context)
-            else:
-                try:
-                    x1, x2, state = _pure_forward(block, i, layout, x1, x2, steps, preserve_rng_state, context)
-                except StepFailed as failure:
-                    # (a block that draws random numbers draws from the state before it, as eager
-                    # does: `_random_forward`; its recompute replays these)
-                    x1, x2, state = forward_step(block, x1, x2, preserve_rng_state, context)
-                    failure.fall_back()
-            states.append(state)
-    return x1, x2, states
+    pure = [PureSteps(block, i, steps) for i, block in enumerate(blocks)]
+    y1, y2, states, _ = walk_forward(blocks, x1, x2, preserve_rng_state, context, pure)
+    return y1, y2, states
 
 
-def _pure_forward(block, position, layout, x1, x2, steps, preserve_rng_state, context):
-    record = record_buffers(block)
-    if preserve_rng_state and block.draws_random():
-        y1, y2, state = _random_forward(block, position, layout, x1, x2, steps, context)
-    else:
-        before = randomness_before(block, x1, x2) if preserve_rng_state else None
-        y1, y2 = _step(steps, "block_forward", block, position, block, layout.kind, x1, x2, context)
-        if before is not None:
-            check_randomness_after(block, before)
-        state = None
-    if record is not None:
-        state = with_buffers(state, record.changed(lambda: f"blocks[{position}] ({type(block).__name__})"))
-    return y1, y2, state
+class PureSteps:
+    """A block's ``forward_with_state`` through the pure steps (what `forward_step` runs for it),
+    or through the block's own where the pure steps do not take it (`_eager_block`, a structure
+    whose steps failed, `_eager_call`) or fail now (`StepFailed`: the block draws from the state
+    before the failed step, as eager does, and its recompute replays these)."""
+
+    __slots__ = ("block", "position", "steps")
+
+    def __init__(self, block, position, steps):
+        self.block, self.position, self.steps = block, position, steps
+
+    def forward_with_state(self, x1, x2, preserve_rng_state=True, context=NO_CONTEXT):
+        block, position, steps = self.block, self.position, self.steps
+        layout = _layout(block)
+        if not (_eager_block(block, layout) or layout.key in _failed(steps) or _eager_call()):
+            try:
+                if preserve_rng_state and block.draws_random():
+                    return _random_forward(block, position, layout, x1, x2, steps, context)
+                y1, y2 = _step(steps, "block_forward", block, position, block, layout.kind, x1, x2, context)
+                return y1, y2, None
+            except StepFailed as failure:
+                out = block.forward_with_state(x1, x2, preserve_rng_state, context=context)
+                failure.fall_back()
+                return out
+        return block.forward_with_state(x1, x2, preserve_rng_state, context=context)
 
 
 def _eager_block(block, layout):
@@ -659,82 +654,81 @@ def kept_forward(seq, position, x1, x2, context=NO_CONTEXT):
 
 
 def backward_blocks(blocks, states, y1, y2, dy1, dy2, params, steps, autocast_state=None, context=NO_CONTEXT):
-    """Walks `blocks` backwards with the pure steps; returns ``(x1, x2, dx1, dx2, param_grads)``
-    with `param_grads` aligned to `params` (None for a parameter no block used). `context`: the
-    keywords of every F and G; its tensors that require grad must be in `params` to get grads
-    (as in `revkernels.engine.sequential.reverse_blocks`)."""
-    index = {id(p): i for i, p in enumerate(params)}
-    param_grads = [None] * len(params)
+    """`revkernels.engine.sequential.reverse_blocks` with the pure steps (`PureBackward`): returns
+    ``(x1, x2, dx1, dx2, param_grads)`` with `param_grads` aligned to `params` (None for a
+    parameter no block used). `context`: the keywords of every F and G; its tensors that require
+    grad must be in `params` to get grads."""
     autocast_state = autocast_state or AutocastState.capture(y1.device.type)
-    autocast = contextlib.nullcontext if autocast_state.off_then_and_now() else autocast_state.enter
     # A loss like y.sum() hands down expanded (stride-0) grads, which would be a signature of their own
     y1, y2, dy1, dy2 = y1.detach(), y2.detach(), _unexpanded(dy1.detach()), _unexpanded_or_none(dy2)
-    # The steps take detached tensors; which context tensors they differentiate is the dict they are in.
-    leaves = {k: context[k] for k in grad_names(context)}
-    grad_context = {k: v.detach() for k, v in leaves.items()}
-    plain_context = _detached({k: v for k, v in context.items() if k not in leaves})
-    failed = _failed(steps)
-    for i in reversed(range(len(blocks))):
-        block, state = blocks[i], None if states is None else states[i]
+    return reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state, context=context,
+                          step=PureBackward(steps, context))
+
+
+class PureBackward:
+    """`reverse_blocks`' step through the pure steps (`CompiledSteps`, or eager ones for None), or
+    the blocks' own (`eager_backward`) where the pure steps do not take the block, or fail."""
+
+    __slots__ = ("steps", "leaves", "grad_context", "plain_context")
+
+    def __init__(self, steps, context):
+        self.steps = steps
+        # The steps take detached tensors; which context tensors they differentiate is the dict they are in.
+        self.leaves = {k: context[k] for k in grad_names(context)}
+        self.grad_context = {k: v.detach() for k, v in self.leaves.items()}
+        self.plain_context = _detached({k: v for k, v in context.items() if k not in self.leaves})
+
+    def __call__(self, position, block, state, y1, y2, dy1, dy2, autocast, context):
         layout = _layout(block)
         # A block whose forward changed buffers: its recompute puts their old values in
         # (recompute_step), which the pure steps cannot take (torch.func.vjp rejects a change in
         # place of a tensor it did not get as an input)
         # A grad the loss did not give (None; see sequential.block_grads): the eager steps, for
         # the run's last block only (a None would be a signature of its own)
-        if (_eager_block(block, layout) or getattr(state, "buffers", ()) or (failed and layout.key in failed)
+        if not (_eager_block(block, layout) or getattr(state, "buffers", ()) or layout.key in _failed(self.steps)
                 or dy1 is None or dy2 is None or _eager_call()):
-            y1, y2, dy1, dy2, grads = _eager_backward(block, state, y1, y2, dy1, dy2, autocast, context)
-        else:
             try:
-                y1, y2, dy1, dy2, grads = _pure_backward(block, i, layout, state, y1, y2, dy1, dy2, steps, autocast,
-                                                         plain_context, grad_context, leaves)
+                return self._pure(block, position, layout, state, y1, y2, dy1, dy2, autocast)
             except StepFailed as failure:
-                y1, y2, dy1, dy2, grads = _eager_backward(block, state, y1, y2, dy1, dy2, autocast, context)
+                out = self._eager(block, position, state, y1, y2, dy1, dy2, autocast, context)
                 failure.fall_back()
-        add_param_grads(param_grads, index, grads)
-    return y1, y2, dy1, dy2, param_grads
+                return out
+        return self._eager(block, position, state, y1, y2, dy1, dy2, autocast, context)
 
+    @staticmethod
+    def _eager(block, position, state, y1, y2, dy1, dy2, autocast, context):
+        # autograd_recording: inside the opaque op's backward kernel (torch.compile) too
+        with autograd_recording(), torch.enable_grad():
+            x1, x2, dx1, dx2, grads = eager_backward(position, block, state, y1, y2, dy1, dy2, autocast, context)
+            return x1.detach(), x2, dx1, dx2, list(grads)
 
-def _eager_backward(block, state, y1, y2, dy1, dy2, autocast, context):
-    """The sequential engine's steps for one block: ``(x1, x2, dx1, dx2, [(parameter or context
-    leaf, grad)])``."""
-    # autograd_recording: inside the opaque op's backward kernel (torch.compile) too
-    with autograd_recording():
-        with torch.enable_grad(), autocast():
-            rec = recompute_step(block, y1, y2, state, context)
-        grads = block_grads(block, rec, y1, y2, dy1, dy2)
-    return rec.x1.detach(), rec.x2.detach(), grads.dx1, grads.dx2, list(zip(grads.params, grads.param_grads))
-
-
-def _pure_backward(block, position, layout, state, y1, y2, dy1, dy2, steps, autocast, plain_context, grad_context,
-                   leaves):
-    """The pure backward step(s) of one block, as `_eager_backward` returns them."""
-    f_names, g_names, grad_params = layout.grad_plan()
-    with autocast(), recompute_context(block):
-        if state is None:
-            x1, x2, dx1, dx2, f_grads, g_grads, context_grads = _step(
-                steps, "block_backward", block, position, block, layout.kind, f_names, g_names,
-                y1, y2, dy1, dy2, plain_context, grad_context)
-        elif layout.kind == "half":
-            with maybe_replay(state.rng_f):
-                x1, dx2, f_grads, context_grads = _step(
-                    steps, "branch_backward", block, position, block.f, f_names, y1, y2, dy1, dy2,
-                    plain_context, grad_context)
-            x2, dx1, g_grads = y1, dy2, ()
-        else:
-            with maybe_replay(state.rng_g):
-                x2, dx1, g_grads, g_context = _step(
-                    steps, "branch_backward", block, position, block.g, g_names, y1, y2, dy1, dy2,
-                    plain_context, grad_context)
-            with maybe_replay(state.rng_f):
-                x1, dx2, f_grads, f_context = _step(
-                    steps, "branch_backward", block, position, block.f, f_names, x2, y1, dy2, dx1,
-                    plain_context, grad_context)
-            context_grads = {k: f_context[k] + g_context[k] for k in grad_context}
-    grads = list(zip(grad_params, (*f_grads, *g_grads)))
-    grads += [(leaves[k], grad) for k, grad in context_grads.items()]
-    return x1, x2, dx1, dx2, grads
+    def _pure(self, block, position, layout, state, y1, y2, dy1, dy2, autocast):
+        steps, plain_context, grad_context = self.steps, self.plain_context, self.grad_context
+        f_names, g_names, grad_params = layout.grad_plan()
+        with autocast(), recompute_context(block):
+            if state is None:
+                x1, x2, dx1, dx2, f_grads, g_grads, context_grads = _step(
+                    steps, "block_backward", block, position, block, layout.kind, f_names, g_names,
+                    y1, y2, dy1, dy2, plain_context, grad_context)
+            elif layout.kind == "half":
+                with maybe_replay(state.rng_f):
+                    x1, dx2, f_grads, context_grads = _step(
+                        steps, "branch_backward", block, position, block.f, f_names, y1, y2, dy1, dy2,
+                        plain_context, grad_context)
+                x2, dx1, g_grads = y1, dy2, ()
+            else:
+                with maybe_replay(state.rng_g):
+                    x2, dx1, g_grads, g_context = _step(
+                        steps, "branch_backward", block, position, block.g, g_names, y1, y2, dy1, dy2,
+                        plain_context, grad_context)
+                with maybe_replay(state.rng_f):
+                    x1, dx2, f_grads, f_context = _step(
+                        steps, "branch_backward", block, position, block.f, f_names, x2, y1, dy2, dx1,
+                        plain_context, grad_context)
+                context_grads = {k: f_context[k] + g_context[k] for k in grad_context}
+        grads = list(zip(grad_params, (*f_grads, *g_grads)))
+        grads += [(self.leaves[k], grad) for k, grad in context_grads.items()]
+        return x1, x2, dx1, dx2, grads
 
 
 # ---- the engine ----

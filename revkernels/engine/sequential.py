@@ -34,7 +34,8 @@ from revkernels.engine.structure import (buffers_as_before, buffers_kept, invali
                                          y2_only_params)
 
 
-def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None, monitor=None, context=NO_CONTEXT):
+def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None, monitor=None, context=NO_CONTEXT,
+                   step=None):
     """Walks `blocks` backwards from their output (y1, y2) and its grads (dy1, dy2).
 
     Returns ``(x1, x2, dx1, dx2, param_grads)`` with `param_grads` aligned to `params` (None for a
@@ -42,8 +43,11 @@ def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None
     `monitor`: None, or ``(ReconstructionMonitor, samples)`` from a sampled forward: each rebuilt
     input is compared with its sample (see `revkernels.check.monitor_reconstruction`).
     `context`: the keywords of every F and G (a dict); its tensors that require grad must be in
-    `params` to get grads.
+    `params` to get grads. `step`: one block's backward, ``step(position, block, state, y1, y2, dy1,
+    dy2, autocast, context) -> (x1, x2, dx1, dx2, [(parameter, grad), ...])``: `eager_backward` (the
+    blocks' own ``recompute`` and ``grads``) unless given (the compiled engine's pure steps).
     """
+    step = eager_backward if step is None else step
     index = {id(p): i for i, p in enumerate(params)}
     param_grads = [None] * len(params)
     autocast = contextlib.nullcontext if autocast_state is None or autocast_state.off_then_and_now() else autocast_state.enter
@@ -52,19 +56,25 @@ def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None
     for i in reversed(range(len(blocks))):
         block = blocks[i]
         # (no forward record, `seq.reverse`: the recompute leaves the buffers as it found them)
-        with autocast(), buffers_kept(block) if states is None else contextlib.nullcontext():
-            state = None if states is None else states[i]
-            rec = recompute_step(block, y1, y2, state, context)
+        with buffers_kept(block) if states is None else contextlib.nullcontext():
+            y1, y2, dy1, dy2, grads = step(i, block, None if states is None else states[i], y1, y2, dy1, dy2,
+                                           autocast, context)
         if monitor is not None:
-            errors[i] = monitor[0].error(monitor[1][i], rec.x1, rec.x2)
-        grads = block_grads(block, rec, y1, y2, dy1, dy2)
-        add_param_grads(param_grads, index, zip(grads.params, grads.param_grads))
-        y1, y2 = rec.x1, rec.x2.detach()
-        dy1, dy2 = grads.dx1, grads.dx2
-        del rec, grads  # free this block's local graph before the next one is built
+            errors[i] = monitor[0].error(monitor[1][i], y1, y2)
+        add_param_grads(param_grads, index, grads)
+        del grads  # (the step's local graphs are gone with its frame, before the next block's are built)
     if monitor is not None:
         monitor[0].report(errors)
     return y1, y2, dy1, dy2, param_grads
+
+
+def eager_backward(position, block, state, y1, y2, dy1, dy2, autocast, context=NO_CONTEXT):
+    """`reverse_blocks`' step through the block's own steps: `recompute_step` under the forward's
+    autocast mode, then `block_grads`."""
+    with autocast():
+        rec = recompute_step(block, y1, y2, state, context)
+    grads = block_grads(block, rec, y1, y2, dy1, dy2)
+    return rec.x1, rec.x2.detach(), grads.dx1, grads.dx2, zip(grads.params, grads.param_grads)
 
 
 def add_param_grads(param_grads, index, pairs):
@@ -78,12 +88,15 @@ def add_param_grads(param_grads, index, pairs):
         param_grads[k] = grad if param_grads[k] is None else param_grads[k] + grad
 
 
-def forward_step(block, x1, x2, preserve_rng_state, context=NO_CONTEXT, steps=None):
+def forward_step(block, x1, x2, preserve_rng_state, context=NO_CONTEXT, steps=None, position=None):
     """``block.forward_with_state`` (`call_with_context`), under ``parametrize.cached()`` without
     filling its cache (`parametrize_cache_off`: the forward runs without grad). The buffers the forward changed go
-    into the returned state with their old values (`record_buffers`), for `recompute_step`.
-    `steps`: an object whose ``forward_with_state`` runs instead of the block's (exact mode's
-    steps on fixed-point streams, ``revkernels.nn.exact.ExactSteps``)."""
+    into the returned state with their old values (`record_buffers`), for `recompute_step`; the
+    first forward in each mode warns if the block drew random numbers it does not declare
+    (`check_randomness_after`). `steps`: an object whose ``forward_with_state`` runs instead of the
+    block's (exact mode's steps on fixed-point streams, ``revkernels.nn.exact.ExactSteps``; the
+    compiled engine's, `revkernels.engine.compiled.PureSteps`). `position`: the block's index in
+    its run, for warnings."""
     record = record_buffers(block)
     before = randomness_before(block, x1, x2) if preserve_rng_state else None
     out = _uncached_forward_with_state(block, block if steps is None else steps, x1, x2, preserve_rng_state, context)
@@ -92,7 +105,8 @@ def forward_step(block, x1, x2, preserve_rng_state, context=NO_CONTEXT, steps=No
     if record is None:
         return out
     x1, x2, state = out
-    return x1, x2, with_buffers(state, record.changed(lambda: type(block).__name__))
+    name = type(block).__name__
+    return x1, x2, with_buffers(state, record.changed(lambda: name if position is None else f"blocks[{position}] ({name})"))
 
 
 def _uncached_forward_with_state(block, steps, x1, x2, preserve_rng_state, context):
@@ -235,23 +249,29 @@ def saved_with_context(ctx, count):
     return saved[:count], context, leaves
 
 
+def walk_forward(blocks, x1, x2, preserve_rng_state, context=NO_CONTEXT, steps=None, monitor=None):
+    """Runs `blocks` forward without autograd, each through `forward_step` (`steps`: one per block,
+    or None): ``(y1, y2, states, samples)``, `samples` each block's input sampled by `monitor` (a
+    `revkernels.check.ReconstructionMonitor` on a sampled step, or None: no samples)."""
+    states, samples = [], []
+    with torch.no_grad():
+        for i, block in enumerate(blocks):
+            if monitor is not None:
+                samples.append(monitor.sample(x1, x2))
+            x1, x2, state = forward_step(block, x1, x2, preserve_rng_state, context, None if steps is None else steps[i], i)
+            states.append(state)
+    return x1, x2, states, samples
+
+
 def eager_forward(seq, x1, x2, context, steps=None, monitored=True):
-    """Runs `seq`'s blocks forward without autograd through their own steps (`forward_step`; or
-    `steps`, one per block, in exact mode): ``(y1, y2, states, monitor)``, `monitor` the
+    """`walk_forward` over `seq`'s blocks: ``(y1, y2, states, monitor)``, `monitor` the
     reconstruction monitor and its samples on a sampled step (None otherwise, and without
     `monitored`; see `revkernels.check.monitor_reconstruction`)."""
-    states, samples = [], []
     monitor = getattr(seq, "reconstruction_monitor", None) if monitored else None
     if monitor is not None and (seq.engine_in_use == "graphs" or not monitor.begin_forward()):
         monitor = None  # not a sampled step (graphs: replayed graphs cannot host-sync)
-    with torch.no_grad():
-        for i, block in enumerate(seq.blocks):
-            if monitor is not None:
-                samples.append(monitor.sample(x1, x2))
-            x1, x2, state = forward_step(block, x1, x2, seq.preserve_rng_state, context,
-                                         None if steps is None else steps[i])
-            states.append(state)
-    return x1, x2, states, None if monitor is None else (monitor, samples)
+    y1, y2, states, samples = walk_forward(seq.blocks, x1, x2, seq.preserve_rng_state, context, steps, monitor)
+    return y1, y2, states, None if monitor is None else (monitor, samples)
 
 
 class ReversibleRun(torch.autograd.Function):

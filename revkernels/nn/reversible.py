@@ -32,7 +32,7 @@ from revkernels.engine.state import (NO_CONTEXT, BlockState, RngState, call_with
                                      records_graph, with_grad_leaves)
 from revkernels.engine.structure import (buffers_as_before, buffers_kept, cached, check_members, check_residual,
                                          detached_aliases, draws_random, param_slots, recompute_context,
-                                         unique_grad_params, unique_params)
+                                         unique_grad_params)
 from revkernels.ops.coupling import coupling_add, coupling_sub
 
 _log = logging.getLogger("revkernels")
