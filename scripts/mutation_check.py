@@ -521,6 +521,9 @@ mutation("budget_run_slices_the_blocks", BUDGET,  # a new ModuleList per call: e
          T_BUDGET + " -k structure_caches")
 mutation("petra_checkpoint_ignores_exact_bits", "revkernels/petra/simulate.py",
          "        check_exact_bits(state, self.exact_bits)\n", "", "tests/petra/test_exact_stages.py -k exact_bits")
+mutation("petra_specs_copy_stages_on_their_device", PART,
+         "x = _as_tuple(meta_copy(s.module)(", 'x = _as_tuple(copy.deepcopy(s.module).to("meta")(',
+         "tests/petra/test_memory_budget.py -k meta_copies")
 mutation("petra_rank_checkpoint_ignores_exact_bits", "revkernels/petra/distributed.py",
          "        check_exact_bits(state, tr.exact_bits)\n", "", "tests/petra/test_exact_stages.py -k exact_bits")
 mutation("budget_trace_head_keeps_the_plans_settings", BUDGET,  # an engine set after memory_plan was not traced

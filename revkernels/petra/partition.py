@@ -715,8 +715,8 @@ def plan_memory(stages, budget, example, context=None, sizes=None):
 def input_specs(stages, example, context=None):
     """Per stage, ``[(shape, dtype, grad dtype)]`` of its input as the pipeline hands it (int64 for
     the fixed-point streams after an exact stage, whose grads are in the receiving stage's float
-    dtype), from forwards of deep copies of the stages on the meta device (no real compute; the
-    last listed stage's forward does not run). `example`: the first stage's input (a tensor or a
+    dtype), from forwards of copies of the stages on the meta device (`meta_copy`: no real compute
+    nor memory; the last listed stage's forward does not run). `example`: the first stage's input (a tensor or a
     tuple; only its shapes and dtypes are read); `context`: a batch's keywords."""
     x = tuple(torch.empty(t.shape, dtype=t.dtype, device="meta") for t in _as_tuple(example, "example"))
     context = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in (context or {}).items()}
@@ -730,8 +730,16 @@ def input_specs(stages, example, context=None):
             else:
                 specs.append([(tuple(t.shape), t.dtype, t.dtype) for t in x])
             if s is not stages[-1]:
-                x = _as_tuple(copy.deepcopy(s.module).to("meta")(*x, **context), f"the output of stage {s.index}")
+                x = _as_tuple(meta_copy(s.module)(*x, **context), f"the output of stage {s.index}")
     return specs
+
+
+def meta_copy(module):
+    """A deep copy of `module` whose parameters and buffers are on the meta device, made without
+    copying their data (a model on a GPU is not copied there first)."""
+    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad) for p in module.parameters()}
+    memo.update({id(b): torch.empty_like(b, device="meta") for b in module.buffers()})
+    return copy.deepcopy(module, memo)
 
 
 def group_sizes(model, groups, balance="count", costs=None, example=None, context=None):

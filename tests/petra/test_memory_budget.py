@@ -141,3 +141,34 @@ def test_a_checkpoint_keeps_the_plan_and_resumes_bit_for_bit():
         Trainer(copy.deepcopy(model), "petra", **{**kw, "memory_budget": 0}).load_state_dict(old)
     with pytest.raises(ValueError, match="checkpoint's exact is True"):
         Trainer(copy.deepcopy(model), "petra", **{**kw, "exact": False}).load_state_dict(state)
+
+
+def test_the_plan_sizes_stages_on_meta_copies_without_copying_their_data(monkeypatch):
+    """`input_specs` runs copies of the stages on the meta device made without copying a parameter
+    or buffer (a model on a GPU is not copied there first; a deep copy of a Parameter or of a
+    buffer would call Tensor.__deepcopy__); the specs are the shapes a real forward hands on, the
+    stages and their parameters are left as they were."""
+    from revkernels.petra.partition import input_specs, meta_copy
+
+    torch.manual_seed(0)
+    x = torch.randn(5, D_IN)
+    stages = partition(_stages(2))
+    params = [(p, p.detach().clone()) for s in stages for p in s.module.parameters()]
+    real, expected = x, []
+    with torch.no_grad():
+        for s in stages:
+            expected.append([tuple(t.shape) for t in (real if isinstance(real, tuple) else (real,))])
+            if s is not stages[-1]:
+                real = s.module(*(real if isinstance(real, tuple) else (real,)))
+
+    def no_data_copy(self, memo):
+        raise AssertionError("a tensor's data was deep-copied")
+
+    monkeypatch.setattr(torch.Tensor, "__deepcopy__", no_data_copy)
+    specs = input_specs(stages, x)
+    assert [[shape for shape, _, _ in spec] for spec in specs] == expected
+    copied = meta_copy(stages[1].module)
+    assert all(p.is_meta and isinstance(p, torch.nn.Parameter) for p in copied.parameters())
+    assert all(b.is_meta for b in copied.buffers())
+    for p, before in params:
+        assert not p.is_meta and torch.equal(p, before)
