@@ -129,19 +129,28 @@ def run_grads(fn, module, x1, x2, w1, w2, seed=None):
 
 class CountingBackend:
     """A Dynamo backend that counts the graphs it is given (`graphs`) and the calls of them (`calls`),
-    and runs them as traced."""
+    notes the ops of the last graph (`ops`, `count`), and runs them as traced, or compiled by the
+    backend named `inner` ("aot_eager": autograd sees the traced graph's own backward)."""
 
-    def __init__(self):
+    def __init__(self, inner=None):
         self.graphs = 0
         self.calls = 0
+        self.ops = []
+        self.inner = inner
 
     def __call__(self, gm, example_inputs):
         self.graphs += 1
+        self.ops = [str(node.target) for node in gm.graph.nodes if node.op == "call_function"]
+        run = gm.forward if self.inner is None else torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
 
         def counted(*args):
             self.calls += 1
-            return gm.forward(*args)
+            return run(*args)
         return counted
+
+    def count(self, name):
+        """How many ops of the last graph have `name` in their name."""
+        return sum(name in op for op in self.ops)
 
 
 def compiled_saved_bytes(seq, x, **context):

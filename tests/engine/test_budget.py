@@ -17,7 +17,8 @@ import revkernels as rk
 from revkernels.bench.report import retained_bytes
 from revkernels.engine import budget as budget_module
 from revkernels.engine.budget import BlockCost, plan
-from tests.helpers import assert_close_rel, loss_of, make_seq, perturb_parameters, plain_forward, run_grads
+from tests.helpers import (CountingBackend, assert_close_rel, loss_of, make_seq, perturb_parameters, plain_forward,
+                           run_grads)
 
 BUDGETS = [0, 0.1, 0.25, 0.5, 0.75, 1.0, 40_000]
 MEASURE = budget_module.activation_bytes  # (the real measurement: `fixed_times` replaces it)
@@ -408,26 +409,6 @@ def test_auto_reads_the_free_memory_of_a_cuda_device(monkeypatch):
     assert budget_module.auto_budget_bytes(params, torch.device("cuda", 0)) == 10**6 - 8000 - 16000 - 10**5
 
 
-class _GraphOps:
-    """A Dynamo backend (aot_eager) that notes the ops of the graph it is given."""
-
-    def __init__(self):
-        self.ops, self.graphs, self.calls = [], 0, 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        self.ops = [str(node.target) for node in gm.graph.nodes if node.op == "call_function"]
-        compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
-
-        def counted(*args):
-            self.calls += 1
-            return compiled(*args)
-        return counted
-
-    def count(self, name):
-        return sum(name in op for op in self.ops)
-
-
 def _check_grads_and_statistics(run, seq, ref, data):
     """`run` (of `seq`) gives plain autograd's grads on `ref`, and BatchNorm's statistics updated once."""
     got = run_grads(run, seq, *data)
@@ -443,7 +424,7 @@ def test_under_torch_compile_the_trace_runs_the_plan_made_before_it(budget):
     # (a trace cannot measure: it follows the plan memory_plan made; the rebuilt blocks are one
     # opaque op, the kept ones traced into the graph, the selective ones checkpointed in it)
     seq, ref, data, made = _planned(budget, norm="batch")
-    backend = _GraphOps()
+    backend = CountingBackend("aot_eager")
     compiled = torch.compile(seq, backend=backend, fullgraph=True)
     _check_grads_and_statistics(compiled, seq, ref, data)
     traced = made.under_compile.options
@@ -470,7 +451,7 @@ def test_under_torch_compile_the_rebuilt_blocks_take_the_runs_settings_at_the_tr
     # compile options set after memory_plan were not the ones the trace ran)
     seq, ref, data, made = _planned(0.1)
     assert made.under_compile.options[0] == "rebuild"
-    steps = _GraphOps()
+    steps = CountingBackend("aot_eager")
     seq.engine, seq.compile_options = "compiled", {"backend": steps}
     _check_grads_and_statistics(torch.compile(seq, backend="aot_eager", fullgraph=True), seq, ref, data)
     assert steps.graphs > 0  # (the rebuilt blocks ran the compiled engine's steps)
@@ -530,7 +511,7 @@ def test_a_plan_made_later_for_other_inputs_does_not_retrace_a_graph():
     # (a plan lookup traced into the graph guarded on the plan cache's size: every compiled graph of
     # the run traced again when a plan was made for another batch size)
     seq, ref, data, _ = _planned(0.5)
-    backend = _GraphOps()
+    backend = CountingBackend("aot_eager")
     compiled = torch.compile(seq, backend=backend, fullgraph=True)
     run_grads(compiled, seq, *data)
     other = torch.randn(7, 24)
@@ -547,10 +528,10 @@ def test_a_run_without_a_plan_does_not_take_another_runs_traced_plan():
     planned.memory_budget = 0.5
     planned.memory_plan(*data[:2])
     torch._dynamo.reset()
-    run_grads(torch.compile(planned, backend=_GraphOps(), fullgraph=True), planned, *data)
+    run_grads(torch.compile(planned, backend=CountingBackend("aot_eager"), fullgraph=True), planned, *data)
     other, ref = _twins()
     other.memory_budget = 0.5
-    backend = _GraphOps()
+    backend = CountingBackend("aot_eager")
     with pytest.warns(UserWarning, match="without a plan made for these inputs"):
         _check_grads_and_statistics(torch.compile(other, backend=backend, fullgraph=True), other, ref, data)
     tensor_ops = [op for op in backend.ops if not op.startswith("<built-in function")]  # (not size arithmetic)
@@ -571,7 +552,7 @@ def test_under_torch_compile_without_a_plan_the_run_rebuilds_every_block_and_war
     seq, ref = _twins()
     seq.memory_budget = 0.5
     data = [torch.randn(5, 24) for _ in range(4)]
-    backend = _GraphOps()
+    backend = CountingBackend("aot_eager")
     compiled = torch.compile(seq, backend=backend, fullgraph=True)
     with pytest.warns(UserWarning, match=r"rebuilds every block whatever its memory_budget without a plan made for "
                                          r"these inputs before the trace \(call seq.memory_plan"):
@@ -607,7 +588,7 @@ def test_the_compiled_engine_compiles_its_kept_blocks(budget):
     # (kept blocks ran eagerly under the compiled engine: its compiled forward step now runs them,
     # differentiated by autograd; blocks that draw random numbers stay eager: see kept_forward)
     seq, ref = _twins("compiled", norm="batch")
-    backend = _GraphOps()
+    backend = CountingBackend("aot_eager")
     seq.compile_options = {"backend": backend}
     seq.memory_budget = budget
     data = [torch.randn(5, 24) for _ in range(4)]
