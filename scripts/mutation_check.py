@@ -559,6 +559,10 @@ mutation("budget_measurement_times_one_pass", BUDGET, "TIMING_PASSES = 3", "TIMI
          T_BUDGET + " -k least_time")
 mutation("budget_measurement_keeps_the_slowest_time", BUDGET, "= min(self.calls[self.at][1], ms)",
          "= max(self.calls[self.at][1], ms)", T_BUDGET + " -k least_time")
+mutation("budget_selective_blocks_redraw", BUDGET,  # a selective block's recompute drew new dropout masks
+         "            x1, x2 = run_selective(block, x1, x2, context, seq.preserve_rng_state)",
+         "            x1, x2 = run_selective(block, x1, x2, context, False)",
+         "tests/engine/test_conformance.py -k memory_budget")
 mutation("budget_trace_no_warning_without_a_plan", BUDGET,
          ' and traced_plan(seq, x1, x2, context) is None:', ' and False:', T_BUDGET + " -k without_a_plan")
 mutation("reference_vjp_skips_g_path", "revkernels/reference.py", "            dy1 = dy1 + _grad_of(y1)\n",

@@ -11,6 +11,8 @@ a RevNet stage's reversible block (`ReversibleStage(BasicResidual)`: conv + fuse
 Exact mode (``exact=True``: fixed-point streams) runs the invariants as a column of its own
 (``exact``), its reference the fixed-point network written out with plain autograd
 (`tests.helpers.fixed_point_forward`); its bit-exact rebuild is tested in tests/nn/test_exact.py.
+A memory budget (``memory_budget=0.5``: plans mixing rebuilt, kept, selective and, under
+torch.compile, checkpointed blocks) is a column of its own too, over the invariants of one step.
 
 Every expected value comes from an independent reference: plain autograd through the same modules,
 written out here (``y1 = x1 + F(x2); y2 = x2 + G(y1)``, or the half coupling with its swap), on a
@@ -26,6 +28,7 @@ really captures, and "auto" picks it where the run can be captured. Where graphs
 table does not treat as a failure.
 """
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -34,6 +37,7 @@ from torch import nn
 from torch._dynamo.backends.registry import lookup_backend
 
 import revkernels as rk
+from revkernels.engine import budget
 from revkernels.models.revnet import BasicResidual, ReversibleStage
 from tests.helpers import assert_close_rel, fixed_point_forward, loss_of, perturb_parameters, residual_fn
 
@@ -110,8 +114,9 @@ class Case:
     """A run of blocks (parameters perturbed) with its streams' shape and dtype, its context and its
     coupling (`half`: the half coupling with a swap; else the full one)."""
 
-    def __init__(self, blocks, shape, dtype=torch.float32, context=None, half=False, device="cpu", exact=False):
-        self.seq = perturb_parameters(rk.nn.ReversibleSequential(*blocks, exact=exact)).to(device=device, dtype=dtype)
+    def __init__(self, blocks, shape, dtype=torch.float32, context=None, half=False, device="cpu", exact=False, budget=0):
+        self.seq = perturb_parameters(rk.nn.ReversibleSequential(*blocks, exact=exact, memory_budget=budget))
+        self.seq.to(device=device, dtype=dtype)
         self.shape, self.dtype, self.half, self.device, self.exact = shape, dtype, half, device, exact
         self.context = {k: v.detach().to(device).requires_grad_(v.requires_grad) for k, v in (context or {}).items()}
 
@@ -131,11 +136,11 @@ def _padding_mask():
     return keep
 
 
-def make_case(kind, depth, device="cpu", random=None, exact=False):
+def make_case(kind, depth, device="cpu", random=None, exact=False, budget=0):
     """A run of `depth` blocks of `kind`: one of KINDS (the RevTransformerBlock's residual dropout
     and drop-path are part of its kind; `random=False` turns them off), a random source of
     RANDOM_SOURCES, a BatchNorm kind of BN_KINDS or a context kind of CONTEXT_KINDS; in exact mode
-    with `exact`. Its ``key`` names the run's structure."""
+    with `exact`, with a memory budget `budget`. Its ``key`` names the run's structure."""
     w, tokens, rows = WIDTH, (BATCH, TOKENS, WIDTH), (BATCH * TOKENS, WIDTH)
     full, half = rk.nn.ReversibleBlock, rk.nn.HalfCouplingBlock
     rate = 0.0 if random is False else 0.2
@@ -166,8 +171,8 @@ def make_case(kind, depth, device="cpu", random=None, exact=False):
         "half_context": (lambda: half(Conditioned(w)), tokens, {"half": True, **conditioned}),
     }
     block, shape, keywords = kinds[kind]
-    case = Case([block() for _ in range(depth)], shape, device=device, exact=exact, **keywords)
-    case.key = (kind, depth, device, random, exact)
+    case = Case([block() for _ in range(depth)], shape, device=device, exact=exact, budget=budget, **keywords)
+    case.key = (kind, depth, device, random, exact, budget)
     return case
 
 
@@ -279,9 +284,10 @@ def step(engine, case, seq, data, seed=0):
     compiled_calls = CountingAotEager.calls
     y1, y2 = forward(engine, case, seq, a1, a2, context)
     loss_of(y1, y2, w1, w2).backward()
-    if engine == "compiled" and not case.exact:  # a forward and a backward step per block (or per branch)
+    if engine == "compiled" and not case.exact:  # a forward and a backward step per rebuilt block (or per branch)
         compiled_calls = CountingAotEager.calls - compiled_calls
-        assert compiled_calls >= 2 * len(seq.blocks), f"{compiled_calls} compiled step calls: eager steps ran"
+        rebuilt = seq.memory_plan(x1, x2, **context).first_kept if seq.memory_budget else len(seq.blocks)
+        assert compiled_calls >= 2 * rebuilt, f"{compiled_calls} compiled step calls: eager steps ran"
     out = {"y1": y1.detach().clone(), "y2": y2.detach().clone(), "dx1": a1.grad, "dx2": a2.grad,
            "rng after": torch.cat([torch.rand(8), torch.rand(8, device=case.device).cpu()])}  # (CPU, device)
     out.update({f"grad {k}": v.grad for k, v in context.items() if v.requires_grad})
@@ -490,3 +496,57 @@ def test_inverse_and_reverse_return_the_inputs_and_plain_autograds_grads(engine,
         assert_close_rel(got, want, 1e-5, f"reverse {name}")
     for (name, p), q in zip(case.seq.named_parameters(), reference.parameters(), strict=True):
         assert_close_rel(p.grad, q.grad, 1e-5, f"reverse grad {name}")
+
+
+@pytest.fixture
+def fixed_block_times(monkeypatch):
+    """The memory plan's measured bytes with fixed times (a forward 1 ms, a selective recompute
+    0.2 ms, a checkpoint's 0.6 ms, no dispatch overhead), so each kind's plan is the same every run."""
+    measured = budget.activation_bytes
+
+    def measure(*args):
+        return [dataclasses.replace(c, forward_ms=1.0, recompute_ms=0.2, ops=0,
+                                    checkpoint_ms=None if c.checkpoint_ms is None else 0.6) for c in measured(*args)]
+
+    monkeypatch.setattr(budget, "activation_bytes", measure)
+
+
+def hook_grads(seq):
+    """{parameter name: [the grads its tensor hook saw]}, hooks registered on every parameter."""
+    fired = {name: [] for name, _ in seq.named_parameters()}
+    for name, p in seq.named_parameters():
+        p.register_hook(lambda g, name=name: fired[name].append(g.detach().clone()))
+    return fired
+
+
+@pytest.mark.parametrize("exact", EXACT)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS + ["dropout", "mha_dropout", "declared", "revvit_drop_path", "generic_bn",
+                                          "generic_context"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_memory_budget_keeps_every_invariant(engine, kind, device, exact, fixed_block_times):
+    # Half of plain autograd's bytes: a plan mixing rebuilt blocks (the engine's node) with blocks
+    # kept whole, selectively and, in a torch.compile trace, checkpointed. One step gives plain
+    # autograd's outputs and grads with the same seed (randomness replayed), leaves the global
+    # generator where plain autograd does, updates BatchNorm's statistics once and fires each
+    # parameter hook once with the full grad.
+    case = make_case(kind, 4, device, exact=exact, budget=0.5)
+    data = case.data()
+    plan = case.seq.memory_plan(*data[:2], **case.context)
+    traced = plan if plan.under_compile is None else plan.under_compile
+    assert len(set(plan.options)) > 1 and len(set(traced.options)) > 1, (plan.options, traced.options)
+    reference = copy.deepcopy(case.seq)
+    before = running_stats(case.seq)
+    fired = hook_grads(case.seq)
+    got = step(engine, case, case.seq, data, seed=1)
+    want = step("plain", case, reference, data, seed=1)
+    assert torch.equal(got.pop("rng after"), want.pop("rng after")), "the global generator moved elsewhere"
+    assert_same(got, want)
+    for name, grads in fired.items():
+        assert len(grads) == 1, f"{name}: the hook fired {len(grads)} times in one backward"
+        assert_close_rel(grads[0], want[f"grad {name}"], 1e-5, f"{name}: the grad its hook saw")
+    after, expected = running_stats(case.seq), running_stats(reference)
+    assert list(after) == list(expected)
+    for name in expected:
+        assert not torch.equal(expected[name], before[name]), name
+        assert_close_rel(after[name].double(), expected[name].double(), 1e-5, name)
