@@ -563,6 +563,12 @@ mutation("budget_selective_blocks_redraw", BUDGET,  # a selective block's recomp
          "            x1, x2 = run_selective(block, x1, x2, context, seq.preserve_rng_state)",
          "            x1, x2 = run_selective(block, x1, x2, context, False)",
          "tests/engine/test_conformance.py -k memory_budget")
+mutation("budget_measurement_hands_saved_tensors_back", BUDGET,  # each plan leaked its measured graph
+         "        alive.append(t)\n", "        alive.append(t)\n        return t\n",
+         T_BUDGET + " -k nothing_of_its_forward")
+mutation("budget_head_run_keyed_by_its_length", BUDGET,  # a replaced block: the old one kept running
+         "    if head is None or any(a is not b for a, b in zip(head.blocks, seq.blocks)):", "    if head is None:",
+         T_BUDGET + " -k replaced_or_inserted")
 mutation("budget_trace_no_warning_without_a_plan", BUDGET,
          ' and traced_plan(seq, x1, x2, context) is None:', ' and False:', T_BUDGET + " -k without_a_plan")
 mutation("reference_vjp_skips_g_path", "revkernels/reference.py", "            dy1 = dy1 + _grad_of(y1)\n",

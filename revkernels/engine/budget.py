@@ -361,12 +361,16 @@ def activation_bytes(blocks, x1, x2, context):
     skip = set(held)  # (`held` and, while a block runs, its FSDP-unsharded parameters' storages)
     devices = sorted({t.device.index for t in (x1, x2) if t.is_cuda})
     probe = _Probe(x1.device, skip)
-    costs, kept = [], {}
+    costs, kept, alive = [], {}, []
 
     def pack(t):
         if probe.at is None:  # (the first pass)
             _add_storage(kept, t, skip)
-        return t
+        # The graph keeps nothing (no backward runs on it) and `alive` the tensor, until the
+        # block's next pass: returning `t` made an op saving its own output (tanh, relu) hold its
+        # Python object, whose grad_fn is that op's node, a cycle through C++ that gc cannot
+        # collect (each measurement's graph leaked); a detach would be an op the probe times
+        alive.append(t)
 
     a1, a2 = (t.detach().requires_grad_(t.is_floating_point()) for t in (x1, x2))
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
@@ -389,6 +393,7 @@ def activation_bytes(blocks, x1, x2, context):
                 if timing:
                     probe.again()
                     del b1, b2
+                    alive.clear()
                 b1, b2 = enter(module_units(block), probed, a1, a2)  # (an FSDP block: all-gathered for it)
             if i:
                 offered = _selective_offered(block)
@@ -398,6 +403,7 @@ def activation_bytes(blocks, x1, x2, context):
                     needed_ms(probe.calls, kept, inputs.keys()) if offered else None))
                 a1, a2 = b1.detach().requires_grad_(), b2.detach().requires_grad_()
             del b1, b2
+            alive.clear()
     return costs
 
 
@@ -502,7 +508,7 @@ def _head_run(seq, k):
     with a budget."""
     heads = _budget_state(seq)[1]
     head = heads.get(k)
-    if head is None:
+    if head is None or any(a is not b for a, b in zip(head.blocks, seq.blocks)):  # (a block replaced since)
         head = heads[k] = seq._run_of(seq.blocks[:k])
     head.engine, head.preserve_rng_state = seq.engine, seq.preserve_rng_state
     head.compile_options, head.exact_bits = seq.compile_options, seq.exact_bits

@@ -7,6 +7,7 @@ The plans here come from the measured bytes with fixed times (`fixed_times`), so
 same on every machine; `test_the_measurement_times_and_counts_each_block` checks the real timing."""
 import copy
 import dataclasses
+import gc
 import pickle
 
 import pytest
@@ -611,3 +612,51 @@ def test_a_kept_blocks_own_forward_hooks_fire_once(engine):
     seq.memory_plan(x, x)
     seq(x, x)[0].sum().backward()
     assert calls == [1]
+
+
+def _tanh_block(width=24):
+    def branch():
+        return nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.Tanh(), nn.Linear(2 * width, width))
+    return rk.nn.ReversibleBlock(branch(), branch())
+
+
+def _graph_tensors():
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+
+
+def test_a_measurement_leaves_nothing_of_its_forward_alive():
+    # Tanh saves its own output: a saved-tensor hook handing it back to autograd made a cycle gc
+    # cannot collect, and every plan (one per new input signature) leaked its measured graph and
+    # activations, each holding a reference to every parameter
+    torch.manual_seed(0)
+    seq = perturb_parameters(rk.nn.ReversibleSequential(*[_tanh_block() for _ in range(3)], memory_budget=0.5))
+    before = _graph_tensors()
+    for rows in (5, 6):
+        x = torch.randn(rows, 24)
+        seq.memory_plan(x, x)
+    assert _graph_tensors() == before
+    for p in seq.parameters():  # (no reference left: module conversion by swapping, as torch.__future__ offers, works)
+        torch.utils.swap_tensors(p, nn.Parameter(p.detach().clone()))
+
+
+@pytest.mark.parametrize("change", ["replace", "insert"])
+def test_a_block_replaced_or_inserted_after_a_step_is_run(change):
+    # (the rebuilt prefix's run was cached by its length: it kept running the old blocks)
+    torch.manual_seed(0)
+    seq = perturb_parameters(rk.nn.ReversibleSequential(*[_tanh_block() for _ in range(4)], memory_budget=0.5))
+    data = [torch.randn(5, 24) for _ in range(4)]
+    assert 0 < seq.memory_plan(*data[:2]).first_kept < 4
+    run_grads(seq, seq, *data)  # (one step: the rebuilt prefix's run is made)
+    new = perturb_parameters(_tanh_block())
+    if change == "replace":
+        seq.blocks[0] = new
+    else:
+        seq.blocks.insert(0, new)
+    assert 0 < seq.memory_plan(*data[:2]).first_kept
+    ref = rk.nn.ReversibleSequential(*copy.deepcopy(list(seq.blocks)), engine="autograd")
+    got = run_grads(seq, seq, *data)
+    expected = run_grads(ref, ref, *data)
+    assert len(got) == len(expected) == 4 + len(list(seq.parameters()))
+    for a, e in zip(got, expected, strict=True):
+        assert_close_rel(a, e)
