@@ -569,6 +569,9 @@ mutation("budget_measurement_hands_saved_tensors_back", BUDGET,  # each plan lea
 mutation("budget_head_run_keyed_by_its_length", BUDGET,  # a replaced block: the old one kept running
          "    if head is None or any(a is not b for a, b in zip(head.blocks, seq.blocks)):", "    if head is None:",
          T_BUDGET + " -k replaced_or_inserted")
+mutation("compiled_forward_detaches_the_context", COMPILED,  # a grad-requiring mask got a grad, no error
+         "    x1, x2 = x1.detach(), x2.detach()\n", "    x1, x2, context = x1.detach(), x2.detach(), _detached(context)\n",
+         "tests/nn/test_revtransformer.py -k requires_grad_raises")
 mutation("budget_trace_no_warning_without_a_plan", BUDGET,
          ' and traced_plan(seq, x1, x2, context) is None:', ' and False:', T_BUDGET + " -k without_a_plan")
 mutation("reference_vjp_skips_g_path", "revkernels/reference.py", "            dy1 = dy1 + _grad_of(y1)\n",

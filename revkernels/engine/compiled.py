@@ -534,8 +534,10 @@ def forward_blocks(blocks, x1, x2, steps, preserve_rng_state=True, context=NO_CO
     """Runs `blocks` forward without autograd through the pure steps (`PureSteps`); returns
     ``(y1, y2, states)`` with each block's `BlockState` (None: nothing to replay). `steps`: a
     `CompiledSteps`, or None for eager pure steps. `context`: the keywords of every F and G."""
-    # requires_grad of the run's inputs and context must not split signatures
-    x1, x2, context = x1.detach(), x2.detach(), _detached(context)
+    # requires_grad of the run's inputs must not split signatures; a context tensor's does (one
+    # that requires grad is differentiated, and a block that takes none, such as an attention
+    # mask, must see it: its eager forward raises, as with the other engines)
+    x1, x2 = x1.detach(), x2.detach()
     if torch.is_inference_mode_enabled():
         # Dynamo guards on a tensor's dispatch keys, and under inference mode every block after the
         # first gets an inference tensor: the first gets one too, or it is a signature of its own

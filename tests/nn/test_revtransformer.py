@@ -1,5 +1,7 @@
 """RevTransformerBlock: causal and masked attention, residual dropout; fused steps against ordinary
 autograd through the same modules called with the same context."""
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -195,3 +197,20 @@ def test_cuda_autocast_with_a_padding_mask(causal):
         ours = run_grads(lambda a, b: seq(a, b, attn_mask=mask), seq, *data, seed=0)
     for i, (o, s, e) in enumerate(zip(ours, same_dtype, exact)):
         assert rel_err(o, e) <= 2 * rel_err(s, e) + 1e-6, f"output/grad {i}"
+
+
+@pytest.mark.parametrize("engine", ["sequential", "pareprop", "compiled", "autograd"])
+def test_a_mask_that_requires_grad_raises_on_every_engine(engine):
+    # (the compiled engine's forward detached the context: its pure steps took the mask as one
+    # more tensor to differentiate and gave it a grad)
+    seq = _stack(2)
+    seq.engine, seq.compile_options = engine, {"backend": "aot_eager"}
+    x = torch.randn(BATCH, TOKENS, DIM, requires_grad=True)
+    mask = torch.zeros(BATCH, TOKENS, requires_grad=True)
+    with warnings.catch_warnings(record=True) as warned, pytest.raises(ValueError, match="attn_mask must not require grad"):
+        warnings.simplefilter("always")
+        seq(x, x, attn_mask=mask)
+    assert not [str(w.message) for w in warned if "revkernels" in str(w.message)]  # (no step fell back)
+    assert mask.grad is None
+    y1, y2 = seq(x, x, attn_mask=mask.detach())  # (and the run goes on)
+    assert y1.shape == x.shape
