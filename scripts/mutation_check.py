@@ -572,6 +572,9 @@ mutation("budget_head_run_keyed_by_its_length", BUDGET,  # a replaced block: the
 mutation("compiled_forward_detaches_the_context", COMPILED,  # a grad-requiring mask got a grad, no error
          "    x1, x2 = x1.detach(), x2.detach()\n", "    x1, x2, context = x1.detach(), x2.detach(), _detached(context)\n",
          "tests/nn/test_revtransformer.py -k requires_grad_raises")
+mutation("recompute_calls_modules_on_the_leaf", "revkernels/engine/structure.py",  # FlopCounterMode: backward raised
+         "    return leaf.view_as(leaf) if module_hooks._global_forward_pre_hooks else leaf", "    return leaf",
+         "tests/test_interop.py -k flop_counter")
 mutation("budget_trace_no_warning_without_a_plan", BUDGET,
          ' and traced_plan(seq, x1, x2, context) is None:', ' and False:', T_BUDGET + " -k without_a_plan")
 mutation("reference_vjp_skips_g_path", "revkernels/reference.py", "            dy1 = dy1 + _grad_of(y1)\n",

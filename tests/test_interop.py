@@ -291,3 +291,43 @@ def test_grad_scaler_fp16_cuda(engine):
     got = _amp_grads(seq, *data, "cuda", torch.float16, scaler)
     for i, (g, e) in enumerate(zip(got, expected)):
         assert_close_rel(g, e, 1e-3, f"grad {i}")
+
+
+class RecomputedStem(nn.Module):
+    """stem kept by `run_recomputed` (as RevNet's stems and downsampling are) -> reversible run."""
+
+    def __init__(self, run):
+        super().__init__()
+        self.stem, self.run = nn.Sequential(nn.Linear(8, 8), nn.GELU()), run
+
+    def forward(self, x1, x2, plain=False):
+        from revkernels.engine.recompute import run_recomputed
+
+        h = self.stem(x1) if plain else run_recomputed(self.stem, x1)
+        return plain_forward(self.run, h, x2) if plain else self.run(h, x2)
+
+
+@pytest.mark.parametrize("kind", ["generic", "revvit"])
+@pytest.mark.parametrize("engine", ["sequential", "compiled", "torch.compile"])
+def test_a_step_under_the_flop_counter_gives_plain_autograds_grads(engine, kind):
+    # FlopCounterMode's module tracker hangs multi-grad hooks on module inputs, which
+    # torch.autograd.grad refused on the recompute's leaf inputs: every backward raised
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    run = make_seq(2, 8) if kind == "generic" else ReversibleSequential(RevViTBlock(8, 2), RevViTBlock(8, 2))
+    model = perturb_parameters(RecomputedStem(run))
+    run.engine = "sequential" if engine == "torch.compile" else engine
+    run.compile_options = {"backend": "aot_eager"}
+    call = torch.compile(model, backend="aot_eager") if engine == "torch.compile" else model
+    x1, x2, w1, w2 = _data((2, 3, 8))
+    results = []
+    for plain in (False, True):
+        a1, a2 = _leaves(x1, x2)
+        model.zero_grad()
+        with FlopCounterMode(display=False) as counter:
+            loss_of(*(model(a1, a2, plain=True) if plain else call(a1, a2)), w1, w2).backward()
+        assert counter.get_total_flops() > 0
+        results.append([a1.grad, a2.grad] + [p.grad.clone() for p in model.parameters()])
+    for got, want in zip(*results, strict=True):
+        assert_close_rel(got, want)

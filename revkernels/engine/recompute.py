@@ -17,7 +17,7 @@ from torch.func import functional_call
 from revkernels.engine.fsdp import enter, module_units
 from revkernels.engine.state import (AutocastState, RngState, check_param_versions, cuda_devices_of, differentiated_once,
                                      in_mode, maybe_replay, module_modes, param_versions)
-from revkernels.engine.structure import recompute_context
+from revkernels.engine.structure import module_input, recompute_context
 
 
 class _Recomputed(torch.autograd.Function):
@@ -45,7 +45,7 @@ class _Recomputed(torch.autograd.Function):
         aliases = {name: p.detach().requires_grad_() for name, p in zip(ctx.names, ctx.params)}
         with torch.enable_grad(), in_mode(ctx.module, ctx.modes), recompute_context(ctx.module), \
                 maybe_replay(ctx.rng), ctx.autocast_state.enter():
-            out = functional_call(ctx.module, aliases, tuple(inputs))
+            out = functional_call(ctx.module, aliases, tuple(module_input(t) if t.requires_grad else t for t in inputs))
         outs = out if isinstance(out, tuple) else (out,)
         wrt = [t for t in inputs if t.requires_grad] + list(aliases.values())
         pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]

@@ -304,6 +304,14 @@ def submodule_hooked(module, backward=False):
                       if backward else (sub._forward_hooks, sub._forward_pre_hooks))]))
 
 
+def module_input(leaf):
+    """What a recompute calls a module on, `leaf` being the tensor it differentiates with respect to
+    (``torch.autograd.grad``): a view of it while a global forward pre-hook is registered. Such a
+    hook (torch's ``ModuleTracker``, which ``FlopCounterMode`` runs) hangs a multi-grad hook on the
+    module's inputs, which ``torch.autograd.grad`` refuses on a leaf."""
+    return leaf.view_as(leaf) if module_hooks._global_forward_pre_hooks else leaf
+
+
 def running_stats_layers(module):
     """The layers under `module` that keep running statistics (BatchNorm and InstanceNorm, both
     `_NormBase`; cached; `module` itself is not part of its own cache entry, which must not keep

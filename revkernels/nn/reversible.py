@@ -31,8 +31,8 @@ from revkernels.engine.state import (NO_CONTEXT, BlockState, RngState, call_with
                                      check_context_grads, cuda_devices_of, grad_names, grad_tensors, maybe_replay,
                                      records_graph, with_grad_leaves)
 from revkernels.engine.structure import (buffers_as_before, buffers_kept, cached, check_members, check_residual,
-                                         detached_aliases, draws_random, param_slots, recompute_context,
-                                         unique_grad_params)
+                                         detached_aliases, draws_random, module_input, param_slots,
+                                         recompute_context, unique_grad_params)
 from revkernels.ops.coupling import coupling_add, coupling_sub
 
 _log = logging.getLogger("revkernels")
@@ -155,10 +155,10 @@ class ReversibleBlock(nn.Module):
         y1_leaf = y1.detach().requires_grad_()  # the local graphs must not reach back into the caller's
         with torch.enable_grad(), recompute_context(self):
             with maybe_replay(None if state is None else state.rng_g):
-                g_out, g_aliases = _call_with_aliases(self.g, y1_leaf, context)
+                g_out, g_aliases = _call_with_aliases(self.g, module_input(y1_leaf), context)
             x2 = coupling_sub(y2.detach(), g_out.detach()).requires_grad_()
             with maybe_replay(None if state is None else state.rng_f):
-                f_out, f_aliases = _call_with_aliases(self.f, x2, context)
+                f_out, f_aliases = _call_with_aliases(self.f, module_input(x2), context)
             x1 = coupling_sub(y1_leaf.detach(), f_out.detach())
         return BlockRecompute(x1=x1, x2=x2, y1=y1_leaf, f_out=f_out, g_out=g_out,
                               f_aliases=f_aliases, g_aliases=g_aliases)
