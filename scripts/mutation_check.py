@@ -575,6 +575,9 @@ mutation("compiled_forward_detaches_the_context", COMPILED,  # a grad-requiring 
 mutation("recompute_calls_modules_on_the_leaf", "revkernels/engine/structure.py",  # FlopCounterMode: backward raised
          "    return leaf.view_as(leaf) if module_hooks._global_forward_pre_hooks else leaf", "    return leaf",
          "tests/test_interop.py -k flop_counter")
+mutation("randomness_check_under_fake_tensor_mode", "revkernels/engine/state.py",  # torch.equal on fake states raised
+         " or \\\n            torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:", ":",
+         "tests/engine/test_state.py -k fake_tensor")
 mutation("budget_trace_no_warning_without_a_plan", BUDGET,
          ' and traced_plan(seq, x1, x2, context) is None:', ' and False:', T_BUDGET + " -k without_a_plan")
 mutation("reference_vjp_skips_g_path", "revkernels/reference.py", "            dy1 = dy1 + _grad_of(y1)\n",

@@ -232,9 +232,11 @@ def _branch_names(block):
 
 def randomness_before(block, x1, x2):
     """The generator states before the first forward of `block` in each mode (training or eval),
-    for `check_randomness_after`; None once that mode was checked (or while torch.compile traces)."""
+    for `check_randomness_after`; None once that mode was checked, while torch.compile traces and
+    under a FakeTensorMode (whose generator states have no values to compare)."""
     checked = _RANDOMNESS_CHECKED.get(block)
-    if (checked is not None and block.training in checked) or torch.compiler.is_compiling():
+    if (checked is not None and block.training in checked) or torch.compiler.is_compiling() or \
+            torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
         return None
     return RngState(cuda_devices_of(x1, x2))
 

@@ -85,3 +85,24 @@ def test_each_block_is_checked_once_per_mode(monkeypatch):
     seq(x, x)
     seq(x, x)
     assert len(reads) == 4  # and the first eval forward
+
+
+@pytest.mark.parametrize("engine", ["sequential", "pareprop", "compiled"])
+def test_a_step_under_fake_tensor_mode_runs_and_the_check_waits_for_real_data(engine):
+    # (the check compared generator states with torch.equal: a data-dependent op FakeTensorMode
+    # refuses, so memory-saving runs under it raised where engine="autograd" ran)
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    torch.manual_seed(0)
+    seq = rk.nn.ReversibleSequential(rk.nn.ReversibleBlock(_Noise(8), nn.Linear(8, 8)), engine=engine)
+    seq.compile_options = {"backend": "aot_eager"}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.randn(4, 8, requires_grad=True)
+        y1, y2 = seq(x, x)
+        (y1.square().sum() + y2.sum()).backward()
+    assert isinstance(y1, FakeTensor) and y1.shape == y2.shape == (4, 8) and x.grad.shape == (4, 8)
+    seq.zero_grad(set_to_none=True)
+    with warnings.catch_warnings(record=True) as caught:  # (the first real forward is checked)
+        warnings.simplefilter("always")
+        seq(*[torch.randn(4, 8, requires_grad=True)] * 2)
+    assert len([w for w in caught if "drew random numbers" in str(w.message)]) == 1
