@@ -578,6 +578,9 @@ mutation("recompute_calls_modules_on_the_leaf", "revkernels/engine/structure.py"
 mutation("randomness_check_under_fake_tensor_mode", "revkernels/engine/state.py",  # torch.equal on fake states raised
          " or \\\n            torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:", ":",
          "tests/engine/test_state.py -k fake_tensor")
+mutation("reverse_keeps_the_grads_dtypes", "revkernels/nn/reversible.py",  # dx1, dx2 came back in mixed dtypes
+         "            dy1, dy2 = dy1.to(y1.dtype), dy2.to(y2.dtype)\n", "            pass\n",
+         "tests/nn/test_reversible.py -k casts_each")
 mutation("budget_trace_no_warning_without_a_plan", BUDGET,
          ' and traced_plan(seq, x1, x2, context) is None:', ' and False:', T_BUDGET + " -k without_a_plan")
 mutation("reference_vjp_skips_g_path", "revkernels/reference.py", "            dy1 = dy1 + _grad_of(y1)\n",

@@ -551,6 +551,8 @@ class ReversibleSequential(nn.Module):
                 raise ValueError(f"revkernels: {name} must be on {out.device}, got {grad.device}")
             if not grad.is_floating_point():
                 raise TypeError(f"revkernels: {name} must be a floating-point tensor, got {grad.dtype}")
+        if not self.exact:  # (as autograd casts an output's grad to the output's dtype; exact: `_walked_blocks`)
+            dy1, dy2 = dy1.to(y1.dtype), dy2.to(y2.dtype)
         params = unique_grad_params(self.blocks)
         names = grad_names(context)
         context, leaves = with_grad_leaves(context, names)

@@ -429,6 +429,25 @@ def test_reverse_with_gradients_of_the_wrong_shape(which):
         seq.reverse(y1, y2, None if which == "dy1" else good, None if which == "dy2" else good)
 
 
+def test_reverse_casts_each_output_grad_to_its_outputs_dtype():
+    # (as autograd does; reverse returned dx1 and dx2 in the grads' mixed dtypes)
+    seq = make_seq(2, WIDTH)
+    x1, x2 = _streams(requires_grad=True)
+    dy1, dy2 = torch.randn(5, WIDTH, dtype=torch.float64), torch.randn(5, WIDTH, dtype=torch.bfloat16)
+    y1, y2 = plain_forward(seq, x1, x2)
+    torch.autograd.backward((y1, y2), (dy1, dy2))
+    expected = [x1.grad, x2.grad, *grads_of(seq.parameters())]
+    seq.zero_grad(set_to_none=True)
+    _, _, dx1, dx2 = seq.reverse(y1.detach(), y2.detach(), dy1, dy2)
+    assert dx1.dtype == dx2.dtype == torch.float32
+    for i, (got, want) in enumerate(zip([dx1, dx2, *grads_of(seq.parameters())], expected, strict=True)):
+        assert_close_rel(got, want, 1e-5, f"grad {i}")
+    exact = rk.nn.ReversibleSequential(*make_seq(1, WIDTH).blocks, exact=True)  # (streams int64: no dtype to cast to)
+    f1, f2 = (torch.randint(-2 ** 20, 2 ** 20, (5, WIDTH)) for _ in range(2))
+    with pytest.raises(TypeError, match="dy2 must have dy1's dtype"):
+        exact.reverse(f1, f2, dy1, dy2)
+
+
 @pytest.mark.parametrize("depth", [1, 2, 5])
 def test_half_coupling_blocks_match_plain_autograd(depth):
     fs = [residual_fn(WIDTH, dropout=0.2) for _ in range(depth)]
