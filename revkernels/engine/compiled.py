@@ -543,7 +543,8 @@ def forward_blocks(blocks, x1, x2, steps, preserve_rng_state=True, context=NO_CO
         # first gets an inference tensor: the first gets one too, or it is a signature of its own
         x1, x2 = _inference_tensor(x1), _inference_tensor(x2)
         context = {k: _inference_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in context.items()}
-    pure = [PureSteps(block, i, steps) for i, block in enumerate(blocks)]
+    failed = _failed(steps)
+    pure = [PureSteps(block, i, steps, failed) for i, block in enumerate(blocks)]
     y1, y2, states, _ = walk_forward(blocks, x1, x2, preserve_rng_state, context, pure)
     return y1, y2, states
 
@@ -554,15 +555,16 @@ class PureSteps:
     whose steps failed, `_eager_call`) or fail now (`StepFailed`: the block draws from the state
     before the failed step, as eager does, and its recompute replays these)."""
 
-    __slots__ = ("block", "position", "steps")
+    __slots__ = ("block", "position", "steps", "failed")
 
-    def __init__(self, block, position, steps):
-        self.block, self.position, self.steps = block, position, steps
+    def __init__(self, block, position, steps, failed):
+        self.block, self.position, self.steps, self.failed = block, position, steps, failed
 
     def forward_with_state(self, x1, x2, preserve_rng_state=True, context=NO_CONTEXT):
-        block, position, steps = self.block, self.position, self.steps
+        block, position, steps, failed = self.block, self.position, self.steps, self.failed
         layout = _layout(block)
-        if not (_eager_block(block, layout) or layout.key in _failed(steps) or _eager_call()):
+        # (a structure key is a deep tuple, hashed at each lookup: none while nothing failed)
+        if not (_eager_block(block, layout) or (failed and layout.key in failed) or _eager_call()):
             try:
                 if preserve_rng_state and block.draws_random():
                     return _random_forward(block, position, layout, x1, x2, steps, context)
@@ -671,10 +673,10 @@ class PureBackward:
     """`reverse_blocks`' step through the pure steps (`CompiledSteps`, or eager ones for None), or
     the blocks' own (`eager_backward`) where the pure steps do not take the block, or fail."""
 
-    __slots__ = ("steps", "leaves", "grad_context", "plain_context")
+    __slots__ = ("steps", "failed", "leaves", "grad_context", "plain_context")
 
     def __init__(self, steps, context):
-        self.steps = steps
+        self.steps, self.failed = steps, _failed(steps)
         # The steps take detached tensors; which context tensors they differentiate is the dict they are in.
         self.leaves = {k: context[k] for k in grad_names(context)}
         self.grad_context = {k: v.detach() for k, v in self.leaves.items()}
@@ -687,15 +689,41 @@ class PureBackward:
         # place of a tensor it did not get as an input)
         # A grad the loss did not give (None; see sequential.block_grads): the eager steps, for
         # the run's last block only (a None would be a signature of its own)
-        if not (_eager_block(block, layout) or getattr(state, "buffers", ()) or layout.key in _failed(self.steps)
+        # (a structure key is a deep tuple, hashed at each lookup: none while nothing failed)
+        if (_eager_block(block, layout) or getattr(state, "buffers", ()) or (self.failed and layout.key in self.failed)
                 or dy1 is None or dy2 is None or _eager_call()):
-            try:
-                return self._pure(block, position, layout, state, y1, y2, dy1, dy2, autocast)
-            except StepFailed as failure:
-                out = self._eager(block, position, state, y1, y2, dy1, dy2, autocast, context)
-                failure.fall_back()
-                return out
-        return self._eager(block, position, state, y1, y2, dy1, dy2, autocast, context)
+            return self._eager(block, position, state, y1, y2, dy1, dy2, autocast, context)
+        steps, plain_context, grad_context = self.steps, self.plain_context, self.grad_context
+        f_names, g_names, grad_params = layout.grad_plan()
+        try:
+            with autocast(), recompute_context(block):
+                if state is None:
+                    x1, x2, dx1, dx2, f_grads, g_grads, context_grads = _step(
+                        steps, "block_backward", block, position, block, layout.kind, f_names, g_names,
+                        y1, y2, dy1, dy2, plain_context, grad_context)
+                elif layout.kind == "half":
+                    with maybe_replay(state.rng_f):
+                        x1, dx2, f_grads, context_grads = _step(
+                            steps, "branch_backward", block, position, block.f, f_names, y1, y2, dy1, dy2,
+                            plain_context, grad_context)
+                    x2, dx1, g_grads = y1, dy2, ()
+                else:
+                    with maybe_replay(state.rng_g):
+                        x2, dx1, g_grads, g_context = _step(
+                            steps, "branch_backward", block, position, block.g, g_names, y1, y2, dy1, dy2,
+                            plain_context, grad_context)
+                    with maybe_replay(state.rng_f):
+                        x1, dx2, f_grads, f_context = _step(
+                            steps, "branch_backward", block, position, block.f, f_names, x2, y1, dy2, dx1,
+                            plain_context, grad_context)
+                    context_grads = {k: f_context[k] + g_context[k] for k in grad_context}
+        except StepFailed as failure:
+            out = self._eager(block, position, state, y1, y2, dy1, dy2, autocast, context)
+            failure.fall_back()
+            return out
+        grads = list(zip(grad_params, (*f_grads, *g_grads)))
+        grads += [(self.leaves[k], grad) for k, grad in context_grads.items()]
+        return x1, x2, dx1, dx2, grads
 
     @staticmethod
     def _eager(block, position, state, y1, y2, dy1, dy2, autocast, context):
@@ -703,34 +731,6 @@ class PureBackward:
         with autograd_recording(), torch.enable_grad():
             x1, x2, dx1, dx2, grads = eager_backward(position, block, state, y1, y2, dy1, dy2, autocast, context)
             return x1.detach(), x2, dx1, dx2, list(grads)
-
-    def _pure(self, block, position, layout, state, y1, y2, dy1, dy2, autocast):
-        steps, plain_context, grad_context = self.steps, self.plain_context, self.grad_context
-        f_names, g_names, grad_params = layout.grad_plan()
-        with autocast(), recompute_context(block):
-            if state is None:
-                x1, x2, dx1, dx2, f_grads, g_grads, context_grads = _step(
-                    steps, "block_backward", block, position, block, layout.kind, f_names, g_names,
-                    y1, y2, dy1, dy2, plain_context, grad_context)
-            elif layout.kind == "half":
-                with maybe_replay(state.rng_f):
-                    x1, dx2, f_grads, context_grads = _step(
-                        steps, "branch_backward", block, position, block.f, f_names, y1, y2, dy1, dy2,
-                        plain_context, grad_context)
-                x2, dx1, g_grads = y1, dy2, ()
-            else:
-                with maybe_replay(state.rng_g):
-                    x2, dx1, g_grads, g_context = _step(
-                        steps, "branch_backward", block, position, block.g, g_names, y1, y2, dy1, dy2,
-                        plain_context, grad_context)
-                with maybe_replay(state.rng_f):
-                    x1, dx2, f_grads, f_context = _step(
-                        steps, "branch_backward", block, position, block.f, f_names, x2, y1, dy2, dx1,
-                        plain_context, grad_context)
-                context_grads = {k: f_context[k] + g_context[k] for k in grad_context}
-        grads = list(zip(grad_params, (*f_grads, *g_grads)))
-        grads += [(self.leaves[k], grad) for k, grad in context_grads.items()]
-        return x1, x2, dx1, dx2, grads
 
 
 # ---- the engine ----

@@ -55,10 +55,11 @@ def reverse_blocks(blocks, states, y1, y2, dy1, dy2, params, autocast_state=None
     errors = [None] * len(blocks)
     for i in reversed(range(len(blocks))):
         block = blocks[i]
-        # (no forward record, `seq.reverse`: the recompute leaves the buffers as it found them)
-        with buffers_kept(block) if states is None else contextlib.nullcontext():
-            y1, y2, dy1, dy2, grads = step(i, block, None if states is None else states[i], y1, y2, dy1, dy2,
-                                           autocast, context)
+        if states is None:  # (no forward record, `seq.reverse`: the recompute leaves the buffers as it found them)
+            with buffers_kept(block):
+                y1, y2, dy1, dy2, grads = step(i, block, None, y1, y2, dy1, dy2, autocast, context)
+        else:
+            y1, y2, dy1, dy2, grads = step(i, block, states[i], y1, y2, dy1, dy2, autocast, context)
         if monitor is not None:
             errors[i] = monitor[0].error(monitor[1][i], y1, y2)
         add_param_grads(param_grads, index, grads)
@@ -99,7 +100,12 @@ def forward_step(block, x1, x2, preserve_rng_state, context=NO_CONTEXT, steps=No
     its run, for warnings."""
     record = record_buffers(block)
     before = randomness_before(block, x1, x2) if preserve_rng_state else None
-    out = _uncached_forward_with_state(block, block if steps is None else steps, x1, x2, preserve_rng_state, context)
+    run = (block if steps is None else steps).forward_with_state
+    if parametrize._cache_enabled:
+        with parametrize_cache_off(block):
+            out = call_with_context(run, x1, x2, preserve_rng_state, context=context)
+    else:  # (call_with_context's call, written out: the step's hot path)
+        out = run(x1, x2, preserve_rng_state, context=context) if context else run(x1, x2, preserve_rng_state)
     if before is not None:
         check_randomness_after(block, before)
     if record is None:
@@ -107,13 +113,6 @@ def forward_step(block, x1, x2, preserve_rng_state, context=NO_CONTEXT, steps=No
     x1, x2, state = out
     name = type(block).__name__
     return x1, x2, with_buffers(state, record.changed(lambda: name if position is None else f"blocks[{position}] ({name})"))
-
-
-def _uncached_forward_with_state(block, steps, x1, x2, preserve_rng_state, context):
-    if parametrize._cache_enabled:
-        with parametrize_cache_off(block):
-            return call_with_context(steps.forward_with_state, x1, x2, preserve_rng_state, context=context)
-    return call_with_context(steps.forward_with_state, x1, x2, preserve_rng_state, context=context)
 
 
 def with_buffers(state, changed):
