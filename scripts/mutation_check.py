@@ -201,7 +201,7 @@ mutation("cpp_batch_norm_channels_last_stride", "csrc/ops/batch_norm_cpu.cpp",
 mutation("structure_cache_never_rebuilt", STRUCTURE,
          "if entry is None or entry[0] != _version:", "if entry is None:", "tests/engine/test_structure.py")
 mutation("declared_randomness_ignored", STRUCTURE,
-         "            if declared() if callable(declared) else declared:", "            if False:",
+         "        return bool(declared() if callable(declared) else declared)", "        return False",
          "tests/engine/test_structure.py")
 mutation("op_scalar_guard_dropped", "revkernels/ops/_library.py",
          "        check_scalars(*args, **kwargs)\n", "", "tests/ops/test_batch_norm.py -k scalars")
@@ -581,6 +581,12 @@ mutation("randomness_check_under_fake_tensor_mode", "revkernels/engine/state.py"
 mutation("reverse_keeps_the_grads_dtypes", "revkernels/nn/reversible.py",  # dx1, dx2 came back in mixed dtypes
          "            dy1, dy2 = dy1.to(y1.dtype), dy2.to(y2.dtype)\n", "            pass\n",
          "tests/nn/test_reversible.py -k casts_each")
+mutation("petra_stage_itself_random_not_seen", PART,  # a dropout stage's backward drew a new mask
+         "        stochastic = draws_random(self.module, itself=True)", "        stochastic = draws_random(self.module)",
+         "tests/petra/test_stage_randomness.py -k itself")
+mutation("bench_takes_any_device", "revkernels/bench/report.py",  # --device meta wrote meta timings as results
+         '    if parsed.type not in ("cpu", "cuda"):', "    if False:",
+         "tests/benchmarks/test_bench_suite.py -k refuses_a_bad_device")
 mutation("budget_trace_no_warning_without_a_plan", BUDGET,
          ' and traced_plan(seq, x1, x2, context) is None:', ' and False:', T_BUDGET + " -k without_a_plan")
 mutation("reference_vjp_skips_g_path", "revkernels/reference.py", "            dy1 = dy1 + _grad_of(y1)\n",

@@ -332,23 +332,29 @@ def stochastic_modules(module):
     return cached(module, "stochastic", _stochastic_modules)
 
 
-def draws_random(module):
-    """Whether a submodule of `module` can draw random numbers in its current mode: a dropout layer with p > 0 in
-    training, an `nn.MultiheadAttention` with dropout > 0 in
-    training, or a module whose ``draws_random`` attribute (a bool, or a method taking no
-    argument) says so. Randomness drawn any other way (``F.dropout`` with a float attribute in a
-    custom module) is not visible here: such a module must declare ``draws_random``."""
+def draws_random(module, itself=False):
+    """Whether a submodule of `module` (with `itself`, `module` too: a PETRA stage that is a
+    dropout layer) can draw random numbers in its current mode: a dropout layer with p > 0 in
+    training, an `nn.MultiheadAttention` with dropout > 0 in training, or a module whose
+    ``draws_random`` attribute (a bool, or a method taking no argument) says so. Randomness drawn
+    any other way (``F.dropout`` with a float attribute in a custom module) is not visible here:
+    such a module must declare ``draws_random``."""
+    if itself and (isinstance(module, (_DropoutNd, nn.MultiheadAttention)) or hasattr(module, "draws_random")) \
+            and _module_draws(module):
+        return True
     for m in stochastic_modules(module):
-        declared = getattr(m, "draws_random", None)
-        if declared is not None:
-            if declared() if callable(declared) else declared:
-                return True
-        elif isinstance(m, nn.MultiheadAttention):
-            if m.training and m.dropout > 0:
-                return True
-        elif m.training and m.p > 0:
+        if _module_draws(m):
             return True
     return False
+
+
+def _module_draws(m):
+    declared = getattr(m, "draws_random", None)
+    if declared is not None:
+        return bool(declared() if callable(declared) else declared)
+    if isinstance(m, nn.MultiheadAttention):
+        return m.training and m.dropout > 0
+    return m.training and m.p > 0
 
 
 def spectral_norms(module):

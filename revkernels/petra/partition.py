@@ -301,7 +301,7 @@ class Stage:
             raise RuntimeError("revkernels: the last stage runs forward and backward together: call forward_backward")
         x = tuple(t.detach() for t in _as_tuple(x))
         self._check_input(x)
-        stochastic = draws_random(self.module)
+        stochastic = draws_random(self.module, itself=True)
         rebuilds = self.rebuilds
         if self.delayed:
             self._fifo.append((batch, x, tuple(p.detach().clone() for p in self.parameters())))
@@ -454,7 +454,7 @@ class Stage:
         x = tuple(t.detach() for t in _as_tuple(x))
         self._check_input(x)
         leaves = self._leaves(x)
-        stream = self._stream.drawing(cuda_devices_of(*x)) if draws_random(self.module) else contextlib.nullcontext()
+        stream = self._stream.drawing(cuda_devices_of(*x)) if draws_random(self.module, itself=True) else contextlib.nullcontext()
         with torch.enable_grad(), stream:
             logits = self.module(*leaves, **context)
             if not isinstance(logits, torch.Tensor):

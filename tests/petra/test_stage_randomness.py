@@ -169,3 +169,25 @@ def test_a_checkpoint_keeps_the_draws_of_the_batches_in_flight():
         for mine, other in zip(resumed.stages, whole.stages):
             for (name, a), b in zip(mine.module.state_dict().items(), other.module.state_dict().values()):
                 assert torch.equal(a, b), f"stage {mine.index} {name}"
+
+
+class _Drop(nn.Module):
+    """Dropout through F.dropout, declared on the module itself (as docs/engines.md asks)."""
+
+    draws_random = True
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(x, 0.5, self.training)
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Dropout(0.5), _Drop], ids=["nn.Dropout", "declared"])
+def test_a_stage_that_is_itself_a_random_layer_replays_its_draws(make):
+    # (the stage's own module was not looked at, only its submodules: its backward drew a new mask)
+    torch.manual_seed(0)
+    stage = partition([nn.Linear(D_IN, D_IN), make(), nn.Linear(D_IN, CLASSES)])[1]
+    x = torch.randn(64, D_IN)
+    (out,) = stage.forward((x,), batch=0)
+    torch.randn(100)  # (other work between the forward and its backward)
+    _, (dx,) = stage.backward((out,), (torch.ones_like(out),), batch=0)
+    assert torch.equal(dx, (out != 0).float() * 2)  # the VJP of the forward's own mask (p = 0.5)
+    assert 0 < (out == 0).sum() < out.numel()
