@@ -22,11 +22,14 @@ DEFAULT_OUT = "revkernels-bench"  # results folder of `python -m revkernels.benc
 
 def check_device(parser, device, flag="--device"):
     """`device` as a torch.device; an argparse error (exit status 2) naming `flag` for a string
-    that is no device or a CUDA device without CUDA."""
+    that is no device, a device the benchmarks do not run on (meta, mps, xpu, ...: meta tensors
+    compute nothing, and their timings would be written as results) or a CUDA device without CUDA."""
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError):
         parser.error(f"{flag} {device!r}: not a device (cpu, cuda, cuda:1, ...)")
+    if parsed.type not in ("cpu", "cuda"):
+        parser.error(f"{flag} {device}: the benchmarks run on cpu or cuda, got a {parsed.type} device")
     if parsed.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"{flag} {device}: CUDA is not available")
     return parsed

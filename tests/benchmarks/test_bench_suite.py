@@ -56,6 +56,7 @@ for _part in ("kernels", "memory", "overhead", "petra", "train"):
 
 BAD_DEVICE_OR_OUT = [(["--device", "foo"], "--device 'foo': not a device"),
                      (["--device", "cuda"], "--device cuda: CUDA is not available"),
+                     (["--device", "meta"], "--device meta: the benchmarks run on cpu or cuda"),  # (timed no compute)
                      (["--out", "FILE"], "exists and is not a folder")]
 
 
