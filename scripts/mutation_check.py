@@ -587,6 +587,9 @@ mutation("petra_stage_itself_random_not_seen", PART,  # a dropout stage's backwa
 mutation("bench_takes_any_device", "revkernels/bench/report.py",  # --device meta wrote meta timings as results
          '    if parsed.type not in ("cpu", "cuda"):', "    if False:",
          "tests/benchmarks/test_bench_suite.py -k refuses_a_bad_device")
+mutation("petra_baseline_checkpoint_drops_the_generators", SIM,  # resumed baselines drew other masks
+         '"global_rng": _global_rng() if self.method in BASELINES else None', '"global_rng": None',
+         "tests/petra/test_stage_randomness.py -k baselines")
 mutation("budget_trace_no_warning_without_a_plan", BUDGET,
          ' and traced_plan(seq, x1, x2, context) is None:', ' and False:', T_BUDGET + " -k without_a_plan")
 mutation("reference_vjp_skips_g_path", "revkernels/reference.py", "            dy1 = dy1 + _grad_of(y1)\n",

@@ -57,7 +57,9 @@ Checkpoints. `state_dict()` holds everything a run needs to continue bit for bit
 states, every optimizer's state (momentum), step counters and partially accumulated ``.grad``, the
 in-flight pipeline (messages between workers, labels not yet used, every stage's FIFO with its
 parameter copies), the analysis inputs and records, tick and batch counters, and which batch each of
-the last 2R ticks fed (``fed``; what the distributed runtime needs to know which messages arrive).
+the last 2R ticks fed (``fed``; what the distributed runtime needs to know which messages arrive),
+and for the baselines (backprop, revbackprop), whose stages draw from the global generators, those
+generators' states (loaded back by `load_state_dict`).
 `load_state_dict` into a `Trainer` built with the same model and arguments. (``events``/``schedule``
 restart empty.) A pipelined tick (petra, delayed) that raises (a label out of the head's range, a
 BatchNorm stage given one value per channel) has run part of its workers' steps: the trainer then
@@ -93,6 +95,12 @@ from revkernels.nn.reversible import ReversibleSequential
 from revkernels.petra.partition import check_constant_context, check_stage_budget, count_sizes, partition, plan_memory
 
 METHODS = ("petra", "delayed", "backprop", "revbackprop")
+BASELINES = ("backprop", "revbackprop")  # (whole-network steps: their stages draw from the global generators)
+
+
+def _global_rng():
+    """(the CPU generator's state, the CUDA generators' states where CUDA is initialized)."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
 PIPELINED = ("petra", "delayed")  # the methods that run the tick-by-tick pipeline (workers, groups)
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 
@@ -618,7 +626,7 @@ class Trainer:
                  "fwd_msgs": self._fwd_msgs, "bwd_msgs": self._bwd_msgs, "labels": self._labels,
                  "contexts": self._contexts, "inputs": self._inputs, "analysis": self.analysis, "fed": self._fed,
                  "exact": self.exact, "exact_bits": self.exact_bits, "kept": kept_stages(self.stages),
-                 "memory_budget": self.memory_budget}
+                 "memory_budget": self.memory_budget, "global_rng": _global_rng() if self.method in BASELINES else None}
         return copy.deepcopy(state)
 
     def load_state_dict(self, state):
@@ -644,6 +652,11 @@ class Trainer:
         self._contexts = state.get("contexts", {})
         self._inputs = {b: (x, y, *rest) if rest else (x, y, {}) for b, (x, y, *rest) in self._inputs.items()}
         self._fed = state.get("fed", {})
+        if state.get("global_rng") is not None:
+            cpu, cuda = state["global_rng"]
+            torch.set_rng_state(cpu)
+            if cuda:
+                torch.cuda.set_rng_state_all(cuda)
         self._failed_tick = None
 
     def _check_usable(self):

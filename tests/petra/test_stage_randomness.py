@@ -191,3 +191,27 @@ def test_a_stage_that_is_itself_a_random_layer_replays_its_draws(make):
     _, (dx,) = stage.backward((out,), (torch.ones_like(out),), batch=0)
     assert torch.equal(dx, (out != 0).float() * 2)  # the VJP of the forward's own mask (p = 0.5)
     assert 0 < (out == 0).sum() < out.numel()
+
+
+@pytest.mark.parametrize("method", ["backprop", "revbackprop"])
+def test_a_baselines_checkpoint_resumes_its_draws_bit_for_bit(method):
+    # (the baselines draw from the global generator, which state_dict left out: the resumed run
+    # drew other dropout masks than the uninterrupted one)
+    def model():
+        torch.manual_seed(0)
+        return [nn.Flatten(), nn.Linear(D_IN, 16), nn.Sequential(nn.Dropout(0.5)), nn.Linear(16, CLASSES)]
+
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, D_IN, generator=g), torch.randint(0, CLASSES, (4,), generator=g)) for _ in range(6)]
+    torch.manual_seed(123)
+    whole = Trainer(model(), method=method)
+    expected = [whole.train_step(x, y)["loss"] for x, y in data]
+    torch.manual_seed(123)
+    first = Trainer(model(), method=method)
+    got = [first.train_step(x, y)["loss"] for x, y in data[:3]]
+    state = first.state_dict()
+    torch.manual_seed(7)  # (a new process: its own generator state until the checkpoint is loaded)
+    resumed = Trainer(model(), method=method)
+    resumed.load_state_dict(state)
+    got += [resumed.train_step(x, y)["loss"] for x, y in data[3:]]
+    assert got == expected
