@@ -716,8 +716,8 @@ def input_specs(stages, example, context=None):
     """Per stage, ``[(shape, dtype, grad dtype)]`` of its input as the pipeline hands it (int64 for
     the fixed-point streams after an exact stage, whose grads are in the receiving stage's float
     dtype), from forwards of copies of the stages on the meta device (`meta_copy`: no real compute
-    nor memory; the last listed stage's forward does not run). `example`: the first stage's input (a tensor or a
-    tuple; only its shapes and dtypes are read); `context`: a batch's keywords."""
+    nor memory; the last listed stage's forward does not run). `example`: the first stage's input
+    (a tensor or a tuple; only its shapes and dtypes are read); `context`: a batch's keywords."""
     x = tuple(torch.empty(t.shape, dtype=t.dtype, device="meta") for t in _as_tuple(example, "example"))
     context = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in (context or {}).items()}
     specs = []

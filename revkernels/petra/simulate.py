@@ -95,14 +95,14 @@ from revkernels.nn.reversible import ReversibleSequential
 from revkernels.petra.partition import check_constant_context, check_stage_budget, count_sizes, partition, plan_memory
 
 METHODS = ("petra", "delayed", "backprop", "revbackprop")
-BASELINES = ("backprop", "revbackprop")  # (whole-network steps: their stages draw from the global generators)
+PIPELINED = ("petra", "delayed")  # the methods that run the tick-by-tick pipeline (workers, groups)
+BASELINES = ("backprop", "revbackprop")  # whole-network steps: their stages draw from the global generators
+_NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 
 
 def _global_rng():
     """(the CPU generator's state, the CUDA generators' states where CUDA is initialized)."""
     return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
-PIPELINED = ("petra", "delayed")  # the methods that run the tick-by-tick pipeline (workers, groups)
-_NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 
 
 def param_groups(modules, weight_decay):
