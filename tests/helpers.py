@@ -28,10 +28,10 @@ def assert_close_rel(actual, expected, tol=1e-5, what="tensor"):
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
 
 
-def residual_fn(width, dropout=0.0, drop_path=0.0, norm="layer"):
-    """A shape-preserving residual function: norm -> linear -> GELU -> linear (-> dropout, drop-path)."""
+def residual_fn(width, dropout=0.0, drop_path=0.0, norm="layer", act=nn.GELU):
+    """A shape-preserving residual function: norm -> linear -> `act` -> linear (-> dropout, drop-path)."""
     layers = [nn.LayerNorm(width) if norm == "layer" else nn.BatchNorm1d(width),
-              nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)]
+              nn.Linear(width, 2 * width), act(), nn.Linear(2 * width, width)]
     if dropout:
         layers.append(nn.Dropout(dropout))
     if drop_path:

@@ -321,10 +321,13 @@ def running_stats_layers(module):
     return [module, *layers] if isinstance(module, _NormBase) else layers
 
 
+def _may_draw(m):
+    return isinstance(m, (_DropoutNd, nn.MultiheadAttention)) or hasattr(m, "draws_random")
+
+
 def _stochastic_modules(module):
     # `module` itself is left out: a block's own `draws_random` method calls this function.
-    return [m for m in module.modules() if m is not module
-            and (isinstance(m, (_DropoutNd, nn.MultiheadAttention)) or hasattr(m, "draws_random"))]
+    return [m for m in module.modules() if m is not module and _may_draw(m)]
 
 
 def stochastic_modules(module):
@@ -339,8 +342,7 @@ def draws_random(module, itself=False):
     ``draws_random`` attribute (a bool, or a method taking no argument) says so. Randomness drawn
     any other way (``F.dropout`` with a float attribute in a custom module) is not visible here:
     such a module must declare ``draws_random``."""
-    if itself and (isinstance(module, (_DropoutNd, nn.MultiheadAttention)) or hasattr(module, "draws_random")) \
-            and _module_draws(module):
+    if itself and _may_draw(module) and _module_draws(module):
         return True
     for m in stochastic_modules(module):
         if _module_draws(m):

@@ -494,7 +494,9 @@ def test_a_run_with_a_plan_copies_and_pickles_as_a_run_of_its_own():
     # (copy.deepcopy and pickle of a run with a plan raised TypeError: its plan cache, an LRU, could
     # not be rebuilt; and a copy kept its original's plan number, whose trace ran the original's blocks)
     seq, ref, data, _ = _planned(0.1)
-    pickle.loads(pickle.dumps(seq))
+    loaded = pickle.loads(pickle.dumps(seq))
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(loaded(*data[:2]), seq(*data[:2]), strict=True))
     twin = copy.deepcopy(seq)
     with torch.no_grad():
         for p in twin.parameters():
@@ -614,12 +616,6 @@ def test_a_kept_blocks_own_forward_hooks_fire_once(engine):
     assert calls == [1]
 
 
-def _tanh_block(width=24):
-    def branch():
-        return nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.Tanh(), nn.Linear(2 * width, width))
-    return rk.nn.ReversibleBlock(branch(), branch())
-
-
 def _graph_tensors():
     gc.collect()
     return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
@@ -630,7 +626,8 @@ def test_a_measurement_leaves_nothing_of_its_forward_alive():
     # cannot collect, and every plan (one per new input signature) leaked its measured graph and
     # activations, each holding a reference to every parameter
     torch.manual_seed(0)
-    seq = perturb_parameters(rk.nn.ReversibleSequential(*[_tanh_block() for _ in range(3)], memory_budget=0.5))
+    seq = _seq(depth=3, act=nn.Tanh)
+    seq.memory_budget = 0.5
     before = _graph_tensors()
     for rows in (5, 6):
         x = torch.randn(rows, 24)
@@ -644,11 +641,12 @@ def test_a_measurement_leaves_nothing_of_its_forward_alive():
 def test_a_block_replaced_or_inserted_after_a_step_is_run(change):
     # (the rebuilt prefix's run was cached by its length: it kept running the old blocks)
     torch.manual_seed(0)
-    seq = perturb_parameters(rk.nn.ReversibleSequential(*[_tanh_block() for _ in range(4)], memory_budget=0.5))
+    seq = _seq(depth=4)
+    seq.memory_budget = 0.5
     data = [torch.randn(5, 24) for _ in range(4)]
     assert 0 < seq.memory_plan(*data[:2]).first_kept < 4
     run_grads(seq, seq, *data)  # (one step: the rebuilt prefix's run is made)
-    new = perturb_parameters(_tanh_block())
+    new = _seq(depth=1).blocks[0]
     if change == "replace":
         seq.blocks[0] = new
     else:
